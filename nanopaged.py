@@ -1,0 +1,1023 @@
+"""
+nanopaged: PagedAttention in one file, read top to bottom.
+
+The KV cache of a GPT lives in fixed-size physical blocks; every sequence owns a block
+table that maps its logical blocks to physical ones, like pages in virtual memory.
+Blocks are reference-counted, so sequences can share them, and a write into a shared
+block copies it first (copy-on-write). A continuous-batching scheduler packs as many
+sequences onto the device as the blocks allow and preempts when they run out.
+
+    Kwon et al., "Efficient Memory Management for Large Language Model Serving with
+    PagedAttention", SOSP 2023.  https://arxiv.org/abs/2309.06180
+
+Sections: the model, the block allocator, sequences, the scheduler, sampling, the
+engine, the demo. The attention kernels live in kernel.py. Run `python nanopaged.py`.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from bisect import insort
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernel import paged_attention, paged_attention_torch, store_kv
+
+# -----------------------------------------------------------------------------
+# The model: GPT-2, whose attention reads and writes K/V through block tables
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50257  # GPT-2's BPE vocabulary; 256 for the byte-level demo model
+    max_seq_len: int = 1024  # learned positions make this a hard context limit (HF: n_positions)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    n_kv_head: int | None = None  # fewer K/V heads than query heads is GQA; None means n_head (GPT-2)
+    layer_norm_epsilon: float = 1e-5
+    eos_token_id: int | None = None  # GPT-2's <|endoftext|> is 50256; the byte model has none
+
+    def __post_init__(self):
+        self.n_kv_head = self.n_kv_head or self.n_head
+        if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must divide by n_head ({self.n_head}) "
+                             f"and n_head by n_kv_head ({self.n_kv_head})")
+
+    @property
+    def head_dim(self):
+        return self.n_embd // self.n_head
+
+
+@dataclass
+class Batch:
+    """One engine step, packed: the new tokens of every scheduled sequence, back to back."""
+    input_ids: torch.Tensor       # (T,) int64, T = total new tokens this step
+    positions: torch.Tensor       # (T,) int64, position of each token in its sequence
+    slot_mapping: torch.Tensor    # (T,) int64, physical KV slot each new token is written to
+    block_tables: torch.Tensor    # (S, max_blocks) int32, -1 past each sequence's last block
+    seq_lens: torch.Tensor        # (S,) int32, context length including the new tokens
+    cu_seqlens_q: torch.Tensor    # (S+1,) int32, sequence i's new tokens are [cu[i], cu[i+1])
+    max_q_len: int                # longest run of new tokens, so the kernel needs no host sync
+    logits_indices: torch.Tensor  # (R,) int64, rows whose next-token logits we need
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        self.c_attn = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * config.head_dim)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x, batch=None, kv_cache=None):
+        q, k, v = self.c_attn(x).split([self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
+                                        self.n_kv_head * self.head_dim], dim=-1)
+        if batch is None:
+            # contiguous (B, T, C): training and the reference path, no cache involved
+            B, T, _ = x.shape
+            q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)     # (B, nh, T, hs)
+            k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+            v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+        # paged (T, C): first write the new K/V into their slots, then every new token attends
+        # to its sequence's whole context, gathered block by block through the block table
+        k_cache, v_cache = kv_cache                                          # (num_blocks, block_size, nkv, hs)
+        T = x.shape[0]
+        q = q.view(T, self.n_head, self.head_dim)                            # (T, nh, hs)
+        store_kv(k.view(T, self.n_kv_head, self.head_dim), v.view(T, self.n_kv_head, self.head_dim),
+                 k_cache, v_cache, batch.slot_mapping)
+        attention = paged_attention if q.is_cuda else paged_attention_torch  # the interpreter is too slow to serve
+        y = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
+                      1.0 / math.sqrt(self.head_dim), max_q_len=batch.max_q_len)  # (T, nh, hs)
+        return self.c_proj(y.reshape(T, -1))
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's "gelu_new"
+
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.mlp = MLP(config)
+
+    def forward(self, x, batch=None, kv_cache=None):
+        x = x + self.attn(self.ln_1(x), batch, kv_cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=nn.Embedding(config.max_seq_len, config.n_embd),
+            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)  # GPT-2's initializer_range
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx, batch=None, kv_cache=None):
+        """Contiguous: idx (B, T) -> logits (B, T, V). Paged: idx (T,) packed, batch and
+        kv_cache (2, n_layer, num_blocks, block_size, nkv, hs) given -> logits (R, V) at batch.logits_indices."""
+        pos = torch.arange(idx.shape[-1], device=idx.device) if batch is None else batch.positions
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, batch, None if batch is None else (kv_cache[0, i], kv_cache[1, i]))
+        if batch is not None:
+            x = x[batch.logits_indices]  # the LM head is the widest matmul: run it only where we sample
+        return self.lm_head(self.transformer.ln_f(x))
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=torch.float32):
+        """Load a Hugging Face GPT-2 folder (config.json + model.safetensors or pytorch_model.bin)
+        from disk. Needs no network and no transformers."""
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"no GPT-2 checkpoint at {path!r}: config.json not found")
+        with open(os.path.join(path, "config.json")) as f:
+            hf = json.load(f)
+        if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ValueError(f"{path}: activation_function {hf['activation_function']!r} is not GPT-2's gelu_new")
+        config = GPTConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"], n_layer=hf["n_layer"],
+                           n_head=hf["n_head"], n_embd=hf["n_embd"],
+                           layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+                           eos_token_id=hf.get("eos_token_id"))
+        if os.path.isfile(os.path.join(path, "model.safetensors")):
+            from safetensors.torch import load_file
+            sd = load_file(os.path.join(path, "model.safetensors"))
+        elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+            sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
+        else:
+            raise ValueError(f"{path}: no weights (expected model.safetensors or pytorch_model.bin)")
+        sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
+        model = cls(config)
+        # GPT-2 stores its linear layers as Conv1D, weight (in, out): transpose into nn.Linear's (out, in)
+        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name == "lm_head.weight":
+                    continue  # tied to wte
+                key = name.removeprefix("transformer.")
+                if key not in sd:
+                    raise ValueError(f"{path}: tensor {key!r} is missing from the checkpoint")
+                tensor = sd[key].t() if key.endswith(conv1d) else sd[key]
+                if tensor.shape != param.shape:
+                    raise ValueError(f"{path}: tensor {key!r} has shape {tuple(sd[key].shape)}, "
+                                     f"config.json implies {tuple(param.shape)}")
+                param.copy_(tensor)
+        return model.to(dtype).eval()
+
+# -----------------------------------------------------------------------------
+# The block allocator: physical blocks, ref counts, copy-on-write, prefix caching, swap
+#
+# Like an OS handing out page frames, the allocator owns a fixed pool of num_blocks
+# physical blocks of block_size token slots each. A sequence's block table lists the
+# physical blocks that hold its tokens in order: token t lives in slot t % block_size of
+# block block_table[t // block_size]. Blocks are taken one at a time as a sequence grows,
+# so a sequence wastes at most the unfilled tail of its last block (paper, section 4.2).
+
+
+class OutOfBlocksError(RuntimeError):
+    """More free blocks were asked for than the pool holds; the allocator is left unchanged."""
+
+
+@dataclass
+class PhysicalBlock:
+    block_id: int
+    ref_count: int = 0      # block-table entries that point here; the block is free iff this is 0
+    hash: int | None = None  # prefix-cache key once full and computed; set iff hash_to_block maps it here
+    token_ids: tuple = ()   # the tokens it holds, to confirm a hash hit token by token
+
+
+def chain_hash(prev_hash, token_ids):
+    """Key of a full block: its tokens chained with the key of the block before it, so equal
+    blocks that follow different prefixes get different keys (vLLM's automatic prefix caching)."""
+    return hash((prev_hash, tuple(token_ids)))
+
+
+class BlockAllocator:
+
+    def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True):
+        if block_size < 1 or num_blocks < 1 or num_cpu_blocks < 0:
+            raise ValueError(f"need block_size >= 1 and num_blocks >= 1, got block_size={block_size}, "
+                             f"num_blocks={num_blocks}, num_cpu_blocks={num_cpu_blocks}")
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [PhysicalBlock(i) for i in range(num_blocks)]
+        # Free blocks in eviction order, first out first. A freed block that holds a cached
+        # prefix joins the back, so the least recently used prefix is overwritten first;
+        # one with nothing worth keeping joins the front.
+        self.free_block_ids = OrderedDict.fromkeys(range(num_blocks))
+        self.hash_to_block = {}
+        # The swap space: a second pool in CPU memory with its own ref counts and free list.
+        self.cpu_ref_count = [0] * num_cpu_blocks
+        self.cpu_free_block_ids = deque(range(num_cpu_blocks))
+
+    @property
+    def num_free_blocks(self):
+        return len(self.free_block_ids)
+
+    # -- one physical block at a time ---------------------------------------------------
+
+    def _take(self):
+        if not self.free_block_ids:
+            raise OutOfBlocksError(f"all {self.num_blocks} KV blocks are in use")
+        block = self.blocks[self.free_block_ids.popitem(last=False)[0]]
+        if block.hash is not None:  # evict: its cached prefix is about to be overwritten
+            del self.hash_to_block[block.hash]
+            block.hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block.block_id
+
+    def _share(self, block_id):
+        block = self.blocks[block_id]
+        if block.ref_count == 0:  # a cached free block comes back to life
+            del self.free_block_ids[block_id]
+        block.ref_count += 1
+
+    def _release(self, block_id):
+        block = self.blocks[block_id]
+        if block.ref_count < 1:  # a double free would hand one block to two sequences later
+            raise RuntimeError(f"block {block_id} released more times than it was taken")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free_block_ids[block_id] = None
+            if block.hash is None:
+                self.free_block_ids.move_to_end(block_id, last=False)
+
+    # -- whole sequences ------------------------------------------------------------------
+
+    def _cached_prefix(self, token_ids):
+        """Physical blocks that already hold the longest run of full leading blocks of token_ids."""
+        hits, h = [], None
+        if not self.enable_prefix_caching:
+            return hits
+        # The last token is always computed again, because sampling needs its logits; so its
+        # block is never taken from the cache and never written while shared.
+        for i in range((len(token_ids) - 1) // self.block_size):
+            chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = chain_hash(h, chunk)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:  # never trust a hash alone
+                break
+            hits.append(block_id)
+        return hits
+
+    def num_blocks_to_allocate(self, seq):
+        """Free blocks allocate(seq) would take: cache misses, plus cache hits now sitting in the free list."""
+        hits = self._cached_prefix(seq.token_ids)
+        num_needed = -(-len(seq.token_ids) // self.block_size)
+        return num_needed - len(hits) + sum(self.blocks[b].ref_count == 0 for b in hits)
+
+    def allocate(self, seq):
+        """Give a new (or recomputing) sequence a block table covering all its tokens, reusing
+        cached prefix blocks. Sets seq.num_computed_tokens to the tokens found in the cache."""
+        assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
+        if self.num_blocks_to_allocate(seq) > self.num_free_blocks:
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {self.num_blocks_to_allocate(seq)} blocks, "
+                                   f"{self.num_free_blocks} are free")
+        hits = self._cached_prefix(seq.token_ids)
+        for block_id in hits:  # share before taking, so _take cannot evict a hit
+            self._share(block_id)
+        num_needed = -(-len(seq.token_ids) // self.block_size)
+        seq.block_table = hits + [self._take() for _ in range(num_needed - len(hits))]
+        seq.num_computed_tokens = len(hits) * self.block_size
+
+    def num_blocks_to_append(self, seqs):
+        """Free blocks append_slot needs to give each of seqs a slot for its newest token."""
+        num_new, writers = 0, Counter()
+        for seq in seqs:
+            if len(seq.block_table) * self.block_size < len(seq.token_ids):
+                num_new += 1
+            elif self.blocks[seq.block_table[-1]].ref_count > 1:
+                writers[seq.block_table[-1]] += 1
+        # c writers into a block of count r copy it min(c, r - 1) times: the last owner writes in place
+        return num_new + sum(min(c, self.blocks[b].ref_count - 1) for b, c in writers.items())
+
+    def append_slot(self, seq):
+        """Make room for seq's newest token. Returns the (src, dst) block copy that copy-on-write
+        needs, for the engine to perform on the KV tensors before the step, or None."""
+        if len(seq.block_table) * self.block_size < len(seq.token_ids):  # last block is full
+            seq.block_table.append(self._take())
+            return None
+        last = seq.block_table[-1]
+        if self.blocks[last].ref_count == 1:
+            return None
+        # Copy-on-write: the block is shared (after a fork), so this writer moves to a private
+        # copy and the other owners keep the original (paper, section 4.4).
+        new = self._take()
+        self._release(last)
+        seq.block_table[-1] = new
+        return last, new
+
+    def fork(self, parent, child):
+        """The child shares every block of the parent: parallel samples and beams start this way."""
+        child.block_table = list(parent.block_table)
+        for block_id in child.block_table:
+            self._share(block_id)
+
+    def free(self, seq):
+        """Return every block of a finished, aborted or preempted sequence."""
+        # Tail first: the head of a prompt is the likeliest to be shared, so it is evicted last.
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table = []
+
+    def cache_full_blocks(self, seq):
+        """Publish the blocks that computing seq's tokens has just filled, so later prompts can
+        reuse them. Only computed blocks are published: a hit must never read an unwritten slot."""
+        if not self.enable_prefix_caching:
+            return
+        while len(seq.block_hashes) < seq.num_computed_tokens // self.block_size:
+            i = len(seq.block_hashes)
+            chunk = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = chain_hash(seq.block_hashes[-1] if i else None, chunk)
+            seq.block_hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None and h not in self.hash_to_block:  # a twin computed earlier keeps the key
+                block.hash, block.token_ids = h, chunk
+                self.hash_to_block[h] = block.block_id
+
+    # -- swap: moving whole sequences between the device pool and the CPU pool -------------
+
+    def can_swap_out(self, seqs):
+        return len({b for seq in seqs for b in seq.block_table}) <= len(self.cpu_free_block_ids)
+
+    def can_swap_in(self, seqs):
+        return len({b for seq in seqs for b in seq.block_table}) <= self.num_free_blocks
+
+    def swap_out(self, seqs):
+        """Move seqs' blocks to the CPU pool; returns the (device block, cpu block) copies to perform."""
+        if not self.can_swap_out(seqs):
+            raise OutOfBlocksError("the CPU swap space cannot hold these sequences")
+        return self._move(seqs, self._take_cpu, self._share_cpu, self._release)
+
+    def swap_in(self, seqs):
+        """Bring swapped-out seqs back; returns the (cpu block, device block) copies to perform."""
+        if not self.can_swap_in(seqs):
+            raise OutOfBlocksError("not enough free device blocks to swap these sequences in")
+        return self._move(seqs, self._take, self._share, self._release_cpu)
+
+    def _move(self, seqs, take, share, release):
+        mapping = {}  # a block the sequences share maps to one block on the other side: sharing survives
+        for seq in seqs:
+            for i, src in enumerate(seq.block_table):
+                if src in mapping:
+                    share(mapping[src])
+                else:
+                    mapping[src] = take()
+                release(src)
+                seq.block_table[i] = mapping[src]
+        return list(mapping.items())
+
+    def _take_cpu(self):
+        cpu_block_id = self.cpu_free_block_ids.popleft()
+        self.cpu_ref_count[cpu_block_id] = 1
+        return cpu_block_id
+
+    def _share_cpu(self, cpu_block_id):
+        self.cpu_ref_count[cpu_block_id] += 1
+
+    def _release_cpu(self, cpu_block_id):
+        if self.cpu_ref_count[cpu_block_id] < 1:
+            raise RuntimeError(f"cpu block {cpu_block_id} released more times than it was taken")
+        self.cpu_ref_count[cpu_block_id] -= 1
+        if self.cpu_ref_count[cpu_block_id] == 0:
+            self.cpu_free_block_ids.append(cpu_block_id)
+
+    def free_cpu(self, seq):
+        """Return the CPU blocks of a swapped-out sequence (when it is aborted)."""
+        for cpu_block_id in seq.block_table:
+            self._release_cpu(cpu_block_id)
+        seq.block_table = []
+
+
+# -----------------------------------------------------------------------------
+# Sequences: what a request asks for, and the token streams that serve it
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 is greedy
+    top_k: int = 0  # keep the k likeliest tokens; 0 keeps all
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+    seed: int | None = None  # sample i of a request draws from its own generator seeded seed + i
+    n: int = 1  # parallel samples of one prompt, sharing its blocks
+    beam_width: int | None = None  # beam search with this many beams; temperature, top_k, top_p unused
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # keep going past the model's end-of-text token
+
+    def __post_init__(self):
+        checks = [("max_tokens", self.max_tokens >= 1, ">= 1"), ("temperature", self.temperature >= 0, ">= 0"),
+                  ("top_k", self.top_k >= 0, ">= 0 (0 disables it)"), ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+                  ("n", self.n >= 1, ">= 1"), ("beam_width", self.beam_width is None or self.beam_width >= 1, ">= 1")]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} must be {allowed}, got {getattr(self, name)!r}")
+        if self.n > 1 and self.beam_width is not None:
+            raise ValueError("SamplingParams: choose n > 1 (parallel sampling) or beam_width (beam search), not both")
+
+    @property
+    def num_seqs(self):
+        """How many sequences this request can run at once."""
+        return self.beam_width or self.n
+
+
+class Sequence:
+    """One token stream: a prompt and what has been generated after it, with its block table."""
+
+    def __init__(self, seq_id, token_ids, num_prompt_tokens, index=0):
+        self.seq_id, self.index = seq_id, index  # index: which sample of its request this is
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache; the rest are computed next
+        self.block_table = []  # physical block ids; device blocks, or CPU blocks while swapped out
+        self.block_hashes = []  # prefix-cache keys of its full computed blocks
+        self.cumulative_logprob = 0.0
+        self.logits = None  # next-token logits once every token is computed, until sampled
+        self.generator = None  # per-sample torch.Generator, so seeded output ignores batch-mates
+        self.finish_reason = None
+
+    def __len__(self):
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self):
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def fork(self, seq_id, index):
+        """A copy that shares everything generated so far; the allocator shares its blocks."""
+        child = Sequence(seq_id, self.token_ids, self.num_prompt_tokens, index)
+        child.num_computed_tokens, child.block_hashes = self.num_computed_tokens, list(self.block_hashes)
+        child.cumulative_logprob, child.logits = self.cumulative_logprob, self.logits
+        return child
+
+
+class SequenceGroup:
+    """The sequences of one request, scheduled and preempted together: one while the prompt is
+    prefilled, then n parallel samples or beam_width beams (vLLM's sequence group)."""
+
+    def __init__(self, request_id, prompt_token_ids, params, seq):
+        self.request_id, self.params = request_id, params
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.seqs = [seq]  # the live ones
+        self.finished = []  # finished samples, or finished beam hypotheses (token_ids, logprob, reason)
+        self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
+        self.num_preemptions = 0
+
+    @property
+    def is_finished(self):
+        return not self.seqs
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    finish_reason: str  # "length" or "stop"
+    cumulative_logprob: float
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]  # n samples in order, or the beams best first
+    time_to_first_token: float  # seconds from add_request to the first sampled token
+    latency: float  # seconds from add_request to the last
+    num_preemptions: int
+
+# -----------------------------------------------------------------------------
+# The scheduler: first-come-first-served continuous batching, one step at a time
+#
+# Every step re-decides which sequences run (Orca's iteration-level scheduling): finished
+# requests leave at once and waiting ones take their blocks. A step is a token budget shared
+# by decodes (one token per sequence) and prefill chunks (many tokens of one prompt), so a
+# long prompt is prefilled over several steps without stalling running decodes. When a
+# decode finds no free block, the youngest running request is preempted (paper, section 4.5).
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list = field(default_factory=list)  # (seq, num_new_tokens) in batch order
+    blocks_to_swap_out: list = field(default_factory=list)  # (device block, cpu block)
+    blocks_to_swap_in: list = field(default_factory=list)  # (cpu block, device block)
+    blocks_to_copy: list = field(default_factory=list)  # (src, dst) device blocks, copy-on-write
+    preempted: list = field(default_factory=list)  # groups preempted this step
+    num_batched_tokens: int = 0
+
+
+class Scheduler:
+
+    def __init__(self, allocator, max_num_seqs, max_num_batched_tokens, preemption_mode="recompute",
+                 watermark=0.01):
+        self.allocator = allocator
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.preemption_mode = preemption_mode
+        # Admission keeps a few blocks spare, so a request just let in is not preempted by the
+        # next decode step (vLLM's watermark, 1% of the pool).
+        self.watermark_blocks = max(1, round(watermark * allocator.num_blocks))
+        # Each queue is ordered by arrival, oldest first (request ids count arrivals).
+        self.waiting = deque()  # new, or preempted by recompute and waiting to prefill again
+        self.running = []  # holding device blocks
+        self.swapped = []  # preempted by swap, blocks in the CPU pool
+        self.num_preemptions = 0
+
+    def add(self, group):
+        self.waiting.append(group)
+
+    def has_unfinished(self):
+        return bool(self.waiting or self.running or self.swapped)
+
+    def schedule(self):
+        out = SchedulerOutput()
+        # 1. Decodes of running groups, oldest first. A group whose next tokens need blocks
+        #    that are not free preempts the youngest running group, possibly itself.
+        i = 0
+        while i < len(self.running):
+            group = self.running[i]
+            if not self._is_decoding(group) or out.num_batched_tokens + len(group.seqs) > self.max_num_batched_tokens:
+                i += 1
+                continue
+            while self.allocator.num_blocks_to_append(group.seqs) > self.allocator.num_free_blocks:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is group:
+                    break
+            else:
+                self._append_slots(group, out)
+                i += 1
+        # 2. Swapped-out groups come back, oldest first, unless this step had to preempt.
+        while self.swapped and not out.preempted:
+            group = self.swapped[0]
+            need = len({b for seq in group.seqs for b in seq.block_table}) + len(group.seqs)  # + one per next token
+            if not self._fits(group, need) or out.num_batched_tokens + len(group.seqs) > self.max_num_batched_tokens:
+                if not self.running:  # nothing will free blocks for it: recompute instead of waiting forever
+                    self.swapped.pop(0)
+                    self._recompute(group)
+                break
+            self.swapped.pop(0)
+            out.blocks_to_swap_in += self.allocator.swap_in(group.seqs)
+            insort(self.running, group, key=lambda g: g.request_id)
+            if self._is_decoding(group):
+                self._append_slots(group, out)
+        # 3. Prefill chunks of running groups, oldest first, then 4. admit waiting groups while
+        #    blocks, sequence slots and token budget allow; none while any group is swapped out.
+        for group in self.running:
+            if not self._is_decoding(group):
+                self._schedule_prefill(group, out)
+        while self.waiting and not self.swapped and out.num_batched_tokens < self.max_num_batched_tokens:
+            group = self.waiting[0]
+            need = sum(self.allocator.num_blocks_to_allocate(seq) for seq in group.seqs)
+            num_seqs = sum(g.params.num_seqs for g in self.running)
+            if not self._fits(group, need) or num_seqs + group.params.num_seqs > self.max_num_seqs:
+                break  # strict FCFS: nobody overtakes the oldest waiting request
+            self.waiting.popleft()
+            for seq in group.seqs:
+                self.allocator.allocate(seq)
+            insort(self.running, group, key=lambda g: g.request_id)
+            self._schedule_prefill(group, out)
+        return out
+
+    def _fits(self, group, num_blocks):
+        # Alone on the device, a group needs no watermark: there is nobody left to preempt.
+        spare = self.watermark_blocks if self.running else 0
+        return num_blocks + spare <= self.allocator.num_free_blocks
+
+    @staticmethod
+    def _is_decoding(group):
+        return all(len(seq) - seq.num_computed_tokens == 1 for seq in group.seqs)
+
+    def _append_slots(self, group, out):
+        for seq in group.seqs:
+            copy = self.allocator.append_slot(seq)
+            if copy:
+                out.blocks_to_copy.append(copy)
+            out.scheduled.append((seq, 1))
+        out.num_batched_tokens += len(group.seqs)
+
+    def _schedule_prefill(self, group, out):
+        for seq in group.seqs:
+            num_new = min(len(seq) - seq.num_computed_tokens, self.max_num_batched_tokens - out.num_batched_tokens)
+            if num_new > 0:
+                out.scheduled.append((seq, num_new))
+                out.num_batched_tokens += num_new
+
+    def _preempt(self, group, out):
+        self.num_preemptions += 1
+        group.num_preemptions += 1
+        out.preempted.append(group)
+        if self.preemption_mode == "swap" and self.allocator.can_swap_out(group.seqs):
+            out.blocks_to_swap_out += self.allocator.swap_out(group.seqs)
+            insort(self.swapped, group, key=lambda g: g.request_id)
+        else:  # recompute, also the fallback when the swap space is full
+            for seq in group.seqs:
+                self.allocator.free(seq)
+            self._recompute(group)
+
+    def _recompute(self, group):
+        for seq in group.seqs:
+            if seq.block_table:  # still in the CPU pool
+                self.allocator.free_cpu(seq)
+            seq.num_computed_tokens, seq.logits = 0, None
+        # To the front: a preempted group arrived before everything still waiting, because
+        # admission is FCFS, so the waiting queue stays in arrival order.
+        self.waiting.appendleft(group)
+
+    def abort(self, group):
+        """Drop a group wherever it is and return all its blocks."""
+        if group in self.swapped:
+            self.swapped.remove(group)
+            for seq in group.seqs:
+                self.allocator.free_cpu(seq)
+        else:
+            if group in self.running:
+                self.running.remove(group)
+            else:
+                self.waiting.remove(group)
+            for seq in group.seqs:
+                self.allocator.free(seq)
+        group.seqs = []
+
+    def remove_finished(self):
+        self.running = [g for g in self.running if not g.is_finished]
+
+# -----------------------------------------------------------------------------
+# Sampling
+
+
+def sample(logits, temperatures, top_ks, top_ps, generators):
+    """Next token per row of logits (S, V). Greedy rows (temperature 0) take the argmax; the
+    others draw with their own generator, so a seeded sample does not depend on its batch-mates."""
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, t in enumerate(temperatures) if t > 0]
+    if not rows:
+        return tokens
+    V = logits.shape[-1]
+    scaled = logits[rows].float() / torch.tensor([temperatures[i] for i in rows], device=logits.device)[:, None]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)                  # (R, V)
+    probs = sorted_logits.softmax(dim=-1)
+    top_k = torch.tensor([top_ks[i] or V for i in rows], device=logits.device)
+    top_p = torch.tensor([top_ps[i] for i in rows], device=logits.device)
+    keep = torch.arange(V, device=logits.device)[None, :] < top_k[:, None]    # top-k: the k likeliest
+    keep &= probs.cumsum(dim=-1) - probs < top_p[:, None]                       # top-p: until the mass reaches p
+    # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i,
+    # and the draw comes from the row's own generator.
+    noise = torch.stack([torch.empty(V).exponential_(generator=generators[i]) for i in rows]).to(logits.device)
+    choice = (probs * keep / noise).argmax(dim=-1)                               # (R,)
+    tokens[rows] = order.gather(-1, choice[:, None]).squeeze(-1)
+    return tokens
+
+
+# -----------------------------------------------------------------------------
+# The engine: schedule, copy blocks, run one packed batch, sample, repeat
+
+
+class Engine:
+
+    def __init__(self, model, block_size=16, num_blocks=None, kv_cache_bytes=None, num_cpu_blocks=None,
+                 preemption_mode="recompute", enable_prefix_caching=True, max_num_seqs=256,
+                 max_num_batched_tokens=2048, device=None):
+        for name, value in [("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens)]:
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"Engine: {name} must be an integer >= 1, got {value!r}")
+        if preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"Engine: preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("Engine: device='cuda' but no CUDA GPU is available; use device='cpu'")
+        config, dtype = model.config, next(model.parameters()).dtype
+        if not dtype.is_floating_point:
+            raise ValueError(f"Engine: the model's dtype {dtype} is not a floating-point type")
+        self.model, self.config, self.device = model.to(device).eval(), config, device
+        self.block_size = block_size
+
+        # KV cache: one tensor, so a block copy (copy-on-write, swap) is one indexing op for all layers.
+        block_shape = (block_size, config.n_kv_head, config.head_dim)
+        bytes_per_block = 2 * config.n_layer * math.prod(block_shape) * dtype.itemsize
+        if num_blocks is None:
+            if kv_cache_bytes is None:  # vLLM sizes the cache from free memory; we take 90% of it on a GPU
+                kv_cache_bytes = int(0.9 * torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else 1 << 30
+                kv_cache_bytes = min(kv_cache_bytes, bytes_per_block * max_num_seqs * -(-config.max_seq_len // block_size))
+            num_blocks = kv_cache_bytes // bytes_per_block
+            if num_blocks < 1:
+                raise ValueError(f"Engine: kv_cache_bytes={kv_cache_bytes} is smaller than one KV block "
+                                 f"({bytes_per_block} bytes at block_size={block_size})")
+        elif not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"Engine: num_blocks must be an integer >= 1, got {num_blocks!r}")
+        if num_cpu_blocks is None:
+            num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
+        self.kv_cache = torch.zeros(2, config.n_layer, num_blocks, *block_shape, dtype=dtype, device=device)
+        self.cpu_kv_cache = torch.zeros(2, config.n_layer, num_cpu_blocks, *block_shape, dtype=dtype,
+                                        pin_memory=device.type == "cuda")
+        self.allocator = BlockAllocator(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
+        self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, preemption_mode)
+        self.requests = {}  # request_id -> SequenceGroup, until it finishes or is aborted
+        self._next_request_id = self._next_seq_id = 0
+        self.num_generated_tokens = 0
+
+    # -- requests -----------------------------------------------------------------------
+
+    def check_request(self, prompt_token_ids, params):
+        """Raise ValueError saying what is wrong with a request, before it takes any block."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if len(prompt_token_ids) == 0:
+            raise ValueError("the prompt is empty: give at least one token id")
+        for i, t in enumerate(prompt_token_ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.config.vocab_size:
+                raise ValueError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {self.config.vocab_size})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if total > self.config.max_seq_len:
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds the model's max_seq_len ({self.config.max_seq_len})")
+        if params.num_seqs > self.scheduler.max_num_seqs:
+            raise ValueError(f"n/beam_width ({params.num_seqs}) exceeds max_num_seqs ({self.scheduler.max_num_seqs})")
+        # Worst case: every sample ends up with private blocks for all its tokens.
+        worst = params.num_seqs * -(-total // self.block_size)
+        if worst > self.allocator.num_blocks:
+            raise ValueError(f"the request may need {worst} KV blocks ({params.num_seqs} x {total} tokens at "
+                             f"block_size {self.block_size}) but the pool has {self.allocator.num_blocks}: "
+                             f"it could never run; use more num_blocks or shorter requests")
+
+    def add_request(self, prompt_token_ids, params=None):
+        """Queue a request; returns its id. step() advances it, abort() drops it."""
+        params = params if params is not None else SamplingParams()
+        prompt_token_ids = [t.item() if isinstance(t, torch.Tensor) else t for t in prompt_token_ids]
+        self.check_request(prompt_token_ids, params)
+        request_id, self._next_request_id = self._next_request_id, self._next_request_id + 1
+        seq = Sequence(self._new_seq_id(), prompt_token_ids, len(prompt_token_ids))
+        seq.request_id = request_id
+        group = SequenceGroup(request_id, prompt_token_ids, params, seq)
+        if params.beam_width is None and params.temperature > 0:
+            # sample i draws from seed + i; without a seed, from a base drawn from torch's global RNG
+            group.seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
+            seq.generator = torch.Generator().manual_seed(group.seed)
+        self.requests[request_id] = group
+        self.scheduler.add(group)
+        return request_id
+
+    def abort(self, request_id):
+        """Stop a request wherever it is (waiting, running, swapped, mid-prefill); frees its blocks."""
+        group = self.requests.pop(request_id, None)
+        if group is None:
+            raise ValueError(f"no unfinished request with id {request_id}")
+        self.scheduler.abort(group)
+
+    def _new_seq_id(self):
+        self._next_seq_id += 1
+        return self._next_seq_id - 1
+
+    def _fork(self, seq, index=0):
+        child = seq.fork(self._new_seq_id(), index)
+        child.request_id = seq.request_id
+        self.allocator.fork(seq, child)
+        return child
+
+    # -- one step -----------------------------------------------------------------------
+
+    def step(self):
+        """Run one scheduling step; returns the RequestOutputs of requests that finished in it."""
+        out = self.scheduler.schedule()
+        self._copy_blocks(out)
+        if not out.scheduled:
+            return []
+        batch = self._prepare(out.scheduled)
+        with torch.inference_mode():
+            logits = self.model(batch.input_ids, batch, self.kv_cache)  # (R, V)
+        return self._postprocess(out.scheduled, logits)
+
+    def _copy_blocks(self, out):
+        # Order matters: blocks swapped out may be handed to others this very step, and
+        # copy-on-write may copy a block that was just swapped in.
+        if out.blocks_to_swap_out:
+            src, dst = zip(*out.blocks_to_swap_out)
+            self.cpu_kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)].cpu()
+        if out.blocks_to_swap_in:
+            src, dst = zip(*out.blocks_to_swap_in)
+            self.kv_cache[:, :, list(dst)] = self.cpu_kv_cache[:, :, list(src)].to(self.device)
+        if out.blocks_to_copy:  # copy-on-write, every block of the step in one batched copy
+            src, dst = zip(*out.blocks_to_copy)
+            self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
+
+    def _prepare(self, scheduled):
+        """Pack the scheduled tokens of all sequences into one varlen batch."""
+        bs = self.block_size
+        input_ids, positions, slot_mapping, seq_lens, cu_seqlens_q, logits_indices = [], [], [], [], [0], []
+        for seq, num_new in scheduled:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+            seq_lens.append(end)
+            cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
+            if end == len(seq):  # its last token is in: we need the logits that follow it
+                logits_indices.append(cu_seqlens_q[-1] - 1)
+        max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
+        block_tables = [seq.block_table + [-1] * (max_blocks - len(seq.block_table)) for seq, _ in scheduled]
+
+        def tensor(x, dtype=torch.int64):
+            return torch.tensor(x, dtype=dtype, device=self.device)
+        return Batch(tensor(input_ids), tensor(positions), tensor(slot_mapping),
+                     tensor(block_tables, torch.int32), tensor(seq_lens, torch.int32),
+                     tensor(cu_seqlens_q, torch.int32), max(n for _, n in scheduled), tensor(logits_indices))
+
+    def _postprocess(self, scheduled, logits):
+        ready, row = {}, 0
+        for seq, num_new in scheduled:
+            seq.num_computed_tokens += num_new
+            self.allocator.cache_full_blocks(seq)
+            if seq.num_computed_tokens == len(seq):
+                seq.logits, row = logits[row], row + 1
+                ready[seq.request_id] = self.requests[seq.request_id]
+        # A group moves on once every live sequence has its next-token logits (a recomputed
+        # group may finish prefilling its sequences in different steps).
+        ready = [g for g in ready.values() if all(seq.logits is not None for seq in g.seqs)]
+        to_sample = []
+        for group in ready:
+            if group.first_token_time is None:
+                group.first_token_time = time.perf_counter()
+            if group.params.beam_width is not None:
+                self._beam_search_step(group)
+                continue
+            if group.params.n > 1 and len(group.seqs) == 1 and not group.seqs[0].output_token_ids:
+                self._fork_samples(group)
+            to_sample += [(group, seq) for seq in group.seqs]
+        if to_sample:
+            params = [g.params for g, _ in to_sample]
+            logits = torch.stack([seq.logits for _, seq in to_sample])                  # (S, V)
+            tokens = sample(logits, [p.temperature for p in params], [p.top_k for p in params],
+                            [p.top_p for p in params], [seq.generator for _, seq in to_sample])
+            logprobs = logits.float().log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+            for (group, seq), token, logprob in zip(to_sample, tokens.tolist(), logprobs.tolist()):
+                seq.token_ids.append(token)
+                seq.cumulative_logprob += logprob
+                seq.logits = None
+                reason = self._stop_reason(seq, group.params)
+                if reason:
+                    seq.finish_reason = reason
+                    self.allocator.free(seq)
+                    group.seqs.remove(seq)
+                    group.finished.append(seq)
+            self.num_generated_tokens += len(to_sample)
+        self.scheduler.remove_finished()
+        return [self._output(g) for g in ready if g.is_finished]
+
+    def _stop_reason(self, seq, params):
+        token = seq.token_ids[-1]
+        if token in params.stop_token_ids or (token == self.config.eos_token_id and not params.ignore_eos):
+            return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens:
+            return "length"
+        return None
+
+    def _fork_samples(self, group):
+        """Parallel sampling: the prompt was prefilled once; n - 1 forks share all its blocks,
+        and the shared partial last block is copied on the first write."""
+        parent = group.seqs[0]
+        for i in range(1, group.params.n):
+            child = self._fork(parent, index=i)
+            if parent.generator is not None:
+                child.generator = torch.Generator().manual_seed(group.seed + i)
+            group.seqs.append(child)
+
+    def _beam_search_step(self, group):
+        """Keep the beam_width best one-token extensions of the live beams, by cumulative
+        log-probability. A beam chosen twice forks, so both continuations share its blocks;
+        a beam not chosen is freed, and what it shared lives on in the survivors."""
+        params, width, beams = group.params, group.params.beam_width, group.seqs
+        logprobs = torch.stack([seq.logits for seq in beams]).double().log_softmax(-1)  # (k, V)
+        scores = logprobs + torch.tensor([seq.cumulative_logprob for seq in beams], dtype=torch.float64,
+                                         device=logprobs.device)[:, None]
+        V = scores.shape[1]
+        # Enough candidates that width of them survive even if the best ones all end in a stop token.
+        num_candidates = min(scores.numel(), width * (2 + len(params.stop_token_ids)))
+        top = scores.flatten().topk(num_candidates)
+        picks = []  # (parent, token, score), best first; ties go to the earlier beam, then the smaller token
+        for score, flat in sorted(zip(top.values.tolist(), top.indices.tolist()), key=lambda c: (-c[0], c[1])):
+            parent, token = divmod(flat, V)
+            hypothesis = beams[parent].output_token_ids + [token]
+            if token in params.stop_token_ids or (token == self.config.eos_token_id and not params.ignore_eos):
+                group.finished.append((hypothesis, score, "stop"))
+            else:
+                picks.append((parent, token, score))
+            if len(picks) == width:
+                break
+        survivors, chosen = [], set()
+        for parent, token, score in picks:
+            seq = self._fork(beams[parent]) if parent in chosen else beams[parent]
+            chosen.add(parent)
+            survivors.append((seq, token, score))
+        for i, seq in enumerate(beams):
+            if i not in chosen:
+                self.allocator.free(seq)
+        group.seqs = []
+        for seq, token, score in survivors:
+            seq.token_ids.append(token)
+            seq.cumulative_logprob, seq.logits = score, None
+            group.seqs.append(seq)
+        out_of_tokens = len(group.seqs[0].output_token_ids) >= params.max_tokens
+        if out_of_tokens or len(group.finished) >= width:  # done: width finished hypotheses, or no more room
+            for seq in group.seqs:
+                if out_of_tokens:
+                    group.finished.append((seq.output_token_ids, seq.cumulative_logprob, "length"))
+                self.allocator.free(seq)
+            group.seqs = []
+        self.num_generated_tokens += len(survivors)
+
+    def _output(self, group):
+        self.requests.pop(group.request_id)
+        group.finish_time = time.perf_counter()
+        if group.params.beam_width is not None:
+            # rank by length-normalised log-probability, so short hypotheses are not favoured
+            best = sorted(group.finished, key=lambda h: -h[1] / len(h[0]))[:group.params.beam_width]
+            outputs = [CompletionOutput(i, tokens, reason, logprob) for i, (tokens, logprob, reason) in enumerate(best)]
+        else:
+            outputs = [CompletionOutput(seq.index, seq.output_token_ids, seq.finish_reason, seq.cumulative_logprob)
+                       for seq in sorted(group.finished, key=lambda s: s.index)]
+        return RequestOutput(group.request_id, group.prompt_token_ids, outputs,
+                             group.first_token_time - group.arrival_time, group.finish_time - group.arrival_time,
+                             group.num_preemptions)
+
+    # -- the whole loop -----------------------------------------------------------------
+
+    def generate(self, prompts, params=None, progress=False):
+        """Serve a list of prompts (lists of token ids) to the end; one RequestOutput per prompt,
+        in order. params: one SamplingParams for all, or a list with one per prompt."""
+        params = params if isinstance(params, list) else [params if params is not None else SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        for i, (prompt, p) in enumerate(zip(prompts, params)):  # reject a bad batch whole, before any of it runs
+            try:
+                self.check_request(prompt, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        outputs, start, last_print = {}, time.perf_counter(), 0.0
+        while any(i not in outputs for i in ids):
+            for output in self.step():
+                outputs[output.request_id] = output
+            if progress and (time.perf_counter() - last_print > 0.1 or len(outputs) == len(ids)):
+                last_print = time.perf_counter()
+                print("\r" + self.progress_line(len(outputs), len(ids), last_print - start), end="", file=sys.stderr)
+        if progress:
+            print(file=sys.stderr)
+        return [outputs[i] for i in ids]
+
+    def progress_line(self, done, total, elapsed):
+        s = self.stats()
+        return (f"[{done}/{total} requests] running {s['num_running']} waiting {s['num_waiting']} "
+                f"swapped {s['num_swapped']} preempted {s['num_preemptions']} | "
+                f"{self.num_generated_tokens / max(elapsed, 1e-9):.0f} tok/s | "
+                f"KV blocks {s['num_blocks'] - s['num_free_blocks']}/{s['num_blocks']}")
+
+    def stats(self):
+        a, s, bs = self.allocator, self.scheduler, self.block_size
+        running = [seq for g in s.running for seq in g.seqs]
+        filled = {}  # physical block -> token slots holding computed K/V (a shared block counts once)
+        for seq in running:
+            for i, block_id in enumerate(seq.block_table):
+                filled[block_id] = max(filled.get(block_id, 0), min(bs, seq.num_computed_tokens - i * bs))
+        num_used = a.num_blocks - a.num_free_blocks
+        return dict(
+            num_blocks=a.num_blocks, num_free_blocks=a.num_free_blocks,
+            num_cached_blocks=sum(1 for b in a.free_block_ids if a.blocks[b].hash is not None),
+            num_cpu_blocks=len(a.cpu_ref_count), num_free_cpu_blocks=len(a.cpu_free_block_ids),
+            num_running=len(running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
+            num_preemptions=s.num_preemptions,
+            kv_utilization=sum(filled.values()) / (num_used * bs) if num_used else 0.0,
+            num_logical_blocks=sum(len(seq.block_table) for seq in running),  # minus used: blocks saved by sharing
+            num_generated_tokens=self.num_generated_tokens,
+        )
