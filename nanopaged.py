@@ -166,12 +166,16 @@ class GPT(nn.Module):
             raise ValueError(f"no GPT-2 checkpoint at {path!r}: config.json not found")
         with open(os.path.join(path, "config.json")) as f:
             hf = json.load(f)
-        if hf.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise ValueError(f"{path}: activation_function {hf['activation_function']!r} is not GPT-2's gelu_new")
+        variant = {"activation_function": hf.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
+                   "n_inner": hf.get("n_inner") in (None, 4 * hf["n_embd"]),
+                   "scale_attn_by_inverse_layer_idx": not hf.get("scale_attn_by_inverse_layer_idx", False)}
+        for key, supported in variant.items():
+            if not supported:
+                raise ValueError(f"{path}: config.json sets {key}={hf[key]!r}, a GPT-2 variant this model does not implement")
         config = GPTConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"], n_layer=hf["n_layer"],
                            n_head=hf["n_head"], n_embd=hf["n_embd"],
                            layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-                           eos_token_id=hf.get("eos_token_id"))
+                           eos_token_id=hf.get("eos_token_id") if hf.get("eos_token_id", -1) in range(hf["vocab_size"]) else None)
         if os.path.isfile(os.path.join(path, "model.safetensors")):
             from safetensors.torch import load_file
             sd = load_file(os.path.join(path, "model.safetensors"))
@@ -239,6 +243,7 @@ class BlockAllocator:
         # one with nothing worth keeping joins the front.
         self.free_block_ids = OrderedDict.fromkeys(range(num_blocks))
         self.hash_to_block = {}
+        self.num_queried_tokens = self.num_hit_tokens = 0  # prefix-cache hit rate = hit / queried
         # The swap space: a second pool in CPU memory with its own ref counts and free list.
         self.cpu_ref_count = [0] * num_cpu_blocks
         self.cpu_free_block_ids = deque(range(num_cpu_blocks))
@@ -312,6 +317,8 @@ class BlockAllocator:
         num_needed = -(-len(seq.token_ids) // self.block_size)
         seq.block_table = hits + [self._take() for _ in range(num_needed - len(hits))]
         seq.num_computed_tokens = len(hits) * self.block_size
+        self.num_queried_tokens += len(seq.token_ids)
+        self.num_hit_tokens += seq.num_computed_tokens
 
     def num_blocks_to_append(self, seqs):
         """Free blocks append_slot needs to give each of seqs a slot for its newest token."""
@@ -1020,4 +1027,5 @@ class Engine:
             kv_utilization=sum(filled.values()) / (num_used * bs) if num_used else 0.0,
             num_logical_blocks=sum(len(seq.block_table) for seq in running),  # minus used: blocks saved by sharing
             num_generated_tokens=self.num_generated_tokens,
+            prefix_cache_hit_tokens=a.num_hit_tokens, prefix_cache_queried_tokens=a.num_queried_tokens,
         )

@@ -4,6 +4,7 @@ attention, the model against Hugging Face GPT-2, the engine against naive genera
 bad inputs. Run: python -m pytest -q   (on a CPU the Triton kernels run in the interpreter)
 """
 
+import copy
 import os
 
 import torch
@@ -320,3 +321,340 @@ def test_double_free_raises():
     seq.block_table = table  # a buggy caller frees the same blocks again
     with pytest.raises(RuntimeError, match="released more times than it was taken"):
         a.free(seq)
+
+
+# -----------------------------------------------------------------------------
+# The engine against naive generation
+#
+# Models run in float64 in these tests, so that the paged and the contiguous computations
+# agree to ~1e-15 and an argmax can only flip on an exact tie.
+
+from nanopaged import GPT, Engine, GPTConfig, SamplingParams  # noqa: E402
+
+import nanopaged  # noqa: E402
+
+
+def tiny_model(n_kv_head=None, seed=0, vocab_size=32, max_seq_len=64):
+    torch.manual_seed(seed)
+    config = GPTConfig(n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=32, vocab_size=vocab_size,
+                       max_seq_len=max_seq_len)
+    return GPT(config).double()
+
+
+MODEL = tiny_model()
+
+
+@torch.no_grad()
+def naive_logprobs(model, tokens):
+    """Next-token log-probabilities after tokens: the whole sequence again, contiguous attention."""
+    return model(torch.tensor([tokens]))[0, -1].log_softmax(-1)
+
+
+def naive_greedy(model, prompt, max_tokens, stop_token_ids=()):
+    tokens = list(prompt)
+    for _ in range(max_tokens):
+        tokens.append(int(naive_logprobs(model, tokens).argmax()))
+        if tokens[-1] in stop_token_ids:
+            break
+    return tokens[len(prompt):]
+
+
+def assert_all_blocks_free(engine):
+    s = engine.stats()
+    assert s["num_free_blocks"] == s["num_blocks"] and s["num_free_cpu_blocks"] == s["num_cpu_blocks"]
+    assert s["num_running"] == s["num_waiting"] == s["num_swapped"] == 0 and not engine.requests
+
+
+@st.composite
+def request_mixes(draw):
+    """Prompts (often sharing a prefix), output lengths, and an engine sized from ample to tight."""
+    block_size = draw(st.sampled_from([1, 2, 3, 4, 8, 16]))
+    common = draw(st.lists(st.integers(0, 31), max_size=20))
+    prompts, max_tokens = [], []
+    for _ in range(draw(st.integers(1, 6))):
+        prefix = common[:draw(st.integers(0, len(common)))]
+        prompts.append(prefix + draw(st.lists(st.integers(0, 31), min_size=0 if prefix else 1, max_size=20)))
+        max_tokens.append(draw(st.integers(1, 12)))
+    worst = max(-(-(len(p) + m) // block_size) for p, m in zip(prompts, max_tokens))
+    engine_args = dict(
+        block_size=block_size,
+        num_blocks=worst + draw(st.integers(0, 3 * worst)),  # from "one request at a time" to roomy
+        preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
+        enable_prefix_caching=draw(st.booleans()),
+        max_num_batched_tokens=draw(st.sampled_from([7, 16, 64])),  # small budgets chunk the prefills
+        max_num_seqs=draw(st.integers(1, 8)),
+    )
+    return prompts, max_tokens, engine_args
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(request_mixes())
+def test_greedy_paged_generation_equals_naive_generation(mix):
+    prompts, max_tokens, engine_args = mix
+    engine = Engine(MODEL, **engine_args)
+    params = [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens]
+    outputs = engine.generate(prompts, params)
+    for prompt, m, out in zip(prompts, max_tokens, outputs):
+        assert out.outputs[0].token_ids == naive_greedy(MODEL, prompt, m)
+        assert out.outputs[0].finish_reason == "length"
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_tight_pool_forces_preemption_and_outputs_do_not_change(mode):
+    prompts = [[(7 * i + j) % 32 for j in range(5 + 3 * i)] for i in range(8)]
+    engine = Engine(MODEL, block_size=4, num_blocks=16, preemption_mode=mode)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
+    assert engine.stats()["num_preemptions"] > 0
+    assert any(o.num_preemptions for o in outputs)
+    assert [o.outputs[0].token_ids for o in outputs] == [naive_greedy(MODEL, p, 24) for p in prompts]
+    assert_all_blocks_free(engine)
+
+
+def test_gqa_model_generates_like_naive():
+    model = tiny_model(n_kv_head=2, seed=1)
+    engine = Engine(model, block_size=4, num_blocks=64)
+    prompts = [[1, 2, 3], [4] * 9, [5, 6]]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0))
+    assert [o.outputs[0].token_ids for o in outputs] == [naive_greedy(model, p, 10) for p in prompts]
+
+
+def test_stop_tokens_and_eos():
+    prompt = [3, 1, 4, 1, 5]
+    free_run = naive_greedy(MODEL, prompt, 12)
+    stop = free_run[4]
+    engine = Engine(MODEL, block_size=4, num_blocks=32)
+    out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids == free_run[:free_run.index(stop) + 1]
+    MODEL.config.eos_token_id = stop
+    try:
+        eos = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
+        ignored = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
+    finally:
+        MODEL.config.eos_token_id = None
+    assert eos.token_ids == out.token_ids and eos.finish_reason == "stop"
+    assert ignored.token_ids == free_run and ignored.finish_reason == "length"
+
+
+def test_streaming_with_add_request_and_step():
+    engine = Engine(MODEL, block_size=2, num_blocks=64)
+    first = engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
+    engine.step()
+    engine.step()
+    second = engine.add_request([9, 9], SamplingParams(max_tokens=3, temperature=0))  # joins mid-flight
+    finished = {}
+    while engine.scheduler.has_unfinished():
+        finished.update({o.request_id: o for o in engine.step()})
+    assert finished[first].outputs[0].token_ids == naive_greedy(MODEL, [1, 2, 3], 8)
+    assert finished[second].outputs[0].token_ids == naive_greedy(MODEL, [9, 9], 3)
+    assert finished[second].latency < finished[first].latency
+
+
+def test_seeded_sampling_ignores_batch_mates_and_preemption():
+    prompt, params = [5, 6, 7, 8, 9], SamplingParams(max_tokens=16, temperature=0.9, top_k=20, top_p=0.9, seed=1234)
+    alone = Engine(MODEL, block_size=4, num_blocks=64).generate([prompt], params)[0].outputs[0].token_ids
+    others = [[(3 * i + j) % 32 for j in range(4 + i)] for i in range(6)]
+    for mode in ["recompute", "swap"]:
+        engine = Engine(MODEL, block_size=4, num_blocks=14, preemption_mode=mode)
+        outputs = engine.generate(others + [prompt], [SamplingParams(max_tokens=16, temperature=1.0)] * 6 + [params])
+        assert engine.stats()["num_preemptions"] > 0
+        assert outputs[-1].outputs[0].token_ids == alone
+    unseeded = Engine(MODEL, block_size=4, num_blocks=64).generate([prompt] * 4, SamplingParams(max_tokens=16))
+    assert len({tuple(o.outputs[0].token_ids) for o in unseeded}) > 1  # without a seed, samples differ
+
+
+def test_sampling_respects_top_k_and_top_p():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50, dtype=torch.float64)
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    for _ in range(50):
+        tokens = nanopaged.sample(logits, [1.0, 1.0, 0.0], [3, 0, 0], [1.0, 0.5, 1.0], gens)
+        assert tokens[0] in logits[0].topk(3).indices
+        probs = logits[1].softmax(-1).sort(descending=True)
+        nucleus = probs.indices[:int((probs.values.cumsum(-1) < 0.5).sum()) + 1]
+        assert tokens[1] in nucleus
+        assert tokens[2] == logits[2].argmax()
+
+
+# -----------------------------------------------------------------------------
+# Sharing: parallel samples, beams and prefixes on copy-on-write blocks
+
+
+@pytest.fixture
+def no_writes_into_shared_blocks(monkeypatch):
+    """Make every KV write check that the block it lands in has exactly one owner."""
+    engines = []
+
+    def checked_store_kv(k, v, k_cache, v_cache, slot_mapping):
+        for engine in engines:
+            if engine.kv_cache.data_ptr() <= k_cache.data_ptr() < engine.kv_cache[1].data_ptr():
+                for slot in slot_mapping.tolist():
+                    block = engine.allocator.blocks[slot // engine.block_size]
+                    assert block.ref_count == 1, f"write into block {block.block_id} with ref count {block.ref_count}"
+        real_store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    real_store_kv = nanopaged.store_kv
+    monkeypatch.setattr(nanopaged, "store_kv", checked_store_kv)
+    return engines.append
+
+
+def test_parallel_samples_equal_the_same_seeds_run_one_by_one(no_writes_into_shared_blocks):
+    prompt = list(range(1, 11))  # 2.5 blocks: two shared full blocks and a partial one to copy
+    engine = Engine(MODEL, block_size=4, num_blocks=64)
+    no_writes_into_shared_blocks(engine)
+    params = SamplingParams(max_tokens=12, temperature=1.0, n=4, seed=42)
+    request_id = engine.add_request(prompt, params)
+    engine.step()  # prefill once, fork, sample
+    group = engine.requests[request_id]
+    assert len(group.seqs) == 4 and len({tuple(s.block_table[:2]) for s in group.seqs}) == 1
+    assert engine.allocator.blocks[group.seqs[0].block_table[0]].ref_count == 4
+    s = engine.stats()
+    assert s["num_logical_blocks"] == 12 and s["num_blocks"] - s["num_free_blocks"] == 3
+    outputs = {}
+    while engine.scheduler.has_unfinished():
+        outputs.update({o.request_id: o for o in engine.step()})
+    samples = [c.token_ids for c in outputs[request_id].outputs]
+    singles = [Engine(MODEL, block_size=4, num_blocks=64).generate(
+        [prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=42 + i))[0].outputs[0].token_ids for i in range(4)]
+    assert samples == singles and len(set(map(tuple, samples))) > 1
+    assert_all_blocks_free(engine)
+
+
+def naive_beam_search(model, prompt, width, max_tokens, stop_token_ids=()):
+    """Beam search as plainly as possible: every extension of every beam, sorted."""
+    beams, finished = [([], 0.0)], []  # (generated tokens, cumulative log-probability)
+    for _ in range(max_tokens):
+        candidates = []
+        for b, (tokens, score) in enumerate(beams):
+            logprobs = naive_logprobs(model, prompt + tokens).tolist()
+            candidates += [(score + lp, b, t) for t, lp in enumerate(logprobs)]
+        candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
+        new_beams = []
+        for score, b, t in candidates:
+            if t in stop_token_ids:
+                finished.append((beams[b][0] + [t], score, "stop"))
+            else:
+                new_beams.append((beams[b][0] + [t], score))
+            if len(new_beams) == width:
+                break
+        beams = new_beams
+        if len(finished) >= width:
+            break
+    else:
+        finished += [(tokens, score, "length") for tokens, score in beams]
+    return sorted(finished, key=lambda h: -h[1] / len(h[0]))[:width]
+
+
+@pytest.mark.parametrize("width,stop", [(1, ()), (3, ()), (4, (5, 17)), (6, (9,))])
+def test_beam_search_equals_naive_beam_search(width, stop, no_writes_into_shared_blocks):
+    prompt = [3, 14, 15, 9, 2, 6]
+    engine = Engine(MODEL, block_size=2, num_blocks=128, preemption_mode="swap")
+    no_writes_into_shared_blocks(engine)
+    out = engine.generate([prompt], SamplingParams(max_tokens=8, beam_width=width, stop_token_ids=list(stop)))[0]
+    expected = naive_beam_search(MODEL, prompt, width, 8, stop)
+    assert [(c.token_ids, c.finish_reason) for c in out.outputs] == [(t, r) for t, _, r in expected]
+    assert [c.cumulative_logprob for c in out.outputs] == pytest.approx([s for _, s, _ in expected], abs=1e-9)
+    if width == 1:  # beam search of width 1 is greedy decoding
+        assert out.outputs[0].token_ids == naive_greedy(MODEL, prompt, 8)
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_beam_search_and_parallel_samples_survive_preemption(mode):
+    prompts = [[(5 * i + j) % 32 for j in range(6 + i)] for i in range(4)]
+    params = [SamplingParams(max_tokens=10, beam_width=3), SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=7),
+              SamplingParams(max_tokens=10, temperature=0), SamplingParams(max_tokens=10, beam_width=2)]
+    ample = Engine(MODEL, block_size=2, num_blocks=256).generate(prompts, params)
+    engine = Engine(MODEL, block_size=2, num_blocks=27, preemption_mode=mode, max_num_batched_tokens=8)
+    tight = engine.generate(prompts, params)
+    assert engine.stats()["num_preemptions"] > 0
+    assert [[c.token_ids for c in o.outputs] for o in tight] == [[c.token_ids for c in o.outputs] for o in ample]
+    assert_all_blocks_free(engine)
+
+
+def test_prefix_caching_on_and_off_give_identical_outputs(no_writes_into_shared_blocks):
+    system = [(11 * j) % 32 for j in range(13)]
+    prompts = [system + [i, i + 1] for i in range(6)] + [system[:8], system]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    results = {}
+    for caching in (True, False):
+        engine = Engine(MODEL, block_size=4, num_blocks=64, enable_prefix_caching=caching, max_num_seqs=2)
+        no_writes_into_shared_blocks(engine)
+        results[caching] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+        hits = engine.stats()["prefix_cache_hit_tokens"]
+        assert hits > 0 if caching else hits == 0
+        assert_all_blocks_free(engine)
+        assert engine.stats()["num_cached_blocks"] > 0 if caching else engine.stats()["num_cached_blocks"] == 0
+    assert results[True] == results[False] == [naive_greedy(MODEL, p, 6) for p in prompts]
+
+
+def test_prompt_fully_in_the_cache_still_gets_its_next_token():
+    engine = Engine(MODEL, block_size=4, num_blocks=32)
+    prompt = list(range(8))  # exactly two blocks
+    first = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0))[0]
+    second = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0))[0]
+    assert engine.stats()["prefix_cache_hit_tokens"] == 4  # the block with the last token is recomputed
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids == naive_greedy(MODEL, prompt, 3)
+
+
+# -----------------------------------------------------------------------------
+# The model against Hugging Face GPT-2
+
+
+@pytest.fixture(scope="module")
+def hf_gpt2_folder(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=100, n_positions=48,
+                                     bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(config).eval()
+    with torch.no_grad():  # a random GPT-2 has zero biases and unit LayerNorms: make every tensor count
+        for p in hf.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    path = tmp_path_factory.mktemp("gpt2")
+    hf.save_pretrained(path)
+    return path, hf
+
+
+def test_logits_match_hugging_face_gpt2(hf_gpt2_folder):
+    path, hf = hf_gpt2_folder
+    model = GPT.from_pretrained(str(path))
+    idx = torch.randint(100, (3, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
+    # the paged path: greedy generation through the engine equals transformers' greedy generate
+    model, hf64 = GPT.from_pretrained(str(path), dtype=torch.float64), copy.deepcopy(hf).double()
+    prompts = [[1, 2, 3, 4, 5], [42] * 11]
+    outputs = Engine(model, block_size=4, num_blocks=32).generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    for prompt, out in zip(prompts, outputs):
+        reference = hf64.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert out.outputs[0].token_ids == reference[0, len(prompt):].tolist()
+
+
+def test_from_pretrained_reads_pytorch_model_bin(hf_gpt2_folder, tmp_path):
+    path, hf = hf_gpt2_folder
+    from safetensors.torch import load_file
+    torch.save(load_file(os.path.join(path, "model.safetensors")), tmp_path / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    idx = torch.randint(100, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(GPT.from_pretrained(str(tmp_path))(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
+
+
+def test_from_pretrained_bad_folders(hf_gpt2_folder, tmp_path):
+    path, _ = hf_gpt2_folder
+    with pytest.raises(ValueError, match="config.json not found"):
+        GPT.from_pretrained(str(tmp_path / "nowhere"))
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    with pytest.raises(ValueError, match="no weights"):
+        GPT.from_pretrained(str(tmp_path))
+    from safetensors.torch import load_file, save_file
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    weights["transformer.h.1.mlp.c_fc.weight"] = weights["transformer.h.1.mlp.c_fc.weight"][:, :100].contiguous()
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=r"'h.1.mlp.c_fc.weight' has shape \(64, 100\)"):
+        GPT.from_pretrained(str(tmp_path))
+    del weights["transformer.h.1.mlp.c_fc.weight"]
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="'h.1.mlp.c_fc.weight' is missing"):
+        GPT.from_pretrained(str(tmp_path))
