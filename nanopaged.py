@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernel
 from kernel import paged_attention, paged_attention_torch, store_kv
 
 # -----------------------------------------------------------------------------
@@ -66,6 +67,7 @@ class Batch:
     cu_seqlens_q: torch.Tensor    # (S+1,) int32, sequence i's new tokens are [cu[i], cu[i+1])
     max_q_len: int                # longest run of new tokens, so the kernel needs no host sync
     logits_indices: torch.Tensor  # (R,) int64, rows whose next-token logits we need
+    use_triton: bool = False      # the Triton kernel, or the plain-torch paged path
 
 
 class CausalSelfAttention(nn.Module):
@@ -94,7 +96,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(T, self.n_head, self.head_dim)                            # (T, nh, hs)
         store_kv(k.view(T, self.n_kv_head, self.head_dim), v.view(T, self.n_kv_head, self.head_dim),
                  k_cache, v_cache, batch.slot_mapping)
-        attention = paged_attention if q.is_cuda else paged_attention_torch  # the interpreter is too slow to serve
+        attention = paged_attention if batch.use_triton else paged_attention_torch
         y = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
                       1.0 / math.sqrt(self.head_dim), max_q_len=batch.max_q_len)  # (T, nh, hs)
         return self.c_proj(y.reshape(T, -1))
@@ -715,7 +717,7 @@ class Engine:
 
     def __init__(self, model, block_size=16, num_blocks=None, kv_cache_bytes=None, num_cpu_blocks=None,
                  preemption_mode="recompute", enable_prefix_caching=True, max_num_seqs=256,
-                 max_num_batched_tokens=2048, device=None):
+                 max_num_batched_tokens=2048, device=None, attention_backend=None):
         for name, value in [("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens)]:
             if not isinstance(value, int) or value < 1:
@@ -728,6 +730,14 @@ class Engine:
         config, dtype = model.config, next(model.parameters()).dtype
         if not dtype.is_floating_point:
             raise ValueError(f"Engine: the model's dtype {dtype} is not a floating-point type")
+        # The Triton kernel on a GPU; on the CPU the torch path, since the interpreter is ~1000x slower.
+        attention_backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
+        if attention_backend not in ("triton", "torch"):
+            raise ValueError(f"Engine: attention_backend must be 'triton' or 'torch', got {attention_backend!r}")
+        if attention_backend == "triton" and (dtype not in kernel.DTYPES or config.head_dim not in kernel.HEAD_DIMS):
+            raise ValueError(f"Engine: the Triton kernel takes head sizes {kernel.HEAD_DIMS} in {kernel.DTYPES}; "
+                             f"this model has head size {config.head_dim} in {dtype} (attention_backend='torch' takes any)")
+        self.use_triton = attention_backend == "triton"
         self.model, self.config, self.device = model.to(device).eval(), config, device
         self.block_size = block_size
 
@@ -816,7 +826,9 @@ class Engine:
     # -- one step -----------------------------------------------------------------------
 
     def step(self):
-        """Run one scheduling step; returns the RequestOutputs of requests that finished in it."""
+        """Run one scheduling step; returns the RequestOutputs of requests that finished in it.
+        If the model raises, no sequence has advanced: the engine stays consistent, stats() is
+        true, and the next step computes the same tokens again."""
         out = self.scheduler.schedule()
         self._copy_blocks(out)
         if not out.scheduled:
@@ -859,7 +871,8 @@ class Engine:
             return torch.tensor(x, dtype=dtype, device=self.device)
         return Batch(tensor(input_ids), tensor(positions), tensor(slot_mapping),
                      tensor(block_tables, torch.int32), tensor(seq_lens, torch.int32),
-                     tensor(cu_seqlens_q, torch.int32), max(n for _, n in scheduled), tensor(logits_indices))
+                     tensor(cu_seqlens_q, torch.int32), max(n for _, n in scheduled), tensor(logits_indices),
+                     self.use_triton)
 
     def _postprocess(self, scheduled, logits):
         ready, row = {}, 0

@@ -5,6 +5,7 @@ bad inputs. Run: python -m pytest -q   (on a CPU the Triton kernels run in the i
 """
 
 import copy
+from collections import Counter
 import os
 
 import torch
@@ -658,3 +659,196 @@ def test_from_pretrained_bad_folders(hf_gpt2_folder, tmp_path):
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="'h.1.mlp.c_fc.weight' is missing"):
         GPT.from_pretrained(str(tmp_path))
+
+
+# -----------------------------------------------------------------------------
+# Bad input, abort, failures inside a step, and a random walk through the engine's API
+
+
+def serves_normally(engine):
+    """After whatever happened, the engine still serves a request right and returns its blocks."""
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=0))[0]
+    assert out.outputs[0].token_ids == naive_greedy(MODEL, [1, 2, 3], 5)
+    assert_all_blocks_free(engine)
+    return True
+
+
+@pytest.mark.parametrize("prompt,params,message", [
+    ([], SamplingParams(), "prompt is empty"),
+    ([1, 32], SamplingParams(), r"prompt token 1 is 32, outside the vocabulary \[0, 32\)"),
+    ([1, -1], SamplingParams(), "prompt token 1 is -1"),
+    ([1, 2.5], SamplingParams(), "prompt token 1 is 2.5"),
+    ([1] * 60, SamplingParams(max_tokens=5), r"= 65 exceeds the model's max_seq_len \(64\)"),
+    ([1] * 30, SamplingParams(max_tokens=30), "may need 15 KV blocks .* but the pool has 12: it could never run"),
+    ([1] * 11, SamplingParams(max_tokens=6, n=3), r"may need 15 KV blocks \(3 x 17 tokens"),
+    ([1], SamplingParams(n=9), r"n/beam_width \(9\) exceeds max_num_seqs \(8\)"),
+    ([1], "greedy", "params must be a SamplingParams"),
+])
+def test_bad_requests_are_rejected_before_taking_blocks(prompt, params, message):
+    engine = Engine(MODEL, block_size=4, num_blocks=12, max_num_seqs=8)
+    with pytest.raises(ValueError, match=message):
+        engine.add_request(prompt, params)
+    assert_all_blocks_free(engine) and serves_normally(engine)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(max_tokens=0), r"max_tokens must be >= 1, got 0"),
+    (dict(temperature=-0.1), r"temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-1), r"top_k must be >= 0"),
+    (dict(n=0), r"n must be >= 1"),
+    (dict(beam_width=0), r"beam_width must be >= 1"),
+    (dict(n=2, beam_width=2), "not both"),
+])
+def test_bad_sampling_params(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_a_batch_with_one_bad_prompt_is_rejected_whole():
+    engine = Engine(MODEL, block_size=4, num_blocks=32)
+    with pytest.raises(ValueError, match=r"prompt 2: prompt token 0 is 99"):
+        engine.generate([[1, 2], [3], [99], [4]], SamplingParams(max_tokens=3))
+    assert not engine.requests and not engine.scheduler.waiting and serves_normally(engine)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(block_size=0), r"block_size must be an integer >= 1, got 0"),
+    (dict(num_blocks=0), r"num_blocks must be an integer >= 1, got 0"),
+    (dict(num_blocks=None, kv_cache_bytes=1000), r"kv_cache_bytes=1000 is smaller than one KV block \(4096 bytes"),
+    (dict(preemption_mode="evict"), "preemption_mode must be 'recompute' or 'swap'"),
+    (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
+    (dict(attention_backend="flash"), "attention_backend must be 'triton' or 'torch'"),
+    (dict(attention_backend="triton"), r"the Triton kernel takes head sizes .* this model has head size 8 in torch.float64"),
+])
+def test_bad_engine_settings(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(MODEL, **{"block_size": 4, "num_blocks": 8, **kwargs})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a machine without a GPU")
+def test_cuda_without_a_gpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="no CUDA GPU is available"):
+        Engine(MODEL, block_size=4, num_blocks=8, device="cuda")
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_abort_anywhere_returns_every_block(mode):
+    engine = Engine(MODEL, block_size=2, num_blocks=24, preemption_mode=mode, max_num_batched_tokens=6)
+    long_prompt = list(range(20))
+    ids = [engine.add_request(long_prompt, SamplingParams(max_tokens=20, temperature=0)) for _ in range(3)]
+    ids.append(engine.add_request([5, 6], SamplingParams(max_tokens=10, n=3, temperature=1.0)))
+    engine.step()  # the first prompt is mid-prefill (6 of 20 tokens), the rest wait
+    assert engine.requests[ids[0]].seqs[0].num_computed_tokens == 6
+    engine.abort(ids[0])
+    engine.abort(ids[2])  # waiting
+    for _ in range(200):  # run until a request is swapped out (swap) or preempted back to waiting
+        engine.step()
+        if engine.scheduler.swapped or engine.scheduler.num_preemptions:
+            break
+    assert engine.scheduler.num_preemptions
+    victim = (engine.scheduler.swapped or engine.scheduler.waiting)[0].request_id
+    engine.abort(victim)
+    with pytest.raises(ValueError, match=f"no unfinished request with id {victim}"):
+        engine.abort(victim)
+    while engine.scheduler.has_unfinished():
+        engine.step()
+    assert serves_normally(engine)
+
+
+def test_a_model_error_inside_a_step_loses_nothing(monkeypatch):
+    engine = Engine(MODEL, block_size=2, num_blocks=20, max_num_batched_tokens=8)
+    prompts = [list(range(i, i + 7)) for i in range(4)]
+    real_forward, calls = GPT.forward, []
+
+    def flaky_forward(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) in (3, 4, 9):
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPT, "forward", flaky_forward)
+    with pytest.raises(RuntimeError, match="simulated"):
+        engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0))
+    s = engine.stats()
+    assert s["num_running"] + s["num_waiting"] == 4 and s["num_free_blocks"] < s["num_blocks"]
+    outputs = {}
+    while engine.scheduler.has_unfinished():
+        try:
+            outputs.update({o.request_id: o for o in engine.step()})
+        except RuntimeError:
+            pass
+    assert [outputs[i].outputs[0].token_ids for i in range(4)] == [naive_greedy(MODEL, p, 10) for p in prompts]
+    assert_all_blocks_free(engine)
+
+
+class EngineMachine(RuleBasedStateMachine):
+    """Random interleavings of add_request, step and abort on a tiny pool."""
+
+    @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(10, 24),
+                mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans())
+    def setup(self, block_size, num_blocks, mode, caching):
+        self.engine = Engine(MODEL, block_size=block_size, num_blocks=num_blocks, preemption_mode=mode,
+                             enable_prefix_caching=caching, max_num_batched_tokens=8)
+        self.unfinished, self.expected = set(), {}
+
+    @rule(prompt=st.lists(st.integers(0, 7), min_size=1, max_size=9), max_tokens=st.integers(1, 6),
+          kind=st.sampled_from(["greedy", "greedy", "n=2", "beam=2"]))
+    def add(self, prompt, max_tokens, kind):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0 if kind == "greedy" else 1.0,
+                                n=2 if kind == "n=2" else 1, beam_width=2 if kind == "beam=2" else None)
+        try:
+            request_id = self.engine.add_request(prompt, params)
+        except ValueError:  # too big for this pool: rejected up front, and nothing changed
+            assert -(-(len(prompt) + max_tokens) // self.engine.block_size) * params.num_seqs > \
+                self.engine.allocator.num_blocks
+            return
+        self.unfinished.add(request_id)
+        if kind == "greedy":
+            self.expected[request_id] = naive_greedy(MODEL, prompt, max_tokens)
+
+    @rule()
+    def step(self):
+        for out in self.engine.step():
+            self.unfinished.remove(out.request_id)
+            if out.request_id in self.expected:
+                assert out.outputs[0].token_ids == self.expected[out.request_id]
+
+    @precondition(lambda self: self.unfinished)
+    @rule(data=st.data())
+    def abort(self, data):
+        request_id = data.draw(st.sampled_from(sorted(self.unfinished)))
+        self.engine.abort(request_id)
+        self.unfinished.remove(request_id)
+
+    @invariant()
+    def no_block_leaked_or_double_owned(self):
+        a, s = self.engine.allocator, self.engine.scheduler
+        device, cpu = Counter(), Counter()
+        for group in s.running:
+            for seq in group.seqs:
+                device.update(seq.block_table)
+        for group in s.swapped:
+            for seq in group.seqs:
+                cpu.update(seq.block_table)
+        for group in s.waiting:
+            assert all(not seq.block_table for seq in group.seqs)
+        assert all(a.blocks[b].ref_count == device[b] for b in range(a.num_blocks))
+        assert all(a.cpu_ref_count[b] == cpu[b] for b in range(len(a.cpu_ref_count)))
+        assert a.num_free_blocks == sum(1 for b in a.blocks if b.ref_count == 0)
+        assert set(self.engine.requests) == self.unfinished
+
+    def teardown(self):
+        if not hasattr(self, "engine"):
+            return
+        for _ in range(500):  # every request that was not aborted finishes
+            if not self.unfinished:
+                break
+            self.step()
+        assert not self.unfinished
+        assert_all_blocks_free(self.engine)
+
+
+EngineMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+test_engine_state_machine = EngineMachine.TestCase
