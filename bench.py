@@ -1,0 +1,396 @@
+"""
+bench.py: the numbers that made PagedAttention matter, measured side by side in one run.
+
+    python bench.py              # every section
+    python bench.py --memory     # or any of: --memory --capacity --sharing --throughput
+                                 #            --kernel --overhead --soak (the soak is not in "every")
+
+Each section prints a table, and the run writes results/results.json plus PNG plots to
+results/. The paper's figures are quoted next to ours (Kwon et al., SOSP 2023).
+"""
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import time
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from nanopaged import GPT, BlockAllocator, Engine, GPTConfig, SamplingParams, Sequence
+
+OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+SEED = 0
+MAX_SEQ_LEN = 2048  # the paper's OPT models: what "Orca (Max)" reserves for every request
+TRACES = {  # mean prompt / output tokens of the paper's datasets (Fig. 11); lognormal shapes are ours
+    "ShareGPT-like": dict(prompt_mean=161.3, output_mean=338.0, sigma=1.0),
+    "Alpaca-like": dict(prompt_mean=19.3, output_mean=58.5, sigma=0.6),
+}
+
+
+def synthetic_trace(name, num_requests, seed=SEED, max_len=MAX_SEQ_LEN):
+    """(prompt_len, output_len) pairs, long-tailed like the dataset, each pair within max_len."""
+    rng, spec = np.random.default_rng(seed), TRACES[name]
+
+    def lognormal(mean):  # E[exp(N(mu, s^2))] = exp(mu + s^2 / 2) = mean
+        return rng.lognormal(math.log(mean) - spec["sigma"] ** 2 / 2, spec["sigma"], num_requests)
+    prompts = np.clip(lognormal(spec["prompt_mean"]).round(), 1, max_len // 2).astype(int)
+    outputs = np.clip(lognormal(spec["output_mean"]).round(), 1, max_len - prompts).astype(int)
+    return list(zip(prompts.tolist(), outputs.tolist()))
+
+
+def tiny_model(max_seq_len=1024, vocab_size=256):
+    """Random weights: the capacity and sharing sections fix output lengths, so quality is moot."""
+    torch.manual_seed(SEED)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=vocab_size, max_seq_len=max_seq_len))
+
+
+def random_prompts(trace, vocab_size=256, seed=SEED):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab_size) for _ in range(p)] for p, _ in trace]
+
+
+def print_table(title, header, rows):
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    print(f"\n{title}")
+    for row in [header, ["-" * w for w in widths]] + rows:
+        print("  ".join(str(x).rjust(w) for x, w in zip(row, widths)))
+
+
+# -----------------------------------------------------------------------------
+# --memory: what share of reserved KV memory holds real token states (paper, Fig. 2)
+
+
+def paged_utilization(trace, block_size):
+    """Replay each request through the real allocator: prefill, then one token per step."""
+    held = reserved = 0
+    allocator = BlockAllocator(num_blocks=MAX_SEQ_LEN, block_size=block_size, enable_prefix_caching=False)
+    for i, (prompt_len, output_len) in enumerate(trace):
+        seq = Sequence(i, [0] * prompt_len, prompt_len)
+        allocator.allocate(seq)
+        for _ in range(output_len):
+            seq.token_ids.append(0)
+            allocator.append_slot(seq)
+            held += len(seq)
+            reserved += len(seq.block_table) * block_size
+        allocator.free(seq)
+    return held / reserved
+
+
+def contiguous_utilization(trace, reserve):
+    """A contiguous cache reserves reserve(prompt, output) slots for the request's whole life."""
+    held = sum(p * o + o * (o + 1) // 2 for p, o in trace)  # p + t tokens held at step t = 1..o
+    return held / sum(reserve(p, o) * o for p, o in trace)
+
+
+def bench_memory(num_requests=1000):
+    schemes = {
+        "Orca (Max)": lambda p, o: MAX_SEQ_LEN,
+        "Orca (Pow2)": lambda p, o: 1 << (p + o - 1).bit_length(),
+        "Orca (Oracle)": lambda p, o: p + o,
+    }
+    paper = {"Orca (Max)": "20.4%", "Orca (Pow2)": "26.8%", "Orca (Oracle)": "38.2%", "paged, block 16": "96.3%"}
+    results, rows = {}, []
+    for name in TRACES:
+        trace = synthetic_trace(name, num_requests)
+        util = {scheme: contiguous_utilization(trace, reserve) for scheme, reserve in schemes.items()}
+        util.update({f"paged, block {b}": paged_utilization(trace, b) for b in (1, 8, 16, 32, 128)})
+        results[name] = util
+    for scheme in results["ShareGPT-like"]:
+        rows.append([scheme] + [f"{100 * results[t][scheme]:.1f}%" for t in TRACES] + [paper.get(scheme, "")])
+    print_table(f"KV-cache utilization: token states / reserved slots ({num_requests} requests per trace, "
+                f"max_seq_len {MAX_SEQ_LEN})", ["scheme", *TRACES, "paper (ShareGPT, OPT-13B)"], rows)
+    plot_bars("memory.png", results, "share of reserved KV memory holding token states")
+    return results
+
+
+def plot_bars(filename, results, ylabel):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, (title, values) in zip(axes[0], results.items()):
+        bars = ax.bar(range(len(values)), [100 * v for v in values.values()], color="tab:blue")
+        ax.bar_label(bars, fmt="%.1f%%", fontsize=8)
+        ax.set_xticks(range(len(values)), list(values), rotation=30, ha="right", fontsize=8)
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+    fig.tight_layout()
+    fig.savefig(os.path.join(OUT_DIR, filename), dpi=110)
+
+
+# -----------------------------------------------------------------------------
+# --capacity: sequences at once and requests/s at a fixed KV budget, paged vs contiguous
+
+
+class ReservingAllocator(BlockAllocator):
+    """Contiguous reservation in the same engine: a request takes blocks for max_seq_len tokens
+    when admitted (as Orca (Max) does), so it never grows and is never preempted."""
+
+    def __init__(self, *args, max_seq_len, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.blocks_per_seq = -(-max_seq_len // self.block_size)
+
+    def num_blocks_to_allocate(self, seq):
+        return self.blocks_per_seq
+
+    def allocate(self, seq):
+        super().allocate(seq)
+        seq.block_table += [self._take() for _ in range(self.blocks_per_seq - len(seq.block_table))]
+
+
+def serve_trace(engine, prompts, trace, arrival_rate, seed=SEED):
+    """Requests arrive as a Poisson process of arrival_rate per second (inf: all at once)."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1 / arrival_rate, len(prompts)) if arrival_rate != math.inf else np.zeros(len(prompts))
+    arrivals, pending, running = np.cumsum(gaps), list(range(len(prompts))), []
+    start, latencies, finished = time.perf_counter(), [], 0
+    while finished < len(prompts):
+        now = time.perf_counter() - start
+        while pending and arrivals[pending[0]] <= now:
+            i = pending.pop(0)
+            engine.add_request(prompts[i], SamplingParams(max_tokens=trace[i][1], temperature=0, ignore_eos=True))
+        if not engine.scheduler.has_unfinished():
+            time.sleep(max(0.0, arrivals[pending[0]] - now))
+            continue
+        for out in engine.step():
+            finished += 1
+            latencies.append(out.latency)
+        running.append(engine.stats()["num_running"])
+    seconds = time.perf_counter() - start
+    return dict(requests_per_s=len(prompts) / seconds, mean_running=float(np.mean(running)),
+                peak_running=max(running), mean_latency_s=float(np.mean(latencies)), running_over_steps=running)
+
+
+def bench_capacity(num_requests=96, kv_tokens=8192, rates=(4.0, 16.0, math.inf)):
+    max_seq_len = 1024
+    model = tiny_model(max_seq_len)
+    trace = synthetic_trace("ShareGPT-like", num_requests, max_len=max_seq_len // 2)  # fits the tiny model
+    prompts = random_prompts(trace)
+    results, rows = {}, []
+    for mode in ("paged", "contiguous"):
+        for rate in rates:
+            engine = Engine(model, block_size=16, num_blocks=kv_tokens // 16, enable_prefix_caching=False,
+                            max_num_seqs=256, device="cpu")
+            if mode == "contiguous":
+                engine.allocator = engine.scheduler.allocator = ReservingAllocator(
+                    kv_tokens // 16, 16, enable_prefix_caching=False, max_seq_len=max_seq_len)
+            r = serve_trace(engine, prompts, trace, rate)
+            results[f"{mode} @ {rate}/s"] = r
+            rows.append([mode, rate, f"{r['mean_running']:.1f}", r["peak_running"], f"{r['requests_per_s']:.2f}",
+                         f"{r['mean_latency_s']:.2f}"])
+    for rate in rates:
+        p, c = results[f"paged @ {rate}/s"], results[f"contiguous @ {rate}/s"]
+        rows.append(["paged / contiguous", rate, f"{p['mean_running'] / c['mean_running']:.2f}x",
+                     f"{p['peak_running'] / c['peak_running']:.2f}x", f"{p['requests_per_s'] / c['requests_per_s']:.2f}x",
+                     f"{p['mean_latency_s'] / c['mean_latency_s']:.2f}x"])
+    print_table(f"Capacity at a fixed KV budget of {kv_tokens} token slots ({num_requests} ShareGPT-like requests, "
+                f"max_seq_len {max_seq_len}, tiny random model on CPU)",
+                ["cache", "arrivals/s", "mean running", "peak running", "requests/s", "mean latency s"], rows)
+    plot_concurrency(results)
+    return {k: {m: v for m, v in r.items() if m != "running_over_steps"} for k, r in results.items()}
+
+
+def plot_concurrency(results):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r in results.items():
+        if name.endswith("inf/s"):
+            ax.plot(r["running_over_steps"], label=name.split(" @")[0])
+    ax.set_xlabel("engine step (all requests queued at once)")
+    ax.set_ylabel("sequences running")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(OUT_DIR, "capacity.png"), dpi=110)
+
+
+# -----------------------------------------------------------------------------
+# --sharing: blocks saved by parallel sampling, beam search and prefix caching (paper, 6.3-6.4)
+
+
+def blocks_with_and_without_sharing(engine, prompts, params):
+    """Serve to the end; sum physical and logical (every sequence its own copy) blocks over steps."""
+    for prompt, p in zip(prompts, params):
+        engine.add_request(prompt, p)
+    used = logical = 0
+    while engine.scheduler.has_unfinished():
+        engine.step()
+        s = engine.stats()
+        used += s["num_blocks"] - s["num_free_blocks"]
+        logical += s["num_logical_blocks"]
+    return used, logical
+
+
+def bench_sharing(num_requests=24):
+    model = tiny_model()
+    trace = synthetic_trace("Alpaca-like", num_requests, max_len=512)
+    prompts = random_prompts(trace)
+    results, rows = {}, []
+    for kind, widths in (("parallel sampling", (2, 4, 6)), ("beam search", (2, 4, 6))):
+        for k in widths:
+            params = [SamplingParams(max_tokens=o, ignore_eos=True, seed=i, **(dict(n=k, temperature=1.0)
+                      if kind == "parallel sampling" else dict(beam_width=k))) for i, (_, o) in enumerate(trace)]
+            engine = Engine(model, block_size=16, num_blocks=4096, enable_prefix_caching=False, device="cpu")
+            used, logical = blocks_with_and_without_sharing(engine, prompts, params)
+            saved = 1 - used / logical
+            results[f"{kind}, {k}"] = dict(block_steps_shared=used, block_steps_unshared=logical, saving=saved)
+            rows.append([kind, k, used, logical, f"{100 * saved:.1f}%"])
+    print_table(f"Memory saved by sharing ({num_requests} Alpaca-like requests, block size 16; block-steps = "
+                "blocks in use summed over engine steps). Paper: 6.1-9.8% parallel sampling, 37.6-55.2% beam "
+                "search on Alpaca", ["workload", "n / width", "shared", "unshared", "saving"], rows)
+
+    # prefix caching: a few-shot prefix shared by every request (paper, Fig. 16: 80 and 341 tokens)
+    rng = random.Random(SEED)
+    for shots, prefix_len in (("one-shot", 80), ("five-shot", 341)):
+        prefix = [rng.randrange(256) for _ in range(prefix_len)]
+        questions = [[rng.randrange(256) for _ in range(rng.randint(8, 40))] for _ in range(num_requests)]
+        prompts_ = [prefix + q for q in questions]
+        params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+        timings = {}
+        for caching in (True, False):
+            engine = Engine(model, block_size=16, num_blocks=2048, enable_prefix_caching=caching, max_num_seqs=8,
+                            device="cpu")
+            start = time.perf_counter()
+            engine.generate(prompts_, params)
+            timings[caching] = time.perf_counter() - start
+            if caching:
+                s = engine.stats()
+                hit_rate = s["prefix_cache_hit_tokens"] / s["prefix_cache_queried_tokens"]
+                saved_tokens = s["prefix_cache_hit_tokens"]
+        results[f"prefix caching, {shots}"] = dict(prefix_len=prefix_len, hit_rate=hit_rate,
+                                                   saved_prefill_tokens=saved_tokens,
+                                                   speedup=timings[False] / timings[True])
+        print(f"prefix caching, {shots} prefix of {prefix_len} tokens, {num_requests} requests: hit rate "
+              f"{100 * hit_rate:.1f}% of prompt tokens, {saved_tokens} prefill tokens saved, "
+              f"{timings[False] / timings[True]:.2f}x faster than without the cache")
+    return results
+
+
+# -----------------------------------------------------------------------------
+# --overhead and --soak: the engine with a model that does nothing
+
+
+class NoOpModel(nn.Module):
+    """Stands in for a GPT: zero logits, no compute, so what is timed is the engine itself."""
+
+    def __init__(self, vocab_size=256, max_seq_len=4096):
+        super().__init__()
+        self.config = GPTConfig(n_layer=1, n_head=1, n_embd=8, vocab_size=vocab_size, max_seq_len=max_seq_len)
+        self.dummy = nn.Parameter(torch.zeros(1))
+
+    def forward(self, idx, batch, kv_cache):
+        return torch.zeros(len(batch.logits_indices), self.config.vocab_size)
+
+
+def timed_step(engine, timers):
+    """Engine.step, phase by phase."""
+    t0 = time.perf_counter()
+    out = engine.scheduler.schedule()
+    t1 = time.perf_counter()
+    engine._copy_blocks(out)
+    batch = engine._prepare(out.scheduled)
+    t2 = time.perf_counter()
+    logits = engine.model(batch.input_ids, batch, engine.kv_cache)
+    t3 = time.perf_counter()
+    engine._postprocess(out.scheduled, logits)
+    t4 = time.perf_counter()
+    for name, dt in zip(timers, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+        timers[name] += dt
+
+
+def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50):
+    results, rows = {}, []
+    for n in sizes:
+        engine = Engine(NoOpModel(), block_size=16, num_blocks=n * 16, max_num_seqs=n,
+                        max_num_batched_tokens=n * prompt_len, device="cpu")
+        for _ in range(n):
+            engine.add_request([1] * prompt_len, SamplingParams(max_tokens=steps + 10, temperature=0, ignore_eos=True))
+        engine.step()  # prefill everything: from here on every step decodes n sequences
+        timers = dict(schedule=0.0, prepare=0.0, model=0.0, postprocess=0.0)
+        for _ in range(steps):
+            timed_step(engine, timers)
+        us = {k: 1e6 * v / steps / n for k, v in timers.items()}  # per running sequence per step
+        engine_us = us["schedule"] + us["prepare"] + us["postprocess"]
+        results[n] = dict(engine_us_per_seq=engine_us, **{f"{k}_us_per_seq": v for k, v in us.items()})
+        rows.append([n, f"{n * engine_us / 1e3:.2f}", f"{engine_us:.2f}", *(f"{us[k]:.2f}" for k in timers)])
+    print_table("Engine overhead per decode step with a no-op model (goal: <= 10 us per running sequence)",
+                ["running seqs", "engine ms/step", "us/seq", "schedule", "prepare", "(no-op model)", "postprocess"],
+                rows)
+    return results
+
+
+def bench_soak(num_requests=10_000, num_blocks=64, block_size=16, abort_rate=0.05, mode="recompute"):
+    """Thousands of requests through the scheduler and allocator in a small pool, with aborts."""
+    rng = random.Random(SEED)
+    engine = Engine(NoOpModel(max_seq_len=256), block_size=block_size, num_blocks=num_blocks, preemption_mode=mode,
+                    max_num_seqs=32, device="cpu")
+    arrived_at, admitted_at, finished, aborted, peak, step = {}, {}, 0, 0, 0, 0
+    next_request = 0
+    while next_request < num_requests or engine.scheduler.has_unfinished():
+        for _ in range(rng.randint(0, 2)):  # ~1 arrival per step, slightly more than the pool drains
+            if next_request < num_requests:
+                prompt = [rng.randrange(256) for _ in range(rng.randint(1, 96))]
+                rid = engine.add_request(prompt, SamplingParams(max_tokens=rng.randint(1, 96), temperature=0,
+                                                                ignore_eos=True))
+                arrived_at[rid] = step
+                next_request += 1
+        if engine.requests and rng.random() < abort_rate:
+            engine.abort(rng.choice(list(engine.requests)))
+            aborted += 1
+        finished += len(engine.step())
+        step += 1
+        for group in engine.scheduler.running:
+            admitted_at.setdefault(group.request_id, step)
+        peak = max(peak, engine.stats()["num_blocks"] - engine.stats()["num_free_blocks"])
+    waits = [admitted_at[r] - arrived_at[r] for r in admitted_at]
+    s = engine.stats()
+    result = dict(mode=mode, requests=num_requests, finished=finished, aborted=aborted, steps=step,
+                  preemptions=s["num_preemptions"], peak_blocks=peak, num_blocks=num_blocks,
+                  max_wait_steps=max(waits), mean_wait_steps=float(np.mean(waits)))
+    assert finished + aborted == num_requests, "a request was lost"
+    assert s["num_free_blocks"] == num_blocks and s["num_free_cpu_blocks"] == s["num_cpu_blocks"], "blocks leaked"
+    print_table(f"Soak: {num_requests} requests, random lengths and aborts, {num_blocks} blocks of {block_size}",
+                list(result), [list(result.values())])
+    return result
+
+
+# -----------------------------------------------------------------------------
+
+
+def machine():
+    cpu = platform.processor() or platform.machine()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {os.cpu_count()} cores, {gpu}, torch {torch.__version__}"
+
+
+SECTIONS = dict(memory=bench_memory, capacity=bench_capacity, sharing=bench_sharing, overhead=bench_overhead)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    for name in list(SECTIONS) + ["soak"]:
+        p.add_argument(f"--{name}", action="store_true", help=f"run the {name} section")
+    args = p.parse_args()
+    chosen = [name for name in list(SECTIONS) + ["soak"] if getattr(args, name)] or list(SECTIONS)
+    os.makedirs(OUT_DIR, exist_ok=True)
+    path = os.path.join(OUT_DIR, "results.json")
+    results = json.load(open(path)) if os.path.exists(path) else {}
+    print(f"machine: {machine()}")
+    for name in chosen:
+        start = time.perf_counter()
+        results[name] = (SECTIONS.get(name) or bench_soak)()
+        results[name + "_machine"] = machine()
+        print(f"({name}: {time.perf_counter() - start:.0f}s)")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    print(f"\nwrote {path} and plots in {OUT_DIR}")
+
+
+if __name__ == "__main__":
+    main()
