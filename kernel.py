@@ -7,7 +7,10 @@ with PagedAttention", SOSP 2023.
 Tests: python -m pytest -q test_nanopaged.py   (no GPU: Triton runs under TRITON_INTERPRET=1)
 """
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 try:
     import triton
@@ -57,9 +60,10 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + rows % GROUP_PAD
     row_mask = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
     q_pos = seq_len - q_len + q_idx  # position in the sequence: sees keys 0..q_pos
+    token = (q_start + q_idx).to(tl.int64)  # row of q and out; int64, a long batch * stride can pass 2**31
     d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = d < HEAD_DIM
-    q_offs = (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    q_offs = token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_offs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     q = q.to(tl.float32)  # (BLOCK_M, HEAD_DIM_PAD)
 
@@ -79,11 +83,12 @@ def _paged_attention_kernel(
         # the physical slot of each key, so BLOCK_N does not depend on the cache block size;
         # masked lanes never read a padded (-1) table entry or a slot past seq_len
         block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_mask, other=0)
-        block = block.to(tl.int64)  # block * stride can pass 2**31 in a large cache
+        block = block.to(tl.int64)  # likewise block * stride in a large cache
         offset = pos % BLOCK_SIZE
         kv_mask = pos_mask[:, None] & d_mask[None, :]
         k_offs = (block * stride_kb + offset * stride_ks + kv_head * stride_kh)[:, None] + d[None, :]
         v_offs = (block * stride_vb + offset * stride_vs + kv_head * stride_vh)[:, None] + d[None, :]
+        # fp32 tiles: the interpreter's tl.dot is wrong on bf16, and fp32 accumulation is wanted anyway
         k = tl.load(k_cache_ptr + k_offs, mask=kv_mask, other=0.0).to(tl.float32)  # (BLOCK_N, HEAD_DIM_PAD)
         v = tl.load(v_cache_ptr + v_offs, mask=kv_mask, other=0.0).to(tl.float32)  # (BLOCK_N, HEAD_DIM_PAD)
 
@@ -100,12 +105,12 @@ def _paged_attention_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split has l = 0 and acc = 0
     out = acc / l_safe[:, None]
-    out_offs = (q_start + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + split * stride_os + d[None, :]
+    out_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] + split * stride_os
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
     if NUM_SPLITS > 1:
         # log2 of the split's softmax denominator (-inf when empty), for the merge below
         lse = m_i + tl.log2(l_safe)
-        tl.store(lse_ptr + (q_start + q_idx) * stride_lt + head * stride_lh + split, lse, mask=row_mask)
+        tl.store(lse_ptr + token * stride_lt + head * stride_lh + split, lse, mask=row_mask)
 
 
 @triton.jit
@@ -122,7 +127,7 @@ def _merge_splits_kernel(
     d_mask = d < HEAD_DIM
     lse = tl.load(lse_ptr + row * NUM_SPLITS + s, mask=s_mask, other=float("-inf"))  # (SPLITS_PAD,)
     o_offs = (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :]
-    o = tl.load(partial_ptr + o_offs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # (SPLITS_PAD, HEAD_DIM_PAD)
+    o = tl.load(partial_ptr + o_offs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # (SPLITS_PAD, D_PAD)
     # each split's output is normalized by its own denominator; reweight by its share
     w = tl.exp2(lse - tl.max(lse, 0))
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
@@ -130,6 +135,7 @@ def _merge_splits_kernel(
 
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # head sizes the kernel is built for (padded to a power of two)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # cast to fp32 inside, for the dots
 
 
 def default_num_splits(q, num_seqs, n_kv_head, max_q_len, max_context):
@@ -145,20 +151,44 @@ def default_num_splits(q, num_seqs, n_kv_head, max_q_len, max_context):
     return min(triton.cdiv(num_sms, programs), max_context // 256, 16)
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len=None, num_splits=None):
+def kernel_config(dtype, head_dim, group, block_size, max_q_len, num_splits):
+    """The paged-attention kernel's compile-time constants and launch options for one call
+    (a function of its own so the tests can compile exactly this for a GPU they lack)."""
+    group_pad = triton.next_power_of_2(group)
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    # the M dimension stacks (new token, head of the group) rows: at least 16 for tl.dot,
+    # at most 64 (32 for head_dim 256) unless one token's group alone is larger; with
+    # BLOCK_N below, the fp32 tiles fit the ~100 KiB of shared memory of consumer GPUs
+    block_m = max(16, group_pad, min(8192 // head_dim_pad, 64, triton.next_power_of_2(max_q_len) * group_pad))
+    return dict(
+        GROUP=group, GROUP_PAD=group_pad,
+        BLOCK_M=block_m, BLOCK_Q=block_m // group_pad, BLOCK_N=min(64, 4096 // head_dim_pad),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        # fp32 inputs get a full-precision dot; fp16/bf16 tiles, cast to fp32, get the backend's
+        # fast default (tf32 on NVIDIA), which holds fp16 and bf16 values exactly
+        DOT_PRECISION="ieee" if dtype == torch.float32 else None,
+        num_warps=8 if head_dim_pad > 128 else 4, num_stages=2,
+    )
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+                    max_q_len=None, num_splits=None):
     """Causal attention of the packed new tokens q over their sequences' paged K/V.
     q [num_tokens, n_head, head_dim]; caches [num_blocks, block_size, n_kv_head, head_dim];
     block_tables int32 [num_seqs, max_blocks] (-1 past the end); seq_lens int32 [num_seqs]
     (context including the new tokens); cu_seqlens_q int32 [num_seqs + 1].
-    max_q_len (if known) saves a device->host sync; num_splits forces the split-KV choice."""
+    max_q_len (>= every q_len; if known) saves a device->host sync; num_splits forces the
+    split-KV choice (default: default_num_splits)."""
     assert q.dim() == 3 and k_cache.dim() == 4, "q is [num_tokens, n_head, head_dim], caches are 4-D"
     num_tokens, n_head, head_dim = q.shape
-    num_blocks, block_size, n_kv_head, _ = k_cache.shape
+    block_size, n_kv_head = k_cache.shape[1:3]
     num_seqs = seq_lens.shape[0]
-    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), f"unsupported dtype {q.dtype}"
-    assert k_cache.dtype == v_cache.dtype == q.dtype, f"dtypes differ: q {q.dtype}, k {k_cache.dtype}, v {v_cache.dtype}"
+    assert q.dtype in DTYPES, f"unsupported dtype {q.dtype}"
+    assert k_cache.dtype == v_cache.dtype == q.dtype, \
+        f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
     assert v_cache.shape == k_cache.shape, f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}"
-    assert k_cache.shape[3] == head_dim, f"head_dim of q ({head_dim}) != head_dim of the cache ({k_cache.shape[3]})"
+    assert k_cache.shape[3] == head_dim, f"head_dim of q ({head_dim}) != that of the caches ({k_cache.shape[3]})"
     assert head_dim in HEAD_DIMS, f"head_dim {head_dim} not supported, use one of {HEAD_DIMS}"
     assert n_head % n_kv_head == 0, f"n_head ({n_head}) must be a multiple of n_kv_head ({n_kv_head})"
     for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q)):
@@ -178,21 +208,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     if num_splits is None:
         num_splits = default_num_splits(q, num_seqs, n_kv_head, max_q_len, block_tables.shape[1] * block_size)
 
-    group = n_head // n_kv_head
-    group_pad = triton.next_power_of_2(group)
-    head_dim_pad = triton.next_power_of_2(head_dim)
-    # the M dimension stacks (new token, head of the group) rows: >= 16 for tl.dot, a
-    # single token for decode, up to 64 rows (or one token's whole group) for prefill
-    block_m = max(16, group_pad, min(64, triton.next_power_of_2(max_q_len) * group_pad))
-    block_q = block_m // group_pad
-    block_n = 64 if head_dim_pad <= 128 else 32  # keeps the fp32 K/V tiles in shared memory
+    config = kernel_config(q.dtype, head_dim, n_head // n_kv_head, block_size, max_q_len, num_splits)
     if num_splits == 1:
         partial, lse = out[:, :, None], out  # write the final output directly; no lse
     else:
         partial = torch.empty((num_tokens, n_head, num_splits, head_dim), device=q.device, dtype=torch.float32)
         lse = torch.empty((num_tokens, n_head, num_splits), device=q.device, dtype=torch.float32)
 
-    grid = (num_seqs, triton.cdiv(max_q_len, block_q), n_kv_head * num_splits)
+    grid = (num_seqs, triton.cdiv(max_q_len, config["BLOCK_Q"]), n_kv_head * num_splits)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, partial, lse,
         block_tables, seq_lens, cu_seqlens_q,
@@ -203,18 +226,13 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
         lse.stride(0), lse.stride(1),
         block_tables.stride(0),
         scale * 1.4426950408889634,  # log2(e): the kernel uses exp2, cheaper than exp
-        GROUP=group, GROUP_PAD=group_pad,
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        # fp16/bf16 tiles are cast to fp32, which tf32 holds exactly; fp32 inputs get full fp32
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **config,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens * n_head,)](
             partial, lse, out,
             NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=config["HEAD_DIM_PAD"],
         )
     return out
 
@@ -223,75 +241,108 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
 # KV store: write the new tokens' K/V into their cache slots
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping):
-    """Write k, v into the caches at slot_mapping (slot = block_id * block_size + offset).
-    A slot of -1 skips its token (e.g. a prefix-cache hit whose K/V are already there)."""
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh,
+    stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch,
+    N_KV_HEAD: tl.constexpr, N_KV_HEAD_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    # one program per token: copy its (n_kv_head, head_dim) K and V rows into its slot
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # -1: skip this token
+        return
+    h = tl.arange(0, N_KV_HEAD_PAD)[:, None]
+    d = tl.arange(0, HEAD_DIM_PAD)[None, :]
+    mask = (h < N_KV_HEAD) & (d < HEAD_DIM)
+    cache_offs = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
+    k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(k_cache_ptr + cache_offs, k, mask=mask)
+    tl.store(v_cache_ptr + cache_offs, v, mask=mask)
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=None):
+    """Write k, v [num_tokens, n_kv_head, head_dim] into the caches at slot_mapping
+    (slot = block_id * block_size + offset); a slot of -1 skips its token. On CUDA (or with
+    use_triton=True) a Triton kernel does it without the device->host sync of the torch op."""
     num_tokens, n_kv_head, head_dim = k.shape
-    block_size = k_cache.shape[1]
-    assert v.shape == k.shape and slot_mapping.shape == (num_tokens,)
-    assert k_cache.shape[2:] == (n_kv_head, head_dim) and v_cache.shape == k_cache.shape
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    # two index tensors, not a flat view, so the caches may be any strided view
-    k_cache[slots // block_size, slots % block_size] = k[keep].to(k_cache.dtype)
-    v_cache[slots // block_size, slots % block_size] = v[keep].to(v_cache.dtype)
+    num_blocks, block_size = k_cache.shape[:2]
+    assert v.shape == k.shape and slot_mapping.shape == (num_tokens,), "k, v [T, n_kv_head, D], slot_mapping [T]"
+    assert k_cache.shape == v_cache.shape == (num_blocks, block_size, n_kv_head, head_dim), "caches do not match k"
+    if use_triton is None:
+        use_triton = k.is_cuda
+    if not use_triton:
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep].long()
+        # two index tensors, not a flat view, so the caches may be any strided view
+        k_cache[slots // block_size, slots % block_size] = k[keep].to(k_cache.dtype)
+        v_cache[slots // block_size, slots % block_size] = v[keep].to(v_cache.dtype)
+        return
+    assert k.stride(2) == v.stride(2) == k_cache.stride(3) == 1, "head_dim must be contiguous"
+    assert k_cache.stride() == v_cache.stride() and slot_mapping.is_contiguous()
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        N_KV_HEAD=n_kv_head, N_KV_HEAD_PAD=triton.next_power_of_2(n_kv_head),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=block_size,
+    )
 
 
 # -----------------------------------------------------------------------------
 # Torch paged path (the engine's attention on the CPU)
 
-_buffers = {}  # (name, device, dtype) -> flat tensor, grown as needed, reused across calls
+_buffers = {}  # (name, device, dtype) -> flat tensor, grown as needed and reused across calls
 
 
 def _buffer(name, shape, like):
-    numel = shape.numel() if isinstance(shape, torch.Size) else torch.Size(shape).numel()
+    """A tensor of the given shape with like's device and dtype, carved from a reused buffer."""
+    numel = math.prod(shape)
     key = (name, like.device, like.dtype)
     if key not in _buffers or _buffers[key].numel() < numel:
         _buffers[key] = torch.empty(numel, device=like.device, dtype=like.dtype)
     return _buffers[key][:numel].view(shape)
 
 
-def _gather_kv(k_cache, v_cache, block_table, num_positions, valid=None):
-    """K/V of positions 0..num_positions-1 of the sequences in block_table [B, max_blocks]:
-    returns [B, num_positions, n_kv_head, head_dim] each. Positions where valid is False
-    are zeroed, so NaN or stale values in unused slots never reach a matmul (0 * NaN = NaN)."""
-    block_size = k_cache.shape[1]
-    pos = torch.arange(num_positions, device=block_table.device)                  # (L,)
-    blocks = block_table[:, pos // block_size].long().clamp(min=0)                # (B, L); -1 padding -> 0
-    slots = (blocks * block_size + pos % block_size).flatten()                    # (B*L,)
-    shape = (block_table.shape[0], num_positions) + tuple(k_cache.shape[2:])
-    k = torch.index_select(k_cache.flatten(0, 1), 0, slots, out=_buffer("k", (slots.numel(),) + shape[2:], k_cache))
-    v = torch.index_select(v_cache.flatten(0, 1), 0, slots, out=_buffer("v", (slots.numel(),) + shape[2:], v_cache))
-    k, v = k.view(shape), v.view(shape)
-    if valid is not None:
-        k.masked_fill_(~valid[:, :, None, None], 0)
-        v.masked_fill_(~valid[:, :, None, None], 0)
-    return k, v
+def _gather_kv(k_cache, v_cache, block_table, positions):
+    """K and V at positions [B, L] of the B sequences whose block tables are block_table
+    [B, max_blocks], each returned as a [B, n_kv_head, L, head_dim] view for attention."""
+    block_size, n_kv_head, head_dim = k_cache.shape[1:]
+    blocks = block_table.gather(1, positions // block_size).long()                 # (B, L)
+    slots = (blocks * block_size + positions % block_size).flatten()              # (B*L,)
+    rows = (len(slots), n_kv_head, head_dim)
+    k = torch.index_select(k_cache.flatten(0, 1), 0, slots, out=_buffer("k", rows, k_cache))
+    v = torch.index_select(v_cache.flatten(0, 1), 0, slots, out=_buffer("v", rows, v_cache))
+    shape = (*positions.shape, n_kv_head, head_dim)                               # (B, L, nkv, D)
+    return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)           # (B, nkv, L, D) each
 
 
 def _attend(q, k, v, mask, scale):
-    """q [B, Lq, n_head, D], k/v [B, Lk, n_kv_head, D], mask [B, Lq, Lk] (True = attend).
-    Grouped-query attention: query head h reads KV head h // (n_head // n_kv_head)."""
-    B, Lq, n_head, D = q.shape
-    n_kv_head = k.shape[2]
-    group = n_head // n_kv_head
+    """q [B, n_kv_head, M, D] (M stacks the group's query heads), k, v [B, n_kv_head, L, D],
+    mask broadcastable to [B, n_kv_head, M, L], True = attend. Computes in fp32 (fp64 for fp64)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q = q.to(acc).view(B, Lq, n_kv_head, group, D).permute(0, 2, 3, 1, 4)         # (B, nkv, G, Lq, D)
-    k = k.to(acc).permute(0, 2, 3, 1)                                             # (B, nkv, D, Lk)
-    v = v.to(acc).permute(0, 2, 1, 3)                                             # (B, nkv, Lk, D)
-    scores = (q @ k.unsqueeze(2)) * scale                                         # (B, nkv, G, Lq, Lk)
-    scores.masked_fill_(~mask[:, None, None], float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v.unsqueeze(2)                          # (B, nkv, G, Lq, D)
-    return out.permute(0, 3, 1, 2, 4).reshape(B, Lq, n_head, D)
+    return F.scaled_dot_product_attention(q.to(acc), k.to(acc), v.to(acc), attn_mask=mask, scale=scale)
 
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len=None):
-    """paged_attention in plain torch: decode rows (q_len == 1) in one batched call, then one
-    call per sequence with more new tokens. Accepts float64 (the tests run models in it).
-    max_q_len is accepted for the same signature; this path reads the lengths on the host."""
-    num_tokens, n_head, head_dim = q.shape
+    """paged_attention in plain torch: the decoding sequences (q_len == 1) in one batched call,
+    then one call per sequence with more new tokens. Accepts float64 (the tests run models in
+    it). max_q_len is accepted for the same signature; this path reads the lengths on the host.
+    K/V are gathered only from positions < seq_len, so unused slots (even NaN) are never read."""
+    n_head, head_dim = q.shape[1:]
+    n_kv_head = k_cache.shape[2]
+    group = n_head // n_kv_head
     assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim
-    assert n_head % k_cache.shape[2] == 0, "n_head must be a multiple of n_kv_head"
+    assert n_head % n_kv_head == 0, "n_head must be a multiple of n_kv_head"
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
@@ -300,24 +351,28 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode:
         idx = torch.tensor(decode, device=q.device)
-        starts = torch.tensor([cu[i] for i in decode], device=q.device)
-        ctx = seq_lens.to(q.device)[idx].long()                                   # (B,)
-        L = max(lens[i] for i in decode)
-        valid = torch.arange(L, device=q.device)[None, :] < ctx[:, None]          # (B, L)
-        k, v = _gather_kv(k_cache, v_cache, block_tables[idx], L, valid)          # (B, L, nkv, D)
-        out[starts] = _attend(q[starts, None], k, v, valid[:, None, :], scale)[:, 0].to(q.dtype)
+        rows = cu_seqlens_q.index_select(0, idx).long()                           # (B,) their one new token
+        ctx = seq_lens.index_select(0, idx).long()[:, None]                       # (B, 1)
+        pos = torch.arange(max(lens[i] for i in decode), device=q.device)[None]   # (1, L)
+        # positions past a sequence's end re-read its last token: real values, masked out below
+        k, v = _gather_kv(k_cache, v_cache, block_tables.index_select(0, idx), torch.minimum(pos, ctx - 1))
+        q_dec = q.index_select(0, rows).view(len(decode), n_kv_head, group, head_dim)  # (B, nkv, G, D)
+        o = _attend(q_dec, k, v, (pos < ctx)[:, None, None, :], scale)           # (B, nkv, G, D)
+        out.index_copy_(0, rows, o.reshape(len(decode), n_head, head_dim).to(q.dtype))
 
     for i, q_len in enumerate(q_lens):
         if q_len <= 1:
             continue
-        L = lens[i]
-        k, v = _gather_kv(k_cache, v_cache, block_tables[i : i + 1], L)           # (1, L, nkv, D)
+        pos = torch.arange(lens[i], device=q.device)                              # (L,)
+        k, v = _gather_kv(k_cache, v_cache, block_tables[i : i + 1], pos[None])   # (1, nkv, L, D)
+        q_seq = q[cu[i] : cu[i + 1]].view(q_len, n_kv_head, group, head_dim)
+        q_seq = q_seq.permute(1, 2, 0, 3).reshape(1, n_kv_head, group * q_len, head_dim)
         # causal: new token j sits at position L - q_len + j and sees positions 0..that
-        q_pos = torch.arange(L - q_len, L, device=q.device)
-        mask = torch.arange(L, device=q.device)[None, :] <= q_pos[:, None]        # (q_len, L)
-        out[cu[i] : cu[i + 1]] = _attend(q[None, cu[i] : cu[i + 1]], k, v, mask[None], scale)[0].to(q.dtype)
+        mask = pos[None, :] <= pos[lens[i] - q_len :, None]                       # (q_len, L)
+        o = _attend(q_seq, k, v, mask.repeat(group, 1), scale)                    # (1, nkv, G*q_len, D)
+        o = o.view(n_kv_head, group, q_len, head_dim).permute(2, 0, 1, 3)          # (q_len, nkv, G, D)
+        out[cu[i] : cu[i + 1]] = o.reshape(q_len, n_head, head_dim).to(q.dtype)
     return out
-
 
 
 # -----------------------------------------------------------------------------

@@ -1,23 +1,239 @@
 """
-Tests for nanopaged: the block allocator as a state machine, the kernels against naive
-attention, the model against Hugging Face GPT-2, the engine against naive generation, and
-bad inputs. Run: python -m pytest -q   (on a CPU the Triton kernels run in the interpreter)
+Tests for nanopaged: the kernels against naive attention, the block allocator as a state
+machine, the model against Hugging Face GPT-2, the engine against naive generation, and bad
+inputs. Run: python -m pytest -q   (without a GPU the Triton kernels run in the interpreter)
 """
 
 import copy
-from collections import Counter
+import functools
 import os
+import subprocess
+import sys
+from collections import Counter
 
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when kernel.py's @triton.jit runs: import it after
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from nanopaged import BlockAllocator, OutOfBlocksError, Sequence, chain_hash
+import kernel
+import nanopaged
+from kernel import HEAD_DIMS, naive_attention, paged_attention, paged_attention_torch, store_kv
+from nanopaged import GPT, BlockAllocator, Engine, GPTConfig, OutOfBlocksError, SamplingParams, Sequence, chain_hash
+
+# -----------------------------------------------------------------------------
+# The kernels: Triton and the torch paged path against naive attention on contiguous K/V
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
+
+
+@st.composite
+def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False):
+    """A packed batch of sequences in a paged cache, and the same K/V laid out contiguously.
+    Tables are shuffled, later sequences may share a prefix of sequence 0's blocks (as after
+    a fork or a prefix-cache hit), and every cache slot no sequence uses holds NaN."""
+    num_seqs = draw(st.integers(1, max_seqs))
+    block_size = draw(st.sampled_from([1, 3, 4, 5, 16]))
+    n_kv_head = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2, 3, 4, 8]))  # n_kv_head == 1 with group > 1 is MQA
+    head_dim = draw(st.sampled_from(HEAD_DIMS))
+    dtype = draw(st.sampled_from(dtypes))
+    seq_lens, q_lens = [], []
+    for _ in range(num_seqs):
+        if draw(st.booleans()):  # a context that exactly fills its blocks
+            seq_len = block_size * draw(st.integers(1, max(1, max_seq_len // block_size)))
+        else:
+            seq_len = draw(st.integers(1, max_seq_len))
+        kind = "decode" if decode_only else draw(st.sampled_from(["decode", "prefill", "chunk"]))
+        q_len = {"decode": 1, "prefill": seq_len, "chunk": draw(st.integers(1, seq_len))}[kind]
+        seq_lens.append(seq_len)
+        q_lens.append(q_len)
+
+    # block tables: shuffled physical ids; sequence i > 0 may start with sequence 0's blocks
+    num_blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(num_blocks_per_seq) + 2
+    free = draw(st.permutations(range(num_blocks)))
+    tables = []
+    for i, n in enumerate(num_blocks_per_seq):
+        shared = draw(st.integers(0, min(n, num_blocks_per_seq[0]) - 1)) if i > 0 else 0
+        tables.append((tables[0][:shared] if i > 0 else []) + free[:n - shared])
+        free = free[n - shared:]
+    max_blocks = max(num_blocks_per_seq) + 1  # at least one -1 column of padding
+    block_tables = torch.tensor([t + [-1] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+
+    # fill the used slots (shared ones once) and gather the contiguous copy slot by slot
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    k_cache = torch.full((num_blocks, block_size, n_kv_head, head_dim), float("nan"), dtype=dtype)
+    v_cache = k_cache.clone()
+    k_ctx, v_ctx = [], []
+    for table, seq_len in zip(tables, seq_lens, strict=True):
+        for t in range(seq_len):
+            b, o = table[t // block_size], t % block_size
+            if k_cache[b, o].isnan().any():
+                k_cache[b, o] = torch.randn(n_kv_head, head_dim, generator=g).to(dtype)
+                v_cache[b, o] = torch.randn(n_kv_head, head_dim, generator=g).to(dtype)
+            k_ctx.append(k_cache[b, o])
+            v_ctx.append(v_cache[b, o])
+    q = torch.randn(sum(q_lens), n_kv_head * group, head_dim, generator=g).to(dtype)
+    cu_seqlens_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    def to(t):
+        return t.to(DEVICE)
+    return dict(
+        q=to(q), k_cache=to(k_cache), v_cache=to(v_cache), block_tables=to(block_tables),
+        seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)), cu_seqlens_q=to(cu_seqlens_q),
+        scale=head_dim**-0.5, k=to(torch.stack(k_ctx)), v=to(torch.stack(v_ctx)),
+    )
+
+
+def paged_args(b):
+    return b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"], b["cu_seqlens_q"], b["scale"]
+
+
+def reference(b):
+    return naive_attention(b["q"], b["k"], b["v"], b["cu_seqlens_q"], b["seq_lens"], b["scale"])
+
+
+def assert_close(out, ref):
+    tol = TOL[ref.dtype]
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert not out.isnan().any(), "NaN in the output: a slot past seq_len was read"
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    paged_batches(dtypes=[torch.float32, torch.float16, torch.bfloat16]),
+    st.sampled_from([None, 1, 2, 3]), st.booleans(),
+)
+def test_triton_matches_naive(b, num_splits, pass_max_q_len):
+    # the engine passes max_q_len to avoid a sync; without it the launcher reads cu_seqlens_q
+    max_q_len = int((b["cu_seqlens_q"][1:] - b["cu_seqlens_q"][:-1]).max()) if pass_max_q_len else None
+    out = paged_attention(*paged_args(b), max_q_len=max_q_len, num_splits=num_splits)
+    assert_close(out, reference(b))
+
+
+@settings(max_examples=15, deadline=None)
+@given(paged_batches(dtypes=[torch.float32], max_seqs=2, max_seq_len=300, decode_only=True), st.integers(2, 8))
+def test_split_kv_agrees_with_one_split(b, num_splits):
+    # the split path must give the same result as one program per sequence, including
+    # splits left empty because the context is shorter than num_splits tiles
+    one = paged_attention(*paged_args(b), max_q_len=1, num_splits=1)
+    split = paged_attention(*paged_args(b), max_q_len=1, num_splits=num_splits)
+    assert_close(split, one)
+
+
+@settings(max_examples=100, deadline=None)
+@given(paged_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16]))
+def test_torch_path_matches_naive(b):
+    assert_close(paged_attention_torch(*paged_args(b)), reference(b))
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.integers(1, 6), st.integers(1, 5), st.integers(1, 3), st.sampled_from([16, 80]),
+    st.sampled_from([torch.float32, torch.bfloat16]), st.booleans(), st.data(),
+)
+def test_store_kv_writes_exactly_the_given_slots(
+    num_blocks, block_size, n_kv_head, head_dim, dtype, use_triton, data
+):
+    num_slots = num_blocks * block_size
+    slots = data.draw(st.lists(st.integers(0, num_slots - 1), max_size=num_slots, unique=True))
+    slots = [s if data.draw(st.booleans()) else -1 for s in slots]  # -1: skip the token
+    slot_mapping = torch.tensor(slots, dtype=data.draw(st.sampled_from([torch.int32, torch.int64])), device=DEVICE)
+    # k and v as the model makes them: views into one fused qkv tensor
+    qkv = torch.randn(len(slots), 3, n_kv_head, head_dim, device=DEVICE).to(dtype)
+    k, v = qkv[:, 1], qkv[:, 2]
+    k_cache = torch.full((num_blocks, block_size, n_kv_head, head_dim), float("nan"), device=DEVICE, dtype=dtype)
+    v_cache = k_cache.clone()
+    store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=use_triton)
+    written = torch.zeros(num_slots, dtype=torch.bool, device=DEVICE)
+    for i, s in enumerate(slots):
+        if s >= 0:
+            written[s] = True
+            assert torch.equal(k_cache.flatten(0, 1)[s], k[i]) and torch.equal(v_cache.flatten(0, 1)[s], v[i])
+    assert k_cache.flatten(0, 1)[~written].isnan().all() and v_cache.flatten(0, 1)[~written].isnan().all()
+
+
+def small_batch(head_dim=64, dtype=torch.float32):
+    q = torch.randn(3, 4, head_dim, device=DEVICE, dtype=dtype)
+    k_cache = torch.randn(4, 4, 2, head_dim, device=DEVICE, dtype=dtype)
+    block_tables = torch.tensor([[0, 1], [2, -1]], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([6, 3], dtype=torch.int32, device=DEVICE)
+    cu_seqlens_q = torch.tensor([0, 2, 3], dtype=torch.int32, device=DEVICE)
+    return [q, k_cache, k_cache.clone(), block_tables, seq_lens, cu_seqlens_q, head_dim**-0.5]
+
+
+def test_triton_matches_torch_path_on_a_fixed_batch():
+    args = small_batch()  # a chunk of 2 new tokens over 6, and a decode over 3 with -1 padding
+    assert_close(paged_attention(*args), paged_attention_torch(*args))
+
+
+GPU_CONFIGS = [  # dtype, head_dim, group, block_size, max_q_len, num_splits
+    (torch.float16, 128, 1, 16, 1, 1),     # decode
+    (torch.bfloat16, 80, 4, 5, 300, 1),    # prefill, GQA, padded head_dim, odd block size
+    (torch.float32, 256, 8, 1, 1, 4),      # split-KV, the largest fp32 tiles
+]
+
+
+def compile_for_sm86(dtype, head_dim, group, block_size, max_q_len, num_splits):
+    """Compile the kernel as paged_attention would launch it, for an sm_86 GPU (RTX 30xx);
+    returns the shared memory it needs. Runs without a GPU, but not under the interpreter."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    config = kernel.kernel_config(dtype, head_dim, group, block_size, max_q_len, num_splits)
+    options = dict(num_warps=config.pop("num_warps"), num_stages=config.pop("num_stages"))
+    fn = kernel._paged_attention_kernel
+    ptr = "*" + {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+    out_ptr = ptr if num_splits == 1 else "*fp32"
+    signature = {name: "i32" for name in fn.arg_names}  # the strides
+    signature.update(q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, out_ptr=out_ptr, lse_ptr=out_ptr,
+                     block_tables_ptr="*i32", seq_lens_ptr="*i32", cu_seqlens_q_ptr="*i32", qk_scale="fp32")
+    signature.update({name: "constexpr" for name in config})
+    source = ASTSource(fn, signature, constexprs=config)
+    return triton.compile(source, target=GPUTarget("cuda", 86, 32), options=options).metadata.shared
+
+
+def test_kernel_compiles_for_a_gpu():
+    # the interpreter never runs Triton's compiler, so compile the launch configurations in a
+    # fresh process with the interpreter off: a GPU-only error fails here, GPU or no GPU
+    pytest.importorskip("triton")
+    module = os.path.splitext(os.path.basename(__file__))[0]
+    code = f"import torch, {module} as t\nfor c in t.GPU_CONFIGS: print(t.compile_for_sm86(*c))"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    run = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)), env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    shared = [int(line) for line in run.stdout.split()]
+    assert len(shared) == len(GPU_CONFIGS) and max(shared) <= 99 * 1024, f"shared memory {shared} > 99 KiB"
+
+
+def with_arg(i, value):
+    return lambda args: args[:i] + [value(args[i])] + args[i + 1:]
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (lambda args: small_batch(head_dim=48), "head_dim 48 not supported"),
+    (with_arg(0, lambda q: torch.randn(3, 4, 32, device=DEVICE)), "head_dim of q"),
+    (with_arg(0, lambda q: q.half()), "dtypes differ"),
+    (lambda args: small_batch(dtype=torch.float64), "unsupported dtype"),
+    (with_arg(0, lambda q: q[:, :3]), "multiple of n_kv_head"),
+    (with_arg(2, lambda v_cache: v_cache[:, :2]), "v_cache"),
+    (with_arg(3, lambda block_tables: block_tables.long()), "block_tables must be int32"),
+    (with_arg(3, lambda block_tables: block_tables[:1]), "block_tables is"),
+    (with_arg(5, lambda cu_seqlens_q: cu_seqlens_q[:2]), "cu_seqlens_q is"),
+    (with_arg(0, lambda q: q[0]), "q is"),
+])
+def test_launcher_rejects_bad_inputs(break_it, message):
+    with pytest.raises(AssertionError, match=message):
+        paged_attention(*break_it(small_batch()))
+
 
 # -----------------------------------------------------------------------------
 # The block allocator
@@ -330,11 +546,6 @@ def test_double_free_raises():
 # Models run in float64 in these tests, so that the paged and the contiguous computations
 # agree to ~1e-15 and an argmax can only flip on an exact tie.
 
-from nanopaged import GPT, Engine, GPTConfig, SamplingParams  # noqa: E402
-
-import nanopaged  # noqa: E402
-
-
 def tiny_model(n_kv_head=None, seed=0, vocab_size=32, max_seq_len=64):
     torch.manual_seed(seed)
     config = GPTConfig(n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=32, vocab_size=vocab_size,
@@ -351,13 +562,17 @@ def naive_logprobs(model, tokens):
     return model(torch.tensor([tokens]))[0, -1].log_softmax(-1)
 
 
-def naive_greedy(model, prompt, max_tokens, stop_token_ids=()):
+def naive_greedy(model, prompt, max_tokens):
+    """Greedy decoding by recomputing the whole sequence every token (memoized: tests repeat prompts)."""
+    return list(_naive_greedy(model, tuple(prompt), max_tokens))
+
+
+@functools.lru_cache(maxsize=None)
+def _naive_greedy(model, prompt, max_tokens):
     tokens = list(prompt)
     for _ in range(max_tokens):
         tokens.append(int(naive_logprobs(model, tokens).argmax()))
-        if tokens[-1] in stop_token_ids:
-            break
-    return tokens[len(prompt):]
+    return tuple(tokens[len(prompt):])
 
 
 def assert_all_blocks_free(engine):
