@@ -96,7 +96,7 @@ class CausalSelfAttention(nn.Module):
         T = x.shape[0]
         q = q.view(T, self.n_head, self.head_dim)                            # (T, nh, hs)
         store_kv(k.view(T, self.n_kv_head, self.head_dim), v.view(T, self.n_kv_head, self.head_dim),
-                 k_cache, v_cache, batch.slot_mapping)
+                 k_cache, v_cache, batch.slot_mapping, use_triton=batch.use_triton)
         attention = paged_attention if batch.use_triton else paged_attention_torch
         y = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
                       1.0 / math.sqrt(self.head_dim), max_q_len=batch.max_q_len)  # (T, nh, hs)
@@ -169,16 +169,15 @@ class GPT(nn.Module):
             raise ValueError(f"no GPT-2 checkpoint at {path!r}: config.json not found")
         with open(os.path.join(path, "config.json")) as f:
             hf = json.load(f)
-        variant = {"activation_function": hf.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh"),
-                   "n_inner": hf.get("n_inner") in (None, 4 * hf["n_embd"]),
-                   "scale_attn_by_inverse_layer_idx": not hf.get("scale_attn_by_inverse_layer_idx", False)}
-        for key, supported in variant.items():
-            if not supported:
-                raise ValueError(f"{path}: config.json sets {key}={hf[key]!r}, a GPT-2 variant this model does not implement")
+        for key, default, supported in [("activation_function", "gelu_new", ("gelu_new", "gelu_pytorch_tanh")),
+                                        ("n_inner", None, (None, 4 * hf["n_embd"])),
+                                        ("scale_attn_by_inverse_layer_idx", False, (False,))]:
+            if hf.get(key, default) not in supported:
+                raise ValueError(f"{path}: config.json sets {key}={hf[key]!r}, a GPT-2 variant this model lacks")
+        eos = hf.get("eos_token_id")  # random test configs keep GPT-2's 50256 with a tiny vocabulary
         config = GPTConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"], n_layer=hf["n_layer"],
-                           n_head=hf["n_head"], n_embd=hf["n_embd"],
-                           layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-                           eos_token_id=hf.get("eos_token_id") if hf.get("eos_token_id", -1) in range(hf["vocab_size"]) else None)
+                           n_head=hf["n_head"], n_embd=hf["n_embd"], layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+                           eos_token_id=eos if isinstance(eos, int) and 0 <= eos < hf["vocab_size"] else None)
         if os.path.isfile(os.path.join(path, "model.safetensors")):
             from safetensors.torch import load_file
             sd = load_file(os.path.join(path, "model.safetensors"))

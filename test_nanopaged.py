@@ -701,13 +701,13 @@ def no_writes_into_shared_blocks(monkeypatch):
     """Make every KV write check that the block it lands in has exactly one owner."""
     engines = []
 
-    def checked_store_kv(k, v, k_cache, v_cache, slot_mapping):
+    def checked_store_kv(k, v, k_cache, v_cache, slot_mapping, **kwargs):
         for engine in engines:
             if engine.kv_cache.data_ptr() <= k_cache.data_ptr() < engine.kv_cache[1].data_ptr():
                 for slot in slot_mapping.tolist():
                     block = engine.allocator.blocks[slot // engine.block_size]
                     assert block.ref_count == 1, f"write into block {block.block_id} with ref count {block.ref_count}"
-        real_store_kv(k, v, k_cache, v_cache, slot_mapping)
+        real_store_kv(k, v, k_cache, v_cache, slot_mapping, **kwargs)
 
     real_store_kv = nanopaged.store_kv
     monkeypatch.setattr(nanopaged, "store_kv", checked_store_kv)
@@ -1067,3 +1067,14 @@ class EngineMachine(RuleBasedStateMachine):
 
 EngineMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
 test_engine_state_machine = EngineMachine.TestCase
+
+
+def test_engine_on_the_triton_kernel_generates_like_naive():
+    # the engine's GPU path (Triton attention and KV store), here under the interpreter on a CPU
+    torch.manual_seed(3)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_kv_head=1, n_embd=32, vocab_size=32, max_seq_len=64))
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10] * 12]
+    engine = Engine(model, block_size=4, num_blocks=24, attention_backend="triton", max_num_batched_tokens=10)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
+    assert [o.outputs[0].token_ids for o in outputs] == [naive_greedy(model, p, 6) for p in prompts]
+    assert_all_blocks_free(engine)
