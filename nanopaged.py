@@ -780,8 +780,10 @@ class Engine:
         if total > self.config.max_seq_len:
             raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds the model's max_seq_len ({self.config.max_seq_len})")
-        if params.num_seqs > self.scheduler.max_num_seqs:
-            raise ValueError(f"n/beam_width ({params.num_seqs}) exceeds max_num_seqs ({self.scheduler.max_num_seqs})")
+        limit = min(self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens)  # its seqs decode together
+        if params.num_seqs > limit:
+            raise ValueError(f"n/beam_width ({params.num_seqs}) exceeds max_num_seqs and max_num_batched_tokens "
+                             f"(at most {limit} sequences of one request)")
         # Worst case: every sample ends up with private blocks for all its tokens.
         worst = params.num_seqs * -(-total // self.block_size)
         if worst > self.allocator.num_blocks:

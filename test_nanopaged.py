@@ -896,7 +896,7 @@ def serves_normally(engine):
     ([1] * 60, SamplingParams(max_tokens=5), r"= 65 exceeds the model's max_seq_len \(64\)"),
     ([1] * 30, SamplingParams(max_tokens=30), "may need 15 KV blocks .* but the pool has 12: it could never run"),
     ([1] * 11, SamplingParams(max_tokens=6, n=3), r"may need 15 KV blocks \(3 x 17 tokens"),
-    ([1], SamplingParams(n=9), r"n/beam_width \(9\) exceeds max_num_seqs \(8\)"),
+    ([1], SamplingParams(n=9), r"n/beam_width \(9\) exceeds max_num_seqs .*at most 8 sequences"),
     ([1], "greedy", "params must be a SamplingParams"),
 ])
 def test_bad_requests_are_rejected_before_taking_blocks(prompt, params, message):
