@@ -24,7 +24,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.nn as nn
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from nanopaged import DEMO_MODEL, GPT, BlockAllocator, Engine, GPTConfig, SamplingParams, Sequence  # noqa: E402
 
@@ -373,6 +374,103 @@ def bench_throughput(num_requests=48, max_num_seqs=32):
 
 
 # -----------------------------------------------------------------------------
+# --kernel: paged attention against contiguous attention on the same K/V
+
+KERNEL_SHAPE = dict(n_head=32, n_kv_head=8, head_dim=128, block_size=16)  # Llama-3-8B's attention, vLLM's block
+# Peak HBM bandwidth in GB/s, from NVIDIA's datasheets (nvidia.com/en-us/data-center/<product>/);
+# the first key found in torch.cuda.get_device_name() wins, so PCIe parts come before SXM.
+PEAK_GBPS = {"H200": 4800, "H100 PCIe": 2000, "H100": 3350, "A100-PCIE-40GB": 1555, "A100-SXM4-40GB": 1555,
+             "A100 80GB PCIe": 1935, "A100": 2039, "L40S": 864, "L4": 300, "A10": 600, "RTX 4090": 1008}
+
+
+def paged_case(batch, context, dtype, device):
+    """batch sequences of context tokens, one new token each, paged through shuffled block tables
+    (scattered physical blocks, as in serving), and the same K/V laid out contiguously."""
+    n_head, n_kv, D, bs = (KERNEL_SHAPE[k] for k in ("n_head", "n_kv_head", "head_dim", "block_size"))
+    torch.manual_seed(SEED)
+    blocks_per_seq = -(-context // bs)
+    k_cache = torch.randn(batch * blocks_per_seq, bs, n_kv, D, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq).int()
+    k = k_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()  # (B, nkv, L, D)
+    v = v_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
+    q = torch.randn(batch, n_head, D, dtype=dtype, device=device)                        # (B, nh, D)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    return q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, k, v
+
+
+def time_ms(fn):
+    """Median milliseconds per call, warm-up excluded. On a GPU, Triton's do_bench, which also
+    flushes the L2 cache before every call, so each one reads K/V from HBM."""
+    if torch.cuda.is_available():
+        import triton
+        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+    fn()
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        fn()
+        times.append(1e3 * (time.perf_counter() - start))
+    return float(np.median(times))
+
+
+def bench_kernel():
+    import kernel
+    on_gpu = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.float16) if on_gpu else ("cpu", torch.float32)
+    name = torch.cuda.get_device_name() if on_gpu else platform.processor() or "CPU"
+    peak = next((gbps for key, gbps in PEAK_GBPS.items() if key in name), None)
+    if not on_gpu:
+        print("\n--kernel: the Triton kernel's latency and bandwidth need a GPU; on this CPU it times the "
+              "torch paged path (the engine's CPU attention) instead")
+    paged = kernel.paged_attention if on_gpu else kernel.paged_attention_torch
+    grid = [(b, c) for b in (1, 8, 64, 256) for c in (512, 1024, 4096, 16384)] if on_gpu else \
+        [(b, c) for b in (1, 8, 32) for c in (256, 1024, 2048)]
+    n_head, n_kv, D = KERNEL_SHAPE["n_head"], KERNEL_SHAPE["n_kv_head"], KERNEL_SHAPE["head_dim"]
+    scale, results, rows = D ** -0.5, {}, []
+    for batch, context in grid:
+        try:
+            q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, k, v = paged_case(batch, context, dtype, device)
+        except torch.cuda.OutOfMemoryError:
+            print(f"batch {batch} x context {context}: skipped, out of GPU memory")
+            continue
+        calls = {
+            "paged": lambda: paged(q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, scale, max_q_len=1),
+            # contiguous SDPA, the group's query heads stacked on the query axis so each K/V head is read once
+            "sdpa": lambda: F.scaled_dot_product_attention(q.view(batch, n_kv, n_head // n_kv, D), k, v, scale=scale),
+        }
+        if batch * context <= 8192:  # the reference loops over sequences in Python: small shapes only
+            flat_k, flat_v = (t.transpose(1, 2).reshape(batch * context, n_kv, D) for t in (k, v))
+            calls["naive"] = lambda: kernel.naive_attention(q, flat_k, flat_v, cu_seqlens_q, seq_lens, scale)
+        if on_gpu and batch <= 8 and context >= 4096:  # Flash-Decoding's case: few sequences, long context
+            calls["paged, no split"] = lambda: paged(q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, scale,
+                                                     max_q_len=1, num_splits=1)
+        reference = calls["sdpa"]().reshape(batch, n_head, D)
+        for label, call in calls.items():  # check before timing (llm.c's rule)
+            tol = 1e-4 if dtype == torch.float32 else 5e-3
+            torch.testing.assert_close(call().reshape(batch, n_head, D), reference, atol=tol, rtol=tol,
+                                       msg=lambda m: f"{label} disagrees with SDPA at batch {batch} x {context}: {m}")
+        moved = (k.numel() + v.numel() + 2 * q.numel()) * q.element_size()  # K, V read once; q in, out
+        r = {label: time_ms(call) for label, call in calls.items()}
+        r["paged_GBps"], r["sdpa_GBps"] = moved / r["paged"] / 1e6, moved / r["sdpa"] / 1e6
+        results[f"{batch}x{context}"] = r
+        pct = (lambda gbps: f"{100 * gbps / peak:.0f}%") if peak else (lambda gbps: "-")
+        rows.append([batch, context, f"{moved / 1e6:.0f}", f"{r['paged']:.3f}", f"{r['paged_GBps']:.0f}",
+                     pct(r["paged_GBps"]), f"{r['sdpa']:.3f}", f"{r['sdpa_GBps']:.0f}", f"{r['paged'] / r['sdpa']:.2f}x",
+                     f"{r['paged, no split'] / r['paged']:.2f}x" if "paged, no split" in r else "-",
+                     f"{r['naive']:.2f}" if "naive" in r else "-"])
+        del q, k_cache, v_cache, k, v
+    print_table(f"Decode attention, {'Triton paged_attention' if on_gpu else 'paged_attention_torch'} vs contiguous "
+                f"SDPA on {name} ({dtype}, n_head {n_head}, n_kv_head {n_kv}, head_dim {D}, block_size "
+                f"{KERNEL_SHAPE['block_size']}, shuffled tables; peak {peak or 'unknown'} GB/s; goal at 64 x 4096: "
+                ">= 75% of peak and <= 1.3x SDPA)",
+                ["batch", "context", "MB moved", "paged ms", "GB/s", "% peak", "SDPA ms", "GB/s", "paged/SDPA",
+                 "split-KV speedup", "naive ms"], rows)
+    return dict(device=name, dtype=str(dtype), peak_GBps=peak, shapes=results)
+
+
+# -----------------------------------------------------------------------------
 # --overhead and --soak: the engine with a model that does nothing
 
 
@@ -471,7 +569,7 @@ def machine():
 
 
 SECTIONS = dict(memory=bench_memory, capacity=bench_capacity, sharing=bench_sharing,
-                throughput=bench_throughput, overhead=bench_overhead)
+                throughput=bench_throughput, kernel=bench_kernel, overhead=bench_overhead)
 
 
 def main():
