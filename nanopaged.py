@@ -176,7 +176,8 @@ class GPT(nn.Module):
                 raise ValueError(f"{path}: config.json sets {key}={hf[key]!r}, a GPT-2 variant this model lacks")
         eos = hf.get("eos_token_id")  # random test configs keep GPT-2's 50256 with a tiny vocabulary
         config = GPTConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"], n_layer=hf["n_layer"],
-                           n_head=hf["n_head"], n_embd=hf["n_embd"], layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+                           n_head=hf["n_head"], n_embd=hf["n_embd"],
+                           layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
                            eos_token_id=eos if isinstance(eos, int) and 0 <= eos < hf["vocab_size"] else None)
         if os.path.isfile(os.path.join(path, "model.safetensors")):
             from safetensors.torch import load_file
@@ -466,8 +467,8 @@ class SamplingParams:
 class Sequence:
     """One token stream: a prompt and what has been generated after it, with its block table."""
 
-    def __init__(self, seq_id, token_ids, num_prompt_tokens, index=0):
-        self.seq_id, self.index = seq_id, index  # index: which sample of its request this is
+    def __init__(self, seq_id, token_ids, num_prompt_tokens, index=0, request_id=None):
+        self.seq_id, self.request_id, self.index = seq_id, request_id, index  # index: which sample it is
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = num_prompt_tokens
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache; the rest are computed next
@@ -487,7 +488,7 @@ class Sequence:
 
     def fork(self, seq_id, index):
         """A copy that shares everything generated so far; the allocator shares its blocks."""
-        child = Sequence(seq_id, self.token_ids, self.num_prompt_tokens, index)
+        child = Sequence(seq_id, self.token_ids, self.num_prompt_tokens, index, self.request_id)
         child.num_computed_tokens, child.block_hashes = self.num_computed_tokens, list(self.block_hashes)
         child.cumulative_logprob, child.logits = self.cumulative_logprob, self.logits
         return child
@@ -504,6 +505,7 @@ class SequenceGroup:
         self.finished = []  # finished samples, or finished beam hypotheses (token_ids, logprob, reason)
         self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
         self.num_preemptions = 0
+        self.seed = None  # sample i draws from seed + i
 
     @property
     def is_finished(self):
@@ -526,6 +528,7 @@ class RequestOutput:
     time_to_first_token: float  # seconds from add_request to the first sampled token
     latency: float  # seconds from add_request to the last
     num_preemptions: int
+
 
 # -----------------------------------------------------------------------------
 # The scheduler: first-come-first-served continuous batching, one step at a time
@@ -682,6 +685,7 @@ class Scheduler:
     def remove_finished(self):
         self.running = [g for g in self.running if not g.is_finished]
 
+
 # -----------------------------------------------------------------------------
 # Sampling
 
@@ -713,52 +717,56 @@ def sample(logits, temperatures, top_ks, top_ps, generators):
 # The engine: schedule, copy blocks, run one packed batch, sample, repeat
 
 
+def check_engine_settings(config, dtype, device, attention_backend, preemption_mode, **counts):
+    """Raise ValueError for engine settings that cannot work, naming the setting and what it takes."""
+    for name, value in counts.items():  # None: num_blocks follows from the byte budget
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"Engine: {name} must be an integer >= 1, got {value!r}")
+    if preemption_mode not in ("recompute", "swap"):
+        raise ValueError(f"Engine: preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("Engine: device='cuda' but no CUDA GPU is available; use device='cpu'")
+    if not dtype.is_floating_point:
+        raise ValueError(f"Engine: the model's dtype {dtype} is not a floating-point type")
+    if attention_backend not in ("triton", "torch"):
+        raise ValueError(f"Engine: attention_backend must be 'triton' or 'torch', got {attention_backend!r}")
+    if attention_backend == "triton" and (dtype not in kernel.DTYPES or config.head_dim not in kernel.HEAD_DIMS):
+        raise ValueError(f"Engine: the Triton kernel takes head sizes {kernel.HEAD_DIMS} in {kernel.DTYPES}; this "
+                         f"model has head size {config.head_dim} in {dtype} (attention_backend='torch' takes any)")
+
+
 class Engine:
 
     def __init__(self, model, block_size=16, num_blocks=None, kv_cache_bytes=None, num_cpu_blocks=None,
                  preemption_mode="recompute", enable_prefix_caching=True, max_num_seqs=256,
                  max_num_batched_tokens=2048, device=None, attention_backend=None):
-        for name, value in [("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)]:
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"Engine: {name} must be an integer >= 1, got {value!r}")
-        if preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"Engine: preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("Engine: device='cuda' but no CUDA GPU is available; use device='cpu'")
-        config, dtype = model.config, next(model.parameters()).dtype
-        if not dtype.is_floating_point:
-            raise ValueError(f"Engine: the model's dtype {dtype} is not a floating-point type")
         # The Triton kernel on a GPU; on the CPU the torch path, since the interpreter is ~1000x slower.
         attention_backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
-        if attention_backend not in ("triton", "torch"):
-            raise ValueError(f"Engine: attention_backend must be 'triton' or 'torch', got {attention_backend!r}")
-        if attention_backend == "triton" and (dtype not in kernel.DTYPES or config.head_dim not in kernel.HEAD_DIMS):
-            raise ValueError(f"Engine: the Triton kernel takes head sizes {kernel.HEAD_DIMS} in {kernel.DTYPES}; "
-                             f"this model has head size {config.head_dim} in {dtype} (attention_backend='torch' takes any)")
-        self.use_triton = attention_backend == "triton"
+        config, dtype = model.config, next(model.parameters()).dtype
+        check_engine_settings(config, dtype, device, attention_backend, preemption_mode, block_size=block_size,
+                              num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens)
         self.model, self.config, self.device = model.to(device).eval(), config, device
-        self.block_size = block_size
+        self.block_size, self.use_triton = block_size, attention_backend == "triton"
 
-        # KV cache: one tensor, so a block copy (copy-on-write, swap) is one indexing op for all layers.
+        # The KV cache is one tensor, so a block copy (copy-on-write, swap) is one indexing op for
+        # all layers. Sized like vLLM's: by a byte budget, by default 90% of free GPU memory.
         block_shape = (block_size, config.n_kv_head, config.head_dim)
         bytes_per_block = 2 * config.n_layer * math.prod(block_shape) * dtype.itemsize
         if num_blocks is None:
-            if kv_cache_bytes is None:  # vLLM sizes the cache from free memory; we take 90% of it on a GPU
-                kv_cache_bytes = int(0.9 * torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else 1 << 30
-                kv_cache_bytes = min(kv_cache_bytes, bytes_per_block * max_num_seqs * -(-config.max_seq_len // block_size))
+            if kv_cache_bytes is None:  # but no more than max_num_seqs full-length sequences can use
+                free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 30
+                kv_cache_bytes = min(int(0.9 * free), bytes_per_block * max_num_seqs * -(-config.max_seq_len // block_size))
             num_blocks = kv_cache_bytes // bytes_per_block
             if num_blocks < 1:
                 raise ValueError(f"Engine: kv_cache_bytes={kv_cache_bytes} is smaller than one KV block "
                                  f"({bytes_per_block} bytes at block_size={block_size})")
-        elif not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"Engine: num_blocks must be an integer >= 1, got {num_blocks!r}")
-        if num_cpu_blocks is None:
+        if num_cpu_blocks is None:  # swap space as large as the device pool, when swapping
             num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
         self.kv_cache = torch.zeros(2, config.n_layer, num_blocks, *block_shape, dtype=dtype, device=device)
         self.cpu_kv_cache = torch.zeros(2, config.n_layer, num_cpu_blocks, *block_shape, dtype=dtype,
-                                        pin_memory=device.type == "cuda")
+                                        pin_memory=device.type == "cuda")  # pinned: copies overlap compute
         self.allocator = BlockAllocator(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, preemption_mode)
         self.requests = {}  # request_id -> SequenceGroup, until it finishes or is aborted
@@ -797,8 +805,7 @@ class Engine:
         prompt_token_ids = [t.item() if isinstance(t, torch.Tensor) else t for t in prompt_token_ids]
         self.check_request(prompt_token_ids, params)
         request_id, self._next_request_id = self._next_request_id, self._next_request_id + 1
-        seq = Sequence(self._new_seq_id(), prompt_token_ids, len(prompt_token_ids))
-        seq.request_id = request_id
+        seq = Sequence(self._new_seq_id(), prompt_token_ids, len(prompt_token_ids), request_id=request_id)
         group = SequenceGroup(request_id, prompt_token_ids, params, seq)
         if params.beam_width is None and params.temperature > 0:
             # sample i draws from seed + i; without a seed, from a base drawn from torch's global RNG
@@ -821,7 +828,6 @@ class Engine:
 
     def _fork(self, seq, index=0):
         child = seq.fork(self._new_seq_id(), index)
-        child.request_id = seq.request_id
         self.allocator.fork(seq, child)
         return child
 
@@ -998,7 +1004,8 @@ class Engine:
     def generate(self, prompts, params=None, progress=False):
         """Serve a list of prompts (lists of token ids) to the end; one RequestOutput per prompt,
         in order. params: one SamplingParams for all, or a list with one per prompt."""
-        params = params if isinstance(params, list) else [params if params is not None else SamplingParams()] * len(prompts)
+        if not isinstance(params, list):
+            params = [params if params is not None else SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
         for i, (prompt, p) in enumerate(zip(prompts, params)):  # reject a bad batch whole, before any of it runs
