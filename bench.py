@@ -193,7 +193,8 @@ def bench_capacity(num_requests=96, kv_tokens=8192, rates=(4.0, 16.0, math.inf))
     for rate in rates:
         p, c = results[f"paged @ {rate}/s"], results[f"contiguous @ {rate}/s"]
         rows.append(["paged / contiguous", rate, f"{p['mean_running'] / c['mean_running']:.2f}x",
-                     f"{p['peak_running'] / c['peak_running']:.2f}x", f"{p['requests_per_s'] / c['requests_per_s']:.2f}x",
+                     f"{p['peak_running'] / c['peak_running']:.2f}x",
+                     f"{p['requests_per_s'] / c['requests_per_s']:.2f}x",
                      f"{p['mean_latency_s'] / c['mean_latency_s']:.2f}x"])
     print_table(f"Capacity at a fixed KV budget of {kv_tokens} token slots ({num_requests} ShareGPT-like requests, "
                 f"max_seq_len {max_seq_len}, tiny random model on CPU)",
@@ -457,10 +458,10 @@ def bench_kernel():
         results[f"{batch}x{context}"] = r
         pct = (lambda gbps: f"{100 * gbps / peak:.0f}%") if peak else (lambda gbps: "-")
         rows.append([batch, context, f"{moved / 1e6:.0f}", f"{r['paged']:.3f}", f"{r['paged_GBps']:.0f}",
-                     pct(r["paged_GBps"]), f"{r['sdpa']:.3f}", f"{r['sdpa_GBps']:.0f}", f"{r['paged'] / r['sdpa']:.2f}x",
+                     pct(r["paged_GBps"]), f"{r['sdpa']:.3f}", f"{r['sdpa_GBps']:.0f}",
+                     f"{r['paged'] / r['sdpa']:.2f}x",
                      f"{r['paged, no split'] / r['paged']:.2f}x" if "paged, no split" in r else "-",
                      f"{r['naive']:.2f}" if "naive" in r else "-"])
-        del q, k_cache, v_cache, k, v
     print_table(f"Decode attention, {'Triton paged_attention' if on_gpu else 'paged_attention_torch'} vs contiguous "
                 f"SDPA on {name} ({dtype}, n_head {n_head}, n_kv_head {n_kv}, head_dim {D}, block_size "
                 f"{KERNEL_SHAPE['block_size']}, shuffled tables; peak {peak or 'unknown'} GB/s; goal at 64 x 4096: "

@@ -757,7 +757,8 @@ class Engine:
         if num_blocks is None:
             if kv_cache_bytes is None:  # but no more than max_num_seqs full-length sequences can use
                 free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 30
-                kv_cache_bytes = min(int(0.9 * free), bytes_per_block * max_num_seqs * -(-config.max_seq_len // block_size))
+                most = bytes_per_block * max_num_seqs * -(-config.max_seq_len // block_size)
+                kv_cache_bytes = min(int(0.9 * free), most)
             num_blocks = kv_cache_bytes // bytes_per_block
             if num_blocks < 1:
                 raise ValueError(f"Engine: kv_cache_bytes={kv_cache_bytes} is smaller than one KV block "

@@ -731,7 +731,8 @@ def test_parallel_samples_equal_the_same_seeds_run_one_by_one(no_writes_into_sha
         outputs.update({o.request_id: o for o in engine.step()})
     samples = [c.token_ids for c in outputs[request_id].outputs]
     singles = [Engine(MODEL, block_size=4, num_blocks=64).generate(
-        [prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=42 + i))[0].outputs[0].token_ids for i in range(4)]
+        [prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=42 + i))[0].outputs[0].token_ids
+        for i in range(4)]
     assert samples == singles and len(set(map(tuple, samples))) > 1
     assert_all_blocks_free(engine)
 
@@ -935,7 +936,7 @@ def test_a_batch_with_one_bad_prompt_is_rejected_whole():
     (dict(preemption_mode="evict"), "preemption_mode must be 'recompute' or 'swap'"),
     (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
     (dict(attention_backend="flash"), "attention_backend must be 'triton' or 'torch'"),
-    (dict(attention_backend="triton"), r"the Triton kernel takes head sizes .* this model has head size 8 in torch.float64"),
+    (dict(attention_backend="triton"), r"Triton kernel takes head sizes .* model has head size 8 in torch.float64"),
 ])
 def test_bad_engine_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
