@@ -605,11 +605,13 @@ class Scheduler:
             if self._is_decoding(group):
                 self._append_slots(group, out)
         # 3. Prefill chunks of running groups, oldest first, then 4. admit waiting groups while
-        #    blocks, sequence slots and token budget allow; none while any group is swapped out.
+        #    blocks, sequence slots and token budget allow; none while any group is swapped out,
+        #    and none in a step that had to preempt, which would only preempt it again.
         for group in self.running:
             if not self._is_decoding(group):
                 self._schedule_prefill(group, out)
-        while self.waiting and not self.swapped and out.num_batched_tokens < self.max_num_batched_tokens:
+        while (self.waiting and not self.swapped and not out.preempted
+               and out.num_batched_tokens < self.max_num_batched_tokens):
             group = self.waiting[0]
             need = sum(self.allocator.num_blocks_to_allocate(seq) for seq in group.seqs)
             num_seqs = sum(g.params.num_seqs for g in self.running)
@@ -1060,7 +1062,7 @@ class Engine:
 # physical KV memory while it runs
 
 DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "pydoc-gpt")
-DEMO_PREFIX = "From the Python documentation: "  # shared by every third request: prefix caching
+DEMO_PREFIX = "From the Python 3 documentation: "  # two full blocks of 16 bytes, shared by every third request
 DEMO_TOPICS = ["The for statement", "A list", "The import system", "Exceptions", "def ", "class ", "The with statement",
                "Dictionaries", "Strings", "The while statement", "Coroutines", "Generators", "The return statement",
                "Boolean operations", "Slicings", "The global statement", "Lambdas", "Integer literals",
@@ -1123,17 +1125,21 @@ def demo_workload(tokenizer, args):
     prompts, params = [], []
     for i, topic in enumerate(DEMO_TOPICS):
         prompts.append(tokenizer.encode((DEMO_PREFIX if i % 3 == 0 else "") + topic))
-        kind = dict(n=args.n or 3) if i == 4 else dict(beam_width=args.beam_width or 3) if i == 7 else {}
+        kind = dict(n=args.n or 3) if i == 3 else dict(beam_width=args.beam_width or 3) if i == 7 else {}
         params.append(SamplingParams(max_tokens=args.max_tokens or (32, 64, 128, 192)[i % 4], seed=args.seed + i,
                                      temperature=args.temperature, top_p=args.top_p, **kind))
     return prompts, params
 
 
-def run_demo(engine, prompts, params, progress=True):
-    """Serve the requests step by step, recording KV use and the moment of most sharing."""
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+def run_demo(engine, prompts, params, arrivals_per_step=2, progress=True):
+    """Serve the requests step by step as they arrive, a few per step as at a server, recording
+    KV use and the moment of most sharing."""
+    ids, pending = [], list(zip(prompts, params))
     outputs, timeline, snapshot, start = {}, [], None, time.perf_counter()
-    while engine.scheduler.has_unfinished():
+    while pending or engine.scheduler.has_unfinished():
+        for prompt, sp in pending[:arrivals_per_step]:
+            ids.append(engine.add_request(prompt, sp))
+        pending = pending[arrivals_per_step:]
         outputs.update({o.request_id: o for o in engine.step()})
         s = engine.stats()
         num_used = s["num_blocks"] - s["num_free_blocks"]
@@ -1213,7 +1219,7 @@ def main(argv=None):
     p.add_argument("--n", type=int, help="parallel samples per prompt (the workload has one request with 3)")
     p.add_argument("--beam-width", type=int, help="beam search width (the workload has one request with 3)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--num-blocks", type=int, default=64, help="KV blocks in the pool; small enough to preempt")
+    p.add_argument("--num-blocks", type=int, default=96, help="KV blocks in the pool; few enough to preempt")
     p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
                    help="what to do with a request when blocks run out")
     p.add_argument("--no-prefix-cache", action="store_true", help="turn automatic prefix caching off")

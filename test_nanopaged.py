@@ -7,6 +7,7 @@ inputs. Run: python -m pytest -q   (without a GPU the Triton kernels run in the 
 import copy
 import functools
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -1079,3 +1080,45 @@ def test_engine_on_the_triton_kernel_generates_like_naive():
     outputs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
     assert [o.outputs[0].token_ids for o in outputs] == [naive_greedy(model, p, 6) for p in prompts]
     assert_all_blocks_free(engine)
+
+
+# -----------------------------------------------------------------------------
+# The demo: `python nanopaged.py` on the built-in model
+
+
+def test_demo_serves_its_workload_and_reports_true_numbers(capsys, tmp_path):
+    report = nanopaged.main(["--max-tokens", "12", "--num-blocks", "24", "--temperature", "0",
+                             "--plot", str(tmp_path / "demo.png")])
+    printed = capsys.readouterr().out
+    engine, summary, outputs = report["engine"], report["summary"], report["outputs"]
+    prompts = [report["tokenizer"].encode((nanopaged.DEMO_PREFIX if i % 3 == 0 else "") + topic)
+               for i, topic in enumerate(nanopaged.DEMO_TOPICS)]
+    assert [o.prompt_token_ids for o in outputs] == prompts
+    assert [len(o.outputs) for o in outputs] == [3 if i in (3, 7) else 1 for i in range(len(prompts))]
+    assert all(len(c.token_ids) == 12 and all(0 <= t < 256 for t in c.token_ids) for o in outputs for c in o.outputs)
+    model = engine.model
+    assert outputs[1].outputs[0].token_ids == naive_greedy(model, prompts[1], 12)  # greedy, so checkable
+    # the summary is the engine's own account, and says so in print
+    s = engine.stats()
+    assert summary["preemptions"] == s["num_preemptions"] > 0
+    assert summary["generated_tokens"] == sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    assert summary["contiguous_capacity"] == 24 * 16 // 256 < summary["peak_running"]
+    assert summary["peak_blocks_saved"] > 0 and 0.5 < summary["kv_utilization"] <= 1
+    assert f"{summary['preemptions']} preemptions" in printed and "physical KV blocks at step" in printed
+    assert f"holds {summary['contiguous_capacity']} in the same memory" in printed
+    assert s["num_free_blocks"] == s["num_blocks"] and not engine.requests
+    assert (tmp_path / "demo.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--model", "/no/such/folder"], "config.json not found"),
+    (["--block-size", "0"], "block_size must be an integer >= 1, got 0"),
+    (["--prompt", "x" * 300], r"= 364 exceeds the model's max_seq_len \(256\)"),
+    (["--max-tokens", "many"], "argument --max-tokens: invalid int value"),
+])
+def test_demo_bad_flags_end_with_one_clear_line(flags, message):
+    run = subprocess.run([sys.executable, "nanopaged.py", *flags], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert run.returncode != 0 and "Traceback" not in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1 and run.stderr.startswith("nanopaged: error:")
+    assert re.search(message, run.stderr), run.stderr
