@@ -301,13 +301,13 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=None):
 # -----------------------------------------------------------------------------
 # Torch paged path (the engine's attention on the CPU)
 
-_buffers = {}  # (name, device, dtype) -> flat tensor, grown as needed and reused across calls
+_buffers = {}  # (name, device, dtype, inference mode) -> flat tensor, grown as needed and reused across calls
 
 
 def _buffer(name, shape, like):
     """A tensor of the given shape with like's device and dtype, carved from a reused buffer."""
     numel = math.prod(shape)
-    key = (name, like.device, like.dtype)
+    key = (name, like.device, like.dtype, torch.is_inference_mode_enabled())  # inference tensors stay inside
     if key not in _buffers or _buffers[key].numel() < numel:
         _buffers[key] = torch.empty(numel, device=like.device, dtype=like.dtype)
     return _buffers[key][:numel].view(shape)

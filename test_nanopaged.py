@@ -1122,3 +1122,11 @@ def test_demo_bad_flags_end_with_one_clear_line(flags, message):
     assert run.returncode != 0 and "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and run.stderr.startswith("nanopaged: error:")
     assert re.search(message, run.stderr), run.stderr
+
+
+def test_torch_path_works_inside_and_outside_inference_mode():
+    # its reused gather buffers must not leak inference tensors into normal autograd mode
+    args = small_batch()
+    with torch.inference_mode():
+        inside = paged_attention_torch(*args)
+    torch.testing.assert_close(paged_attention_torch(*args), inside)
