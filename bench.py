@@ -312,7 +312,7 @@ def hf_continuous_generate(manager, prompts, max_tokens):
     return [results[i] for i in ids]
 
 
-def bench_throughput(num_requests=48, max_num_seqs=32):
+def bench_throughput(num_requests=96, max_num_seqs=32):
     """Greedy, every request generates exactly its max_tokens in every system; warm-up excluded."""
     import transformers
     transformers.logging.set_verbosity_error()

@@ -277,11 +277,13 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=None):
     if use_triton is None:
         use_triton = k.is_cuda
     if not use_triton:
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep].long()
-        # two index tensors, not a flat view, so the caches may be any strided view
-        k_cache[slots // block_size, slots % block_size] = k[keep].to(k_cache.dtype)
-        v_cache[slots // block_size, slots % block_size] = v[keep].to(v_cache.dtype)
+        slots = slot_mapping.long()
+        if (slots < 0).any():
+            keep = slots >= 0
+            slots, k, v = slots[keep], k[keep], v[keep]
+        # one row per slot: view, not reshape, so a cache that is not contiguous over (block, slot) fails loudly
+        k_cache.view(num_blocks * block_size, n_kv_head, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
+        v_cache.view(num_blocks * block_size, n_kv_head, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
         return
     assert k.stride(2) == v.stride(2) == k_cache.stride(3) == 1, "head_dim must be contiguous"
     assert k_cache.stride() == v_cache.stride() and slot_mapping.is_contiguous()
