@@ -367,11 +367,27 @@ def bench_throughput(num_requests=96, max_num_seqs=32):
         r.update(speedup=ours["tokens_per_s"] / r["tokens_per_s"], same_tokens=agree)
         rows.append([name, f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.0f}", f"{r['requests_per_s']:.2f}",
                      f"{r['speedup']:.2f}x", f"{100 * agree:.0f}%"])
+    plot_throughput(results)
     print_table(f"Throughput on {'GPU' if torch.cuda.is_available() else 'CPU'}: {num_requests} ShareGPT-like "
                 f"requests ({sum(max_tokens)} tokens), the demo model's weights in fp32, transformers "
                 f"{transformers.__version__}", ["system", "seconds", "tokens/s", "requests/s", "nanopaged / it",
                                                "same tokens"], rows)
     return results
+
+
+
+def plot_throughput(results):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    bars = ax.bar(range(len(results)), [r["tokens_per_s"] for r in results.values()], color="tab:blue")
+    ax.bar_label(bars, [f"{r['tokens_per_s']:.0f} tok/s\nnanopaged {r['speedup']:.2f}x" for r in results.values()])
+    ax.set_xticks(range(len(results)), [name.replace(" (", "\n(") for name in results], fontsize=8)
+    ax.set_ylabel("generated tokens / s")
+    ax.margins(y=0.2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(OUT_DIR, "throughput.png"), dpi=110)
 
 
 # -----------------------------------------------------------------------------
