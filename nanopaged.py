@@ -475,7 +475,6 @@ class Sequence:
         self.block_table = []  # physical block ids; device blocks, or CPU blocks while swapped out
         self.block_hashes = []  # prefix-cache keys of its full computed blocks
         self.cumulative_logprob = 0.0
-        self.logits = None  # next-token logits once every token is computed, until sampled
         self.generator = None  # per-sample torch.Generator, so seeded output ignores batch-mates
         self.finish_reason = None
 
@@ -486,11 +485,15 @@ class Sequence:
     def output_token_ids(self):
         return self.token_ids[self.num_prompt_tokens:]
 
+    @property
+    def num_output_tokens(self):
+        return len(self.token_ids) - self.num_prompt_tokens
+
     def fork(self, seq_id, index):
         """A copy that shares everything generated so far; the allocator shares its blocks."""
         child = Sequence(seq_id, self.token_ids, self.num_prompt_tokens, index, self.request_id)
         child.num_computed_tokens, child.block_hashes = self.num_computed_tokens, list(self.block_hashes)
-        child.cumulative_logprob, child.logits = self.cumulative_logprob, self.logits
+        child.cumulative_logprob = self.cumulative_logprob
         return child
 
 
@@ -642,8 +645,12 @@ class Scheduler:
         out.num_batched_tokens += len(group.seqs)
 
     def _schedule_prefill(self, group, out):
+        # Samples or beams being recomputed stop one token short: their last tokens go together
+        # as one decode step, so the group gets all its next-token logits at once.
+        hold_back = 1 if len(group.seqs) > 1 else 0
         for seq in group.seqs:
-            num_new = min(len(seq) - seq.num_computed_tokens, self.max_num_batched_tokens - out.num_batched_tokens)
+            num_new = min(len(seq) - hold_back - seq.num_computed_tokens,
+                          self.max_num_batched_tokens - out.num_batched_tokens)
             if num_new > 0:
                 out.scheduled.append((seq, num_new))
                 out.num_batched_tokens += num_new
@@ -664,7 +671,7 @@ class Scheduler:
         for seq in group.seqs:
             if seq.block_table:  # still in the CPU pool
                 self.allocator.free_cpu(seq)
-            seq.num_computed_tokens, seq.logits = 0, None
+            seq.num_computed_tokens = 0
         # To the front: a preempted group arrived before everything still waiting, because
         # admission is FCFS, so the waiting queue stays in arrival order.
         self.waiting.appendleft(group)
@@ -865,57 +872,61 @@ class Engine:
     def _prepare(self, scheduled):
         """Pack the scheduled tokens of all sequences into one varlen batch."""
         bs = self.block_size
-        input_ids, positions, slot_mapping, seq_lens, cu_seqlens_q, logits_indices = [], [], [], [], [0], []
+        max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
+        padding = [[-1] * i for i in range(max_blocks + 1)]  # block table rows end in -1s
+        input_ids, positions, slot_mapping, block_tables, seq_lens, logits_indices = [], [], [], [], [], []
+        cu_seqlens_q = [0]
         for seq, num_new in scheduled:
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            start, end, table = seq.num_computed_tokens, seq.num_computed_tokens + num_new, seq.block_table
             input_ids += seq.token_ids[start:end]
             positions += range(start, end)
-            slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            block_tables += table
+            block_tables += padding[max_blocks - len(table)]
             seq_lens.append(end)
             cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
             if end == len(seq):  # its last token is in: we need the logits that follow it
                 logits_indices.append(cu_seqlens_q[-1] - 1)
-        max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
-        block_tables = [seq.block_table + [-1] * (max_blocks - len(seq.block_table)) for seq, _ in scheduled]
 
         def tensor(x, dtype=torch.int64):
             return torch.tensor(x, dtype=dtype, device=self.device)
         return Batch(tensor(input_ids), tensor(positions), tensor(slot_mapping),
-                     tensor(block_tables, torch.int32), tensor(seq_lens, torch.int32),
+                     tensor(block_tables, torch.int32).view(len(scheduled), max_blocks), tensor(seq_lens, torch.int32),
                      tensor(cu_seqlens_q, torch.int32), max(n for _, n in scheduled), tensor(logits_indices),
                      self.use_triton)
 
     def _postprocess(self, scheduled, logits):
-        ready, row = {}, 0
+        row_of, row = {}, 0  # seq_id -> its row of logits, for sequences whose last token is now in
         for seq, num_new in scheduled:
             seq.num_computed_tokens += num_new
             self.allocator.cache_full_blocks(seq)
             if seq.num_computed_tokens == len(seq):
-                seq.logits, row = logits[row], row + 1
-                ready[seq.request_id] = self.requests[seq.request_id]
-        # A group moves on once every live sequence has its next-token logits (a recomputed
-        # group may finish prefilling its sequences in different steps).
-        ready = [g for g in ready.values() if all(seq.logits is not None for seq in g.seqs)]
-        to_sample = []
+                row_of[seq.seq_id], row = row, row + 1
+        # The scheduler completes all sequences of a group in the same step: each group whose
+        # sequences got logits now moves on by one token.
+        ready = list({seq.request_id: self.requests[seq.request_id] for seq, _ in scheduled
+                      if seq.seq_id in row_of}.values())
+        to_sample = []  # (group, seq, row)
         for group in ready:
             if group.first_token_time is None:
                 group.first_token_time = time.perf_counter()
             if group.params.beam_width is not None:
-                self._beam_search_step(group)
+                self._beam_search_step(group, logits[[row_of[seq.seq_id] for seq in group.seqs]])
                 continue
-            if group.params.n > 1 and len(group.seqs) == 1 and not group.seqs[0].output_token_ids:
-                self._fork_samples(group)
-            to_sample += [(group, seq) for seq in group.seqs]
+            if group.params.n > 1 and len(group.seqs) == 1 and group.seqs[0].num_output_tokens == 0:
+                self._fork_samples(group)  # the samples draw their first tokens from the prompt's logits
+            to_sample += [(group, seq, row_of[group.seqs[0].seq_id if seq.seq_id not in row_of else seq.seq_id])
+                          for seq in group.seqs]
         if to_sample:
-            params = [g.params for g, _ in to_sample]
-            logits = torch.stack([seq.logits for _, seq in to_sample])                  # (S, V)
+            params = [g.params for g, _, _ in to_sample]
+            rows = [r for _, _, r in to_sample]
+            logits = logits if rows == list(range(len(logits))) else logits[rows]             # (S, V)
             tokens = sample(logits, [p.temperature for p in params], [p.top_k for p in params],
-                            [p.top_p for p in params], [seq.generator for _, seq in to_sample])
+                            [p.top_p for p in params], [seq.generator for _, seq, _ in to_sample])
             logprobs = logits.float().log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-            for (group, seq), token, logprob in zip(to_sample, tokens.tolist(), logprobs.tolist()):
+            for (group, seq, _), token, logprob in zip(to_sample, tokens.tolist(), logprobs.tolist()):
                 seq.token_ids.append(token)
                 seq.cumulative_logprob += logprob
-                seq.logits = None
                 reason = self._stop_reason(seq, group.params)
                 if reason:
                     seq.finish_reason = reason
@@ -930,7 +941,7 @@ class Engine:
         token = seq.token_ids[-1]
         if token in params.stop_token_ids or (token == self.config.eos_token_id and not params.ignore_eos):
             return "stop"
-        if len(seq.output_token_ids) >= params.max_tokens:
+        if seq.num_output_tokens >= params.max_tokens:
             return "length"
         return None
 
@@ -944,12 +955,12 @@ class Engine:
                 child.generator = torch.Generator().manual_seed(group.seed + i)
             group.seqs.append(child)
 
-    def _beam_search_step(self, group):
+    def _beam_search_step(self, group, logits):
         """Keep the beam_width best one-token extensions of the live beams, by cumulative
         log-probability. A beam chosen twice forks, so both continuations share its blocks;
         a beam not chosen is freed, and what it shared lives on in the survivors."""
         params, width, beams = group.params, group.params.beam_width, group.seqs
-        logprobs = torch.stack([seq.logits for seq in beams]).double().log_softmax(-1)  # (k, V)
+        logprobs = logits.double().log_softmax(-1)                                       # (k, V)
         scores = logprobs + torch.tensor([seq.cumulative_logprob for seq in beams], dtype=torch.float64,
                                          device=logprobs.device)[:, None]
         V = scores.shape[1]
@@ -977,9 +988,9 @@ class Engine:
         group.seqs = []
         for seq, token, score in survivors:
             seq.token_ids.append(token)
-            seq.cumulative_logprob, seq.logits = score, None
+            seq.cumulative_logprob = score
             group.seqs.append(seq)
-        out_of_tokens = len(group.seqs[0].output_token_ids) >= params.max_tokens
+        out_of_tokens = group.seqs[0].num_output_tokens >= params.max_tokens
         if out_of_tokens or len(group.finished) >= width:  # done: width finished hypotheses, or no more room
             for seq in group.seqs:
                 if out_of_tokens:
