@@ -1267,7 +1267,8 @@ def main(argv=None):
     shown = [i for i, (o, sp) in enumerate(zip(outputs, params)) if i < 5 or sp.num_seqs > 1]
     for prompt, out in [(prompts[i], outputs[i]) for i in shown]:
         for c in out.outputs:
-            print(f"[{out.request_id}.{c.index}] {tokenizer.decode(prompt)!r} -> {tokenizer.decode(c.token_ids)!r}")
+            text = tokenizer.decode(c.token_ids)
+            print(f"[{out.request_id}.{c.index}] {tokenizer.decode(prompt)!r} -> {text[:80]!r}{'...' * (len(text) > 80)}")
     print(f"\n{summary['generated_tokens']} tokens in {seconds:.1f}s ({summary['tokens_per_second']:.0f} tokens/s), "
           f"{summary['preemptions']} preemptions")
     print(f"KV utilization {100 * summary['kv_utilization']:.1f}% (tokens held / slots in allocated blocks); "
