@@ -1268,7 +1268,8 @@ def main(argv=None):
     for prompt, out in [(prompts[i], outputs[i]) for i in shown]:
         for c in out.outputs:
             text = tokenizer.decode(c.token_ids)
-            print(f"[{out.request_id}.{c.index}] {tokenizer.decode(prompt)!r} -> {text[:80]!r}{'...' * (len(text) > 80)}")
+            more = "..." if len(text) > 80 else ""
+            print(f"[{out.request_id}.{c.index}] {tokenizer.decode(prompt)!r} -> {text[:80]!r}{more}")
     print(f"\n{summary['generated_tokens']} tokens in {seconds:.1f}s ({summary['tokens_per_second']:.0f} tokens/s), "
           f"{summary['preemptions']} preemptions")
     print(f"KV utilization {100 * summary['kv_utilization']:.1f}% (tokens held / slots in allocated blocks); "

@@ -38,12 +38,17 @@ parser.add_argument("--out_dir", default="models/pydoc-gpt", help="where the Hug
 parser.add_argument("--n_layer", type=int, default=4, help="transformer blocks")
 parser.add_argument("--n_head", type=int, default=4, help="attention heads (head_dim = n_embd / n_head = 32)")
 parser.add_argument("--n_embd", type=int, default=128, help="model width; 4/4/128 is ~0.86M parameters")
-parser.add_argument("--max_seq_len", type=int, default=256, help="context length in bytes; every window is this long, so every position is trained")
-parser.add_argument("--batch_size", type=int, default=32, help="windows per step; many short windows learn faster than a few long ones")
-parser.add_argument("--max_iters", type=int, default=1500, help="optimizer steps: 32 x 256 x 1500 = 12M bytes, ~29 passes; val loss levels off by 1250 while train loss keeps falling")
-parser.add_argument("--lr", type=float, default=4e-3, help="peak learning rate; beat 2e-3 at this batch size, while 4e-3 lost at batch 8")
+parser.add_argument("--max_seq_len", type=int, default=256,
+                    help="context length in bytes; every window is this long, so every position is trained")
+parser.add_argument("--batch_size", type=int, default=32,
+                    help="windows per step; many short windows learn faster than a few long ones")
+parser.add_argument("--max_iters", type=int, default=1500,
+                    help="optimizer steps: 32 x 256 x 1500 = 12M bytes, ~29 passes; val loss levels off by 1250")
+parser.add_argument("--lr", type=float, default=4e-3,
+                    help="peak learning rate; beat 2e-3 at this batch size, while 4e-3 lost at batch 8")
 parser.add_argument("--min_lr", type=float, default=4e-4, help="learning rate at the end of the cosine decay")
-parser.add_argument("--warmup_iters", type=int, default=50, help="linear warm-up steps, so Adam's early noisy moments do no harm")
+parser.add_argument("--warmup_iters", type=int, default=50,
+                    help="linear warm-up steps, so Adam's early noisy moments do no harm")
 parser.add_argument("--weight_decay", type=float, default=0.1, help="AdamW decay on weight matrices only")
 parser.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm to this")
 parser.add_argument("--eval_interval", type=int, default=250, help="report train/val loss every this many steps")
@@ -63,8 +68,7 @@ def load_pydoc_bytes(val_fraction):
         cut = int(len(text) * (1 - val_fraction))
         train.append(text[:cut])
         val.append(text[cut:])
-    as_tensor = lambda parts: torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
-    return as_tensor(train), as_tensor(val)
+    return [torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8) for parts in (train, val)]
 
 
 def get_batch(data, batch_size, seq_len, generator):
