@@ -1022,6 +1022,9 @@ class Engine:
             params = [params if params is not None else SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        if self.requests:  # their outputs would come out of step() here, with nobody to hand them to
+            raise ValueError(f"generate() needs an idle engine, but {len(self.requests)} requests added with "
+                             "add_request() are unfinished: step() them to the end or abort() them first")
         for i, (prompt, p) in enumerate(zip(prompts, params)):  # reject a bad batch whole, before any of it runs
             try:
                 self.check_request(prompt, p)

@@ -128,7 +128,7 @@ def test_split_kv_agrees_with_one_split(b, num_splits):
     assert_close(split, one)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(paged_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16]))
 def test_torch_path_matches_naive(b):
     assert_close(paged_attention_torch(*paged_args(b)), reference(b))
@@ -604,7 +604,7 @@ def request_mixes(draw):
     return prompts, max_tokens, engine_args
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(request_mixes())
 def test_greedy_paged_generation_equals_naive_generation(mix):
     prompts, max_tokens, engine_args = mix
@@ -665,6 +665,9 @@ def test_streaming_with_add_request_and_step():
     assert finished[first].outputs[0].token_ids == naive_greedy(MODEL, [1, 2, 3], 8)
     assert finished[second].outputs[0].token_ids == naive_greedy(MODEL, [9, 9], 3)
     assert finished[second].latency < finished[first].latency
+    engine.add_request([4, 4], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="generate\\(\\) needs an idle engine, but 1 requests"):
+        engine.generate([[1]], SamplingParams(max_tokens=2))
 
 
 def test_seeded_sampling_ignores_batch_mates_and_preemption():
@@ -1067,7 +1070,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert_all_blocks_free(self.engine)
 
 
-EngineMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+EngineMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
 test_engine_state_machine = EngineMachine.TestCase
 
 
