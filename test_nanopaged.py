@@ -7,6 +7,7 @@ inputs. Run: python -m pytest -q   (without a GPU the Triton kernels run in the 
 import copy
 import functools
 import os
+import random
 import re
 import subprocess
 import sys
@@ -1133,3 +1134,32 @@ def test_torch_path_works_inside_and_outside_inference_mode():
     with torch.inference_mode():
         inside = paged_attention_torch(*args)
     torch.testing.assert_close(paged_attention_torch(*args), inside)
+
+
+def test_demo_takes_text_prompts_through_a_model_folders_tokenizer(hf_gpt2_folder, tmp_path, capsys):
+    tokenizers = pytest.importorskip("tokenizers")
+    path, _ = hf_gpt2_folder
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((path / name).read_bytes())
+    vocab = {"[UNK]": 0, "hello": 1, "paged": 2, "world": 3} | {f"w{i}": i for i in range(4, 100)}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    report = nanopaged.main(["--model", str(tmp_path), "--prompt", "hello paged world", "--max-tokens", "5",
+                             "--temperature", "0", "--num-blocks", "8"])
+    out = report["outputs"][0]
+    assert out.prompt_token_ids == [1, 2, 3] and len(out.outputs[0].token_ids) == 5
+    assert "'hello paged world' -> " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_hundreds_of_requests_in_a_pool_a_few_sequences_deep(mode):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(32) for _ in range(rng.randint(1, 12))] for _ in range(200)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 10), temperature=0) for _ in prompts]
+    ample = Engine(MODEL, block_size=4, num_blocks=2048).generate(prompts, params)
+    engine = Engine(MODEL, block_size=4, num_blocks=16, preemption_mode=mode)  # about three sequences deep
+    tight = engine.generate(prompts, params)
+    assert engine.stats()["num_preemptions"] > 10
+    assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in ample]
+    assert_all_blocks_free(engine)
