@@ -315,7 +315,11 @@ def hf_continuous_generate(manager, prompts, max_tokens):
 
 def bench_throughput(num_requests=96, max_num_seqs=32):
     """Greedy, every request generates exactly its max_tokens in every system; warm-up excluded."""
-    import transformers
+    try:
+        import transformers
+    except ImportError:
+        print("\n--throughput compares with Hugging Face transformers: pip install -r requirements-dev.txt")
+        return {}
     transformers.logging.set_verbosity_error()
     model = GPT.from_pretrained(DEMO_MODEL)
     hf = transformers.GPT2LMHeadModel.from_pretrained(DEMO_MODEL, dtype=torch.float32).eval()
