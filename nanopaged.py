@@ -204,6 +204,7 @@ class GPT(nn.Module):
                 param.copy_(tensor)
         return model.to(dtype).eval()
 
+
 # -----------------------------------------------------------------------------
 # The block allocator: physical blocks, ref counts, copy-on-write, prefix caching, swap
 #
@@ -301,20 +302,23 @@ class BlockAllocator:
             hits.append(block_id)
         return hits
 
-    def num_blocks_to_allocate(self, seq):
-        """Free blocks allocate(seq) would take: cache misses, plus cache hits now sitting in the free list."""
-        hits = self._cached_prefix(seq.token_ids)
+    def _num_free_blocks_taken(self, seq, hits):
+        # cache misses, plus cache hits now sitting in the free list
         num_needed = -(-len(seq.token_ids) // self.block_size)
         return num_needed - len(hits) + sum(self.blocks[b].ref_count == 0 for b in hits)
+
+    def num_blocks_to_allocate(self, seq):
+        """Free blocks allocate(seq) would take."""
+        return self._num_free_blocks_taken(seq, self._cached_prefix(seq.token_ids))
 
     def allocate(self, seq):
         """Give a new (or recomputing) sequence a block table covering all its tokens, reusing
         cached prefix blocks. Sets seq.num_computed_tokens to the tokens found in the cache."""
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
-        if self.num_blocks_to_allocate(seq) > self.num_free_blocks:
-            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {self.num_blocks_to_allocate(seq)} blocks, "
-                                   f"{self.num_free_blocks} are free")
         hits = self._cached_prefix(seq.token_ids)
+        num_taken = self._num_free_blocks_taken(seq, hits)
+        if num_taken > self.num_free_blocks:
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {num_taken} blocks, {self.num_free_blocks} are free")
         for block_id in hits:  # share before taking, so _take cannot evict a hit
             self._share(block_id)
         num_needed = -(-len(seq.token_ids) // self.block_size)
@@ -613,13 +617,14 @@ class Scheduler:
         for group in self.running:
             if not self._is_decoding(group):
                 self._schedule_prefill(group, out)
+        num_seqs = sum(g.params.num_seqs for g in self.running)  # each request holds room for all its samples
         while (self.waiting and not self.swapped and not out.preempted
                and out.num_batched_tokens < self.max_num_batched_tokens):
             group = self.waiting[0]
             need = sum(self.allocator.num_blocks_to_allocate(seq) for seq in group.seqs)
-            num_seqs = sum(g.params.num_seqs for g in self.running)
             if not self._fits(group, need) or num_seqs + group.params.num_seqs > self.max_num_seqs:
                 break  # strict FCFS: nobody overtakes the oldest waiting request
+            num_seqs += group.params.num_seqs
             self.waiting.popleft()
             for seq in group.seqs:
                 self.allocator.allocate(seq)
@@ -814,6 +819,9 @@ class Engine:
         params = params if params is not None else SamplingParams()
         prompt_token_ids = [t.item() if isinstance(t, torch.Tensor) else t for t in prompt_token_ids]
         self.check_request(prompt_token_ids, params)
+        return self._enqueue(prompt_token_ids, params)
+
+    def _enqueue(self, prompt_token_ids, params):
         request_id, self._next_request_id = self._next_request_id, self._next_request_id + 1
         seq = Sequence(self._new_seq_id(), prompt_token_ids, len(prompt_token_ids), request_id=request_id)
         group = SequenceGroup(request_id, prompt_token_ids, params, seq)
@@ -913,10 +921,10 @@ class Engine:
             if group.params.beam_width is not None:
                 self._beam_search_step(group, logits[[row_of[seq.seq_id] for seq in group.seqs]])
                 continue
+            prompt_row = row_of.get(group.seqs[0].seq_id)
             if group.params.n > 1 and len(group.seqs) == 1 and group.seqs[0].num_output_tokens == 0:
                 self._fork_samples(group)  # the samples draw their first tokens from the prompt's logits
-            to_sample += [(group, seq, row_of[group.seqs[0].seq_id if seq.seq_id not in row_of else seq.seq_id])
-                          for seq in group.seqs]
+            to_sample += [(group, seq, row_of.get(seq.seq_id, prompt_row)) for seq in group.seqs]
         if to_sample:
             params = [g.params for g, _, _ in to_sample]
             rows = [r for _, _, r in to_sample]
@@ -937,9 +945,11 @@ class Engine:
         self.scheduler.remove_finished()
         return [self._output(g) for g in ready if g.is_finished]
 
+    def _is_stop(self, token, params):
+        return token in params.stop_token_ids or (token == self.config.eos_token_id and not params.ignore_eos)
+
     def _stop_reason(self, seq, params):
-        token = seq.token_ids[-1]
-        if token in params.stop_token_ids or (token == self.config.eos_token_id and not params.ignore_eos):
+        if self._is_stop(seq.token_ids[-1], params):
             return "stop"
         if seq.num_output_tokens >= params.max_tokens:
             return "length"
@@ -971,7 +981,7 @@ class Engine:
         for score, flat in sorted(zip(top.values.tolist(), top.indices.tolist()), key=lambda c: (-c[0], c[1])):
             parent, token = divmod(flat, V)
             hypothesis = beams[parent].output_token_ids + [token]
-            if token in params.stop_token_ids or (token == self.config.eos_token_id and not params.ignore_eos):
+            if self._is_stop(token, params):
                 group.finished.append((hypothesis, score, "stop"))
             else:
                 picks.append((parent, token, score))
@@ -1030,7 +1040,7 @@ class Engine:
                 self.check_request(prompt, p)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        ids = [self._enqueue(list(prompt), p) for prompt, p in zip(prompts, params)]  # checked above
         outputs, start, last_print = {}, time.perf_counter(), 0.0
         while any(i not in outputs for i in ids):
             for output in self.step():
