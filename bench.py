@@ -28,7 +28,8 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from nanopaged import DEMO_MODEL, GPT, BlockAllocator, Engine, GPTConfig, SamplingParams, Sequence  # noqa: E402
+from demo import DEMO_MODEL  # noqa: E402
+from nanopaged import GPT, BlockAllocator, Engine, GPTConfig, SamplingParams, Sequence  # noqa: E402
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SEED = 0

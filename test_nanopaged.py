@@ -22,6 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import demo
 import kernel
 import nanopaged
 from kernel import HEAD_DIMS, naive_attention, paged_attention, paged_attention_torch, store_kv
@@ -1095,8 +1096,8 @@ def test_demo_serves_its_workload_and_reports_true_numbers(capsys, tmp_path):
                              "--plot", str(tmp_path / "demo.png")])
     printed = capsys.readouterr().out
     engine, summary, outputs = report["engine"], report["summary"], report["outputs"]
-    prompts = [report["tokenizer"].encode((nanopaged.DEMO_PREFIX if i % 3 == 0 else "") + topic)
-               for i, topic in enumerate(nanopaged.DEMO_TOPICS)]
+    prompts = [report["tokenizer"].encode((demo.DEMO_PREFIX if i % 3 == 0 else "") + topic)
+               for i, topic in enumerate(demo.DEMO_TOPICS)]
     assert [o.prompt_token_ids for o in outputs] == prompts
     assert [len(o.outputs) for o in outputs] == [3 if i in (3, 7) else 1 for i in range(len(prompts))]
     assert all(len(c.token_ids) == 12 and all(0 <= t < 256 for t in c.token_ids) for o in outputs for c in o.outputs)
