@@ -117,10 +117,16 @@ def bench_memory(num_requests=1000):
     return results
 
 
-def plot_bars(filename, results, ylabel):
+def pyplot():
+    """matplotlib, imported only when a section plots, drawing to files (no display needed)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_bars(filename, results, ylabel):
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
     for ax, (title, values) in zip(axes[0], results.items()):
         bars = ax.bar(range(len(values)), [100 * v for v in values.values()], color="tab:blue")
@@ -206,9 +212,7 @@ def bench_capacity(num_requests=96, kv_tokens=8192, rates=(4.0, 16.0, math.inf))
 
 
 def plot_concurrency(results):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, r in results.items():
         if name.endswith("inf/s"):
@@ -383,9 +387,7 @@ def bench_throughput(num_requests=96, max_num_seqs=32):
 
 
 def plot_throughput(results):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     bars = ax.bar(range(len(results)), [r["tokens_per_s"] for r in results.values()], color="tab:blue")
     ax.bar_label(bars, [f"{r['tokens_per_s']:.0f} tok/s\nnanopaged {r['speedup']:.2f}x" for r in results.values()])

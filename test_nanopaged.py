@@ -342,36 +342,31 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.a.free(seq)
         self.on_device.remove(seq)
 
+    def move(self, data, source, target, can_move, move, src_pool, dst_pool):
+        # a group at once (a parent and its forks, say), so blocks they share stay shared
+        seqs = data.draw(st.lists(st.sampled_from(source), min_size=1, unique=True))
+        if not can_move(seqs):
+            before = allocator_state(self.a)
+            with pytest.raises(OutOfBlocksError):
+                move(seqs)
+            assert allocator_state(self.a) == before
+            return
+        self.cache.copy(move(seqs), src_pool, dst_pool)
+        for seq in seqs:
+            source.remove(seq)
+            target.append(seq)
+
     @precondition(lambda self: self.on_device)
     @rule(data=st.data())
     def swap_out(self, data):
-        # a group at once (a parent and its forks, say), so blocks they share stay shared on the CPU
-        seqs = data.draw(st.lists(st.sampled_from(self.on_device), min_size=1, unique=True))
-        if not self.a.can_swap_out(seqs):
-            before = allocator_state(self.a)
-            with pytest.raises(OutOfBlocksError):
-                self.a.swap_out(seqs)
-            assert allocator_state(self.a) == before
-            return
-        self.cache.copy(self.a.swap_out(seqs), self.cache.device, self.cache.cpu)
-        for seq in seqs:
-            self.on_device.remove(seq)
-            self.on_cpu.append(seq)
+        self.move(data, self.on_device, self.on_cpu, self.a.can_swap_out, self.a.swap_out,
+                  self.cache.device, self.cache.cpu)
 
     @precondition(lambda self: self.on_cpu)
     @rule(data=st.data())
     def swap_in(self, data):
-        seqs = data.draw(st.lists(st.sampled_from(self.on_cpu), min_size=1, unique=True))
-        if not self.a.can_swap_in(seqs):
-            before = allocator_state(self.a)
-            with pytest.raises(OutOfBlocksError):
-                self.a.swap_in(seqs)
-            assert allocator_state(self.a) == before
-            return
-        self.cache.copy(self.a.swap_in(seqs), self.cache.cpu, self.cache.device)
-        for seq in seqs:
-            self.on_cpu.remove(seq)
-            self.on_device.append(seq)
+        self.move(data, self.on_cpu, self.on_device, self.a.can_swap_in, self.a.swap_in,
+                  self.cache.cpu, self.cache.device)
 
     @invariant()
     def free_plus_used_is_everything(self):
