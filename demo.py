@@ -10,6 +10,7 @@ import os
 import sys
 import time
 
+import nanopaged
 from nanopaged import GPT, Engine, SamplingParams
 
 DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "pydoc-gpt")
@@ -176,9 +177,15 @@ def main(argv=None):
     p.add_argument("--no-prefix-cache", action="store_true", help="turn automatic prefix caching off")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="ranks that split every layer and its K/V heads; launch with torchrun "
+                   "--nproc-per-node N (rank 0 prints)")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the block map and KV use over time to an image")
     args = p.parse_args(argv)
     try:
+        nanopaged.init_tensor_parallel(args.tensor_parallel_size)
+        if nanopaged.tp.rank > 0:  # every rank serves the same requests; one of them speaks
+            sys.stdout = open(os.devnull, "w")
         model = GPT.from_pretrained(args.model)
         engine = Engine(model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device,
                         preemption_mode=args.preemption, enable_prefix_caching=not args.no_prefix_cache,
@@ -195,10 +202,13 @@ def main(argv=None):
             engine.check_request(prompt, sp)
     except ValueError as e:
         sys.exit(f"nanopaged: error: {e}")
-    print(f"model {args.model}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+    ranks = f" on each of {nanopaged.tp.world_size} ranks" if nanopaged.tp.world_size > 1 else ""
+    num_params = sum(p.numel() for p in model.parameters())
+    print(f"model {args.model}: {num_params / 1e6:.1f}M parameters{ranks}, "
           f"max_seq_len {model.config.max_seq_len}; KV pool {engine.allocator.num_blocks} blocks x "
-          f"{engine.block_size} tokens on {engine.device}; {len(prompts)} requests")
-    outputs, timeline, snapshot, seconds = run_demo(engine, prompts, params)
+          f"{engine.block_size} tokens on {engine.device}{ranks}; {len(prompts)} requests")
+    is_rank_0 = nanopaged.tp.rank == 0
+    outputs, timeline, snapshot, seconds = run_demo(engine, prompts, params, progress=is_rank_0)
     summary = summarize(engine, outputs, timeline, seconds)
     if snapshot:
         print(f"\nphysical KV blocks at step {snapshot['step']}, when the most blocks were shared:")
@@ -217,7 +227,7 @@ def main(argv=None):
     print(f"concurrency: up to {summary['peak_running']} sequences at once in {summary['num_blocks']} blocks; a "
           f"contiguous cache reserving max_seq_len={model.config.max_seq_len} per sequence holds "
           f"{summary['contiguous_capacity']} in the same memory")
-    if args.plot:
+    if args.plot and is_rank_0:
         plot_demo(args.plot, snapshot, timeline, engine)
         print(f"wrote {args.plot}")
     return dict(outputs=outputs, summary=summary, snapshot=snapshot, engine=engine, tokenizer=tokenizer)

@@ -22,13 +22,83 @@ import time
 from bisect import insort
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
+from datetime import timedelta
+from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import kernel
 from kernel import paged_attention, paged_attention_torch, store_kv
+
+# -----------------------------------------------------------------------------
+# Tensor parallelism (paper, section 4.6): Megatron-LM's split of each layer across ranks
+#
+# Under torchrun, each of tensor_parallel_size ranks holds a slice of every attention and MLP
+# layer. A column-parallel layer (c_attn, c_fc) keeps its rows of the weight: its query heads,
+# K/V heads or MLP columns. The row-parallel c_proj after it keeps the matching input columns,
+# so its output is a partial sum that one all-reduce completes. Embeddings, norms and the LM
+# head are replicated, and each rank caches the K/V of its own heads only.
+
+tp = SimpleNamespace(rank=0, world_size=1)  # this process's place in the group; 1 without torchrun
+# The weight dim each layer splits along: 0, output rows (column-parallel); 1, input columns
+# (row-parallel). A fused layer splits each of its parts on its own, listed in heads.
+TP_SPLIT_DIM = {"attn.c_attn": 0, "mlp.c_fc": 0, "attn.c_proj": 1, "mlp.c_proj": 1}
+TP_FUSED_PARTS = {"attn.c_attn": lambda c: [c.n_head, c.n_kv_head, c.n_kv_head]}  # [q | k | v]
+
+
+def init_tensor_parallel(tensor_parallel_size, timeout_s=300):
+    """Join the group torchrun launched: gloo on CPUs, NCCL on GPUs. Models built after this
+    hold this rank's slice of each layer, and Engines the K/V of its heads."""
+    size, launched = tensor_parallel_size, os.environ.get("WORLD_SIZE")
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+    if launched is None and size > 1:
+        raise ValueError(f"tensor_parallel_size={size} needs one process per rank: launch with "
+                         f"torchrun --nproc-per-node {size} (RANK and WORLD_SIZE are not set)")
+    if int(launched or 1) != size:
+        raise ValueError(f"tensor_parallel_size={size} but torchrun launched {launched} processes: "
+                         f"give torchrun --nproc-per-node {size}")
+    if size > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        # The timeout bounds every collective: when a rank dies, the others raise, not hang.
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=timedelta(seconds=timeout_s))
+    if size > 1:
+        tp.rank, tp.world_size = dist.get_rank(), dist.get_world_size()
+
+
+def all_reduce(x):
+    """Complete a row-parallel layer's partial sums; every rank gets the same bits."""
+    if tp.world_size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def broadcast(x):
+    """Rank 0's x on every rank: rank 0 decides, the others follow."""
+    if tp.world_size > 1:
+        dist.broadcast(x, src=0)
+    return x
+
+
+def tp_shard(name, tensor, config):
+    """This rank's slice of one whole-model tensor. Loading calls it as each tensor is read,
+    so no rank ever holds the whole model on its device."""
+    layer, kind = name.rsplit(".", 1)
+    layer = ".".join(layer.split(".")[-2:])  # h.3.attn.c_attn -> attn.c_attn
+    dim, rank, world = TP_SPLIT_DIM.get(layer), tp.rank, tp.world_size
+    if world == 1 or dim is None:
+        return tensor
+    if dim == 1:  # weight (out, in): this rank's inputs; the bias is added once, by rank 0 alone
+        return tensor.chunk(world, dim=1)[rank] if kind == "weight" else tensor * (rank == 0)
+    parts = TP_FUSED_PARTS.get(layer, lambda c: [1])(config)
+    cuts = [sum(parts[:i]) * len(tensor) // sum(parts) for i in range(1, len(parts))]
+    return torch.cat([part.chunk(world)[rank] for part in tensor.tensor_split(cuts)])
+
 
 # -----------------------------------------------------------------------------
 # The model: GPT-2, whose attention reads and writes K/V through block tables
@@ -74,9 +144,13 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
-        self.c_attn = nn.Linear(config.n_embd, (config.n_head + 2 * config.n_kv_head) * config.head_dim)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        # this rank's heads: all of them without tensor parallelism
+        self.n_head = config.n_head // tp.world_size
+        self.n_kv_head = config.n_kv_head // tp.world_size
+        self.head_dim = config.head_dim
+        # column-parallel, then row-parallel: see TP_SPLIT_DIM
+        self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim)
+        self.c_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd)
 
     def forward(self, x, batch=None, kv_cache=None):
         q, k, v = self.c_attn(x).split([self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
@@ -88,7 +162,7 @@ class CausalSelfAttention(nn.Module):
             k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
             v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+            return all_reduce(self.c_proj(y.transpose(1, 2).reshape(B, T, -1)))
         # paged (T, C): first write the new K/V into their slots, then every new token attends
         # to its sequence's whole context, gathered block by block through the block table
         k_cache, v_cache = kv_cache                                          # (num_blocks, block_size, nkv, hs)
@@ -99,18 +173,19 @@ class CausalSelfAttention(nn.Module):
         attention = paged_attention if batch.use_triton else paged_attention_torch
         y = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
                       1.0 / math.sqrt(self.head_dim), max_q_len=batch.max_q_len)  # (T, nh, hs)
-        return self.c_proj(y.reshape(T, -1))
+        return all_reduce(self.c_proj(y.reshape(T, -1)))
 
 
 class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd // tp.world_size)  # column-parallel
+        self.c_proj = nn.Linear(4 * config.n_embd // tp.world_size, config.n_embd)  # row-parallel
 
     def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))  # GPT-2's "gelu_new"
+        h = F.gelu(self.c_fc(x), approximate="tanh")  # GPT-2's "gelu_new"
+        return all_reduce(self.c_proj(h))
 
 
 class Block(nn.Module):
@@ -131,6 +206,10 @@ class GPT(nn.Module):
 
     def __init__(self, config):
         super().__init__()
+        for name, n in [("n_head", config.n_head), ("n_kv_head", config.n_kv_head)]:
+            if n % tp.world_size:
+                raise ValueError(f"{name}={n} does not divide by tensor_parallel_size="
+                                 f"{tp.world_size}: each rank holds whole heads")
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
@@ -159,6 +238,13 @@ class GPT(nn.Module):
         if batch is not None:
             x = x[batch.logits_indices]  # the LM head is the widest matmul: run it only where we sample
         return self.lm_head(self.transformer.ln_f(x))
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict):
+        """Copy in a whole model's state dict, keeping this rank's slice of each tensor."""
+        for name, param in self.named_parameters():
+            param.copy_(tp_shard(name, state_dict[name], self.config))
+        return self
 
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32):
@@ -196,7 +282,7 @@ class GPT(nn.Module):
                 key = name.removeprefix("transformer.")
                 if key not in sd:
                     raise ValueError(f"{path}: tensor {key!r} is missing from the checkpoint")
-                tensor = sd[key].t() if key.endswith(conv1d) else sd[key]
+                tensor = tp_shard(key, sd[key].t() if key.endswith(conv1d) else sd[key], config)
                 if tensor.shape != param.shape:
                     raise ValueError(f"{path}: tensor {key!r} has shape {tuple(sd[key].shape)}, "
                                      f"config.json implies {tuple(param.shape)}")
@@ -765,7 +851,8 @@ class Engine:
 
         # The KV cache is one tensor, so a block copy (copy-on-write, swap) is one indexing op for
         # all layers. Sized like vLLM's: by a byte budget, by default 90% of free GPU memory.
-        block_shape = (block_size, config.n_kv_head, config.head_dim)
+        # Each rank holds its own K/V heads: the same byte budget makes tp times the blocks.
+        block_shape = (block_size, config.n_kv_head // tp.world_size, config.head_dim)
         bytes_per_block = 2 * config.n_layer * math.prod(block_shape) * dtype.itemsize
         if num_blocks is None:
             if kv_cache_bytes is None:  # but no more than max_num_seqs full-length sequences can use
@@ -930,6 +1017,11 @@ class Engine:
             logits = logits if rows == list(range(len(logits))) else logits[rows]             # (S, V)
             tokens = sample(logits, [p.temperature for p in params], [p.top_k for p in params],
                             [p.top_p for p in params], [seq.generator for _, seq, _ in to_sample])
+            # Tensor parallelism: every rank runs this same scheduler on bit-identical logits
+            # (the all-reduce hands each rank the same sum), so greedy picks, beams and stops
+            # agree by themselves. A random draw may not (an unseeded request's seed is each
+            # rank's own), so all take rank 0's tokens: one small broadcast, and none diverges.
+            tokens = broadcast(tokens)
             logprobs = logits.float().log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
             for (group, seq, _), token, logprob in zip(to_sample, tokens.tolist(), logprobs.tolist()):
                 seq.token_ids.append(token)

@@ -1159,3 +1159,159 @@ def test_hundreds_of_requests_in_a_pool_a_few_sequences_deep(mode):
     assert engine.stats()["num_preemptions"] > 10
     assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in ample]
     assert_all_blocks_free(engine)
+
+
+
+# -----------------------------------------------------------------------------
+# Tensor parallelism: two gloo ranks on the CPU against one process, token for token
+#
+# With two ranks the all-reduce sums each layer's output in another order, so logits differ
+# from one process's in the last bits. These models run in float64, where that is ~1e-16 and
+# a token could only change on a near-exact tie; the demo checks the float32 model as well.
+
+TP_CONFIG = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, vocab_size=32, max_seq_len=64)
+TP_DEMO_FLAGS = ["--max-tokens", "8", "--num-blocks", "24"]  # float32, sampled at 0.8, preempts
+
+
+def tp_scenarios(model, names=None):
+    """Each engine feature (or those named) on a fresh engine: what two ranks must reproduce."""
+    prompts = [[(5 * i + j) % 32 for j in range(3 + 3 * i)] for i in range(6)]
+    sampled = [SamplingParams(max_tokens=12, temperature=0.9, top_k=20, top_p=0.9, seed=i)
+               for i in range(6)]
+    mixed = [SamplingParams(max_tokens=12, temperature=0), sampled[1],
+             SamplingParams(max_tokens=8, n=3, seed=5), SamplingParams(max_tokens=8, beam_width=3)]
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    cases = dict(  # engine settings, prompts, params
+        greedy=({}, prompts, [greedy] * 6),
+        seeded=({}, prompts, sampled),
+        parallel=({}, prompts[:3], [SamplingParams(max_tokens=10, n=3, seed=5)] * 3),
+        beam=({}, prompts[:3], [SamplingParams(max_tokens=10, beam_width=3)] * 3),
+        recompute=(dict(num_blocks=16), prompts[:4] * 2, mixed * 2),
+        swap=(dict(num_blocks=16, preemption_mode="swap"), prompts[:4] * 2, mixed * 2),
+        prefix=({}, [list(range(9)), list(range(8)) + [30]], [greedy] * 2),
+    )
+    results = {}
+    for name, (settings_, prompts_, params) in cases.items():
+        if names and name not in names:
+            continue
+        engine = Engine(model, **dict(block_size=4, num_blocks=64) | settings_)
+        # two calls, so the second finds the first one's prompt blocks in the prefix cache
+        outs = engine.generate(prompts_[:1], params[:1]) + engine.generate(prompts_[1:], params[1:])
+        s = engine.stats()
+        results[name] = dict(tokens=[[c.token_ids for c in o.outputs] for o in outs],
+                             preemptions=s["num_preemptions"], hits=s["prefix_cache_hit_tokens"])
+    if names:
+        return results
+    torch.manual_seed(1 + nanopaged.tp.rank)  # unseeded: each rank draws its own seeds
+    engine = Engine(model, block_size=4, num_blocks=64)
+    unseeded = engine.generate(prompts, SamplingParams(max_tokens=10))
+    results["unseeded"] = [o.outputs[0].token_ids for o in unseeded]
+    results["kv_heads"] = engine.kv_cache.shape[-2]
+    results["budget_blocks"] = Engine(model, kv_cache_bytes=65536).allocator.num_blocks
+    return results
+
+
+def tp_worker(rank, port, folder, gpt2_path):
+    """One of two ranks: every scenario, then the demo; then rank 1 dies and rank 0 must raise."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    nanopaged.init_tensor_parallel(2, timeout_s=120)
+    full = torch.load(os.path.join(folder, "full.pt"))
+    model = GPT(TP_CONFIG).double().load_full_state_dict(full)
+    results = dict(scenarios=tp_scenarios(model))
+    gpt2 = GPT.from_pretrained(gpt2_path, dtype=torch.float64)  # sharded as the checkpoint is read
+    results["gpt2"] = tp_scenarios(gpt2, ["greedy", "beam"])
+    results["shapes"] = {name: tuple(p.shape) for name, p in gpt2.named_parameters()}
+    report = nanopaged.main(TP_DEMO_FLAGS + ["--tensor-parallel-size", "2"])
+    results["demo"] = [[c.token_ids for c in o.outputs] for o in report["outputs"]]
+    with torch.no_grad():  # what lets greedy and beam choices agree without a broadcast
+        results["logits"] = model(torch.arange(30).view(2, 15))
+    if rank == 1:
+        torch.save(results, os.path.join(folder, "rank1.pt"))
+        os._exit(3)  # dies mid-serving: rank 0's next all-reduce must fail, not wait forever
+    try:
+        Engine(model, num_blocks=8).generate([[1, 2, 3]], SamplingParams(max_tokens=4))
+        results["after_crash"] = "no error"
+    except RuntimeError as e:
+        results["after_crash"] = str(e)
+    torch.save(results, os.path.join(folder, "rank0.pt"))
+    os._exit(0)  # skip tearing down a group whose peer is gone, which gloo answers with an abort
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_ranks_serve_every_feature_like_one_process(hf_gpt2_folder, tmp_path):
+    torch.manual_seed(0)
+    model, gpt2_path = GPT(TP_CONFIG).double(), str(hf_gpt2_folder[0])
+    torch.save(model.state_dict(), tmp_path / "full.pt")
+    ctx, port = torch.multiprocessing.get_context("spawn"), free_port()
+    ranks = [ctx.Process(target=tp_worker, args=(rank, port, str(tmp_path), gpt2_path))
+             for rank in (0, 1)]
+    for p in ranks:
+        p.start()
+    # meanwhile the same work in this one process, on one thread: three processes share the
+    # cores, and OpenMP threads waiting on a descheduled sibling make small ops ~20x slower
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        single = tp_scenarios(model)
+        gpt2 = tp_scenarios(GPT.from_pretrained(gpt2_path, dtype=torch.float64), ["greedy", "beam"])
+        demo = nanopaged.main(TP_DEMO_FLAGS)["outputs"]
+    finally:
+        torch.set_num_threads(num_threads)
+    for p in ranks:
+        p.join(timeout=300)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in ranks] == [0, 3]
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    for name in ("greedy", "seeded", "parallel", "beam", "recompute", "swap", "prefix"):
+        assert rank0["scenarios"][name] == rank1["scenarios"][name] == single[name], name
+    assert single["recompute"]["preemptions"] > 0 and single["swap"]["preemptions"] > 0
+    assert single["prefix"]["hits"] == 8
+    assert rank0["scenarios"]["unseeded"] == rank1["scenarios"]["unseeded"]
+    assert rank0["gpt2"] == rank1["gpt2"] == gpt2
+    assert rank0["demo"] == rank1["demo"] == [[c.token_ids for c in o.outputs] for o in demo]
+    # each rank caches its own K/V heads only, so one byte budget holds twice the blocks
+    assert single["kv_heads"] == 2
+    assert rank0["scenarios"]["kv_heads"] == rank1["scenarios"]["kv_heads"] == 1
+    assert rank0["scenarios"]["budget_blocks"] == 2 * single["budget_blocks"]
+    assert rank0["shapes"]["transformer.h.0.attn.c_attn.weight"] == (3 * 64 // 2, 64)
+    assert rank0["shapes"]["transformer.h.0.mlp.c_proj.weight"] == (64, 4 * 64 // 2)
+    assert torch.equal(rank0["logits"], rank1["logits"])  # bit for bit on every rank
+    with torch.no_grad():
+        one_process = model(torch.arange(30).view(2, 15))
+    torch.testing.assert_close(rank0["logits"], one_process, rtol=0, atol=1e-12)
+    assert "Connection" in rank0["after_crash"]  # closed or reset by the rank that died
+
+
+@pytest.mark.parametrize("size,env,message", [
+    (2, {}, "tensor_parallel_size=2 needs one process per rank: launch with torchrun --nproc-per"),
+    (2, dict(WORLD_SIZE="3"), "tensor_parallel_size=2 but torchrun launched 3 processes"),
+    (1, dict(WORLD_SIZE="2"), "tensor_parallel_size=1 but torchrun launched 2 processes"),
+    (0, {}, "tensor_parallel_size must be an integer >= 1, got 0"),
+])
+def test_a_bad_tensor_parallel_launch_fails_fast(size, env, message, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        nanopaged.init_tensor_parallel(size)
+    assert nanopaged.tp.world_size == 1 and not torch.distributed.is_initialized()
+    with pytest.raises(SystemExit, match="nanopaged: error: " + message):
+        nanopaged.main(["--tensor-parallel-size", str(size)])
+
+
+@pytest.mark.parametrize("n_head,n_kv_head,message", [(6, None, "n_head=6 does not divide"),
+                                                      (4, 2, "n_kv_head=2 does not divide")])
+def test_heads_that_do_not_divide_across_ranks_are_rejected(n_head, n_kv_head, message,
+                                                            monkeypatch):
+    monkeypatch.setattr(nanopaged.tp, "world_size", 4)
+    with pytest.raises(ValueError, match=message + " by tensor_parallel_size=4: each rank"):
+        GPT(GPTConfig(n_layer=1, n_head=n_head, n_kv_head=n_kv_head, n_embd=48))
