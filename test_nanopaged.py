@@ -6,6 +6,7 @@ inputs. Run: python -m pytest -q   (without a GPU the Triton kernels run in the 
 
 import copy
 import functools
+import json
 import os
 import random
 import re
@@ -816,41 +817,93 @@ def test_prompt_fully_in_the_cache_still_gets_its_next_token():
 
 
 # -----------------------------------------------------------------------------
-# The model against Hugging Face GPT-2
+# The model against Hugging Face GPT-2, Llama, Mistral and Qwen2
+
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0,
+                   high_freq_factor=4.0, original_max_position_embeddings=32)  # all 3 bands at hs 8
+LLAMA_FAMILY = dict(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=6, max_position_embeddings=64, bos_token_id=None,
+                    eos_token_id=None, pad_token_id=None)
+HF_MODELS = {  # between them: 1, 2 and 3 K/V heads for 6 query heads, tied and untied, both RoPEs
+    "gpt2": ("GPT2Config", dict(n_layer=2, n_head=4, n_embd=64, vocab_size=100, n_positions=48,
+                                bos_token_id=None, eos_token_id=None)),
+    "llama": ("LlamaConfig", dict(LLAMA_FAMILY, num_key_value_heads=1,
+                                  rope_parameters=LLAMA3_ROPE)),
+    "mistral": ("MistralConfig", dict(LLAMA_FAMILY, num_key_value_heads=2, head_dim=16,
+                                      sliding_window=None, tie_word_embeddings=True,
+                                      rope_parameters=dict(rope_theta=1e4))),
+    "qwen2": ("Qwen2Config", dict(LLAMA_FAMILY, num_key_value_heads=3, tie_word_embeddings=True,
+                                  rope_parameters=dict(rope_theta=1e6))),
+}
 
 
 @pytest.fixture(scope="module")
-def hf_gpt2_folder(tmp_path_factory):
+def hf_folder(tmp_path_factory):
+    """hf_folder(name) -> (path, model): a small random transformers model saved to disk, once."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=100, n_positions=48,
-                                     bos_token_id=None, eos_token_id=None)
-    torch.manual_seed(0)
-    hf = transformers.GPT2LMHeadModel(config).eval()
-    with torch.no_grad():  # a random GPT-2 has zero biases and unit LayerNorms: make every tensor count
-        for p in hf.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("gpt2")
-    hf.save_pretrained(path)
-    return path, hf
+
+    @functools.cache
+    def build(name):
+        config_class, kwargs = HF_MODELS[name]
+        torch.manual_seed(0)
+        config = getattr(transformers, config_class)(**kwargs)
+        hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():  # a random model has zero biases and unit norms: make all count
+            for p in hf.parameters():
+                p.add_(0.02 * torch.randn_like(p))
+        path = tmp_path_factory.mktemp(name)
+        hf.save_pretrained(path)
+        return path, hf
+    return build
 
 
-def test_logits_match_hugging_face_gpt2(hf_gpt2_folder):
-    path, hf = hf_gpt2_folder
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_logits_match_hugging_face(hf_folder, name):
+    path, hf = hf_folder(name)
     model = GPT.from_pretrained(str(path))
-    idx = torch.randint(100, (3, 40))
+    idx = torch.randint(hf.config.vocab_size, (3, 40))
     with torch.no_grad():
         torch.testing.assert_close(model(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
-    # the paged path: greedy generation through the engine equals transformers' greedy generate
+
+
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_paged_greedy_generation_equals_hugging_face_generate(hf_folder, name):
+    path, hf = hf_folder(name)
     model, hf64 = GPT.from_pretrained(str(path), dtype=torch.float64), copy.deepcopy(hf).double()
-    prompts = [[1, 2, 3, 4, 5], [42] * 11]
-    outputs = Engine(model, block_size=4, num_blocks=32).generate(prompts, SamplingParams(max_tokens=12, temperature=0))
-    for prompt, out in zip(prompts, outputs):
-        reference = hf64.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
-        assert out.outputs[0].token_ids == reference[0, len(prompt):].tolist()
+    prompts = [[(7 * i + 3 * j) % 97 for j in range(n)] for i, n in enumerate([5, 7, 11, 13])]
+    expected = []
+    for p in prompts:  # token 0 is not padding here, so the mask is explicit
+        mask = torch.ones(1, len(p), dtype=torch.long)
+        out = hf64.generate(torch.tensor([p]), attention_mask=mask, max_new_tokens=12,
+                            do_sample=False, pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    for mode in ["recompute", "swap"]:
+        engine = Engine(model, block_size=3, num_blocks=12, preemption_mode=mode)  # 3 divides none
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+        assert engine.stats()["num_preemptions"] > 0
+        assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
-def test_from_pretrained_reads_pytorch_model_bin(hf_gpt2_folder, tmp_path):
-    path, hf = hf_gpt2_folder
+def test_both_config_dialects_and_sharded_folders_load_alike(hf_folder, tmp_path):
+    path, hf = hf_folder("llama")
+    idx = torch.randint(128, (2, 50))  # past original_max_position_embeddings (32)
+    with torch.no_grad():
+        expected = hf(idx).logits
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert not (tmp_path / "model.safetensors").exists()
+    config = json.loads((tmp_path / "config.json").read_text())
+    rope = config.pop("rope_parameters")  # the dialect of published Llama 3.1 folders
+    config |= dict(rope_theta=rope.pop("rope_theta"), rope_scaling=rope)
+    config |= dict(sliding_window=16, use_sliding_window=False)  # a window, but off
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        logits = GPT.from_pretrained(str(tmp_path))(idx)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_from_pretrained_reads_pytorch_model_bin(hf_folder, tmp_path):
+    path, hf = hf_folder("gpt2")
     from safetensors.torch import load_file
     torch.save(load_file(os.path.join(path, "model.safetensors")), tmp_path / "pytorch_model.bin")
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
@@ -859,8 +912,20 @@ def test_from_pretrained_reads_pytorch_model_bin(hf_gpt2_folder, tmp_path):
         torch.testing.assert_close(GPT.from_pretrained(str(tmp_path))(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
 
 
-def test_from_pretrained_bad_folders(hf_gpt2_folder, tmp_path):
-    path, _ = hf_gpt2_folder
+@pytest.mark.parametrize("name,key,size,message", [
+    ("gpt2", "transformer.h.1.mlp.c_fc.weight", 100,
+     r"'h.1.mlp.c_fc.weight' has shape \(64, 100\), config.json implies \(64, 256\)"),
+    ("llama", "model.layers.1.self_attn.k_proj.weight", 4,
+     r"'model.layers.1.self_attn.k_proj.weight' has shape \(8, 4\), config.json implies \(8, 48\)"),
+    ("qwen2", "model.layers.0.self_attn.v_proj.bias", 5,
+     r"'model.layers.0.self_attn.v_proj.bias' has shape \(5,\), config.json implies \(24,\)"),
+    ("llama", "lm_head.weight", 7,
+     r"'lm_head.weight' has shape \(128, 7\), config.json implies \(128, 48\)"),
+    ("mistral", "model.layers.0.mlp.gate_proj.weight", 3,
+     r"'model.layers.0.mlp.gate_proj.weight' has shape \(64, 3\), config.json implies \(64, 48\)"),
+])
+def test_from_pretrained_bad_folders(hf_folder, tmp_path, name, key, size, message):
+    path, _ = hf_folder(name)
     with pytest.raises(ValueError, match="config.json not found"):
         GPT.from_pretrained(str(tmp_path / "nowhere"))
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
@@ -868,13 +933,38 @@ def test_from_pretrained_bad_folders(hf_gpt2_folder, tmp_path):
         GPT.from_pretrained(str(tmp_path))
     from safetensors.torch import load_file, save_file
     weights = load_file(os.path.join(path, "model.safetensors"))
-    weights["transformer.h.1.mlp.c_fc.weight"] = weights["transformer.h.1.mlp.c_fc.weight"][:, :100].contiguous()
+    weights[key] = weights[key][..., :size].contiguous()
     save_file(weights, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"'h.1.mlp.c_fc.weight' has shape \(64, 100\)"):
+    with pytest.raises(ValueError, match=message):
         GPT.from_pretrained(str(tmp_path))
-    del weights["transformer.h.1.mlp.c_fc.weight"]
+    del weights[key]
     save_file(weights, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match="'h.1.mlp.c_fc.weight' is missing"):
+    with pytest.raises(ValueError, match=f"'{key.removeprefix('transformer.')}' is missing"):
+        GPT.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("name,edit,message", [
+    ("llama", dict(model_type="gemma"), "model_type='gemma'; this GPT loads 'gpt2', 'llama'"),
+    ("llama", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)),
+     "rope_scaling / rope_parameters rope_type='yarn'; this model takes only 'default' or"),
+    ("llama", dict(rope_parameters=None, rope_scaling=dict(type="linear", factor=2.0)),
+     "rope_type='linear'"),
+    ("qwen2", dict(rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.5)),
+     "partial_rotary_factor=0.5"),
+    ("mistral", dict(sliding_window=16), "sliding_window=16, below max_position_embeddings=64"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16),
+     "use_sliding_window=True; this model takes only False"),
+    ("llama", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("llama", dict(attention_bias=True), "attention_bias=True"),
+    ("gpt2", dict(n_inner=100), "n_inner=100"),
+])
+def test_from_pretrained_rejects_settings_it_would_get_wrong(hf_folder, tmp_path, name, edit,
+                                                            message):
+    path, _ = hf_folder(name)
+    (tmp_path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | edit))
+    with pytest.raises(ValueError, match=re.escape(message)):
         GPT.from_pretrained(str(tmp_path))
 
 
@@ -1132,9 +1222,11 @@ def test_torch_path_works_inside_and_outside_inference_mode():
     torch.testing.assert_close(paged_attention_torch(*args), inside)
 
 
-def test_demo_takes_text_prompts_through_a_model_folders_tokenizer(hf_gpt2_folder, tmp_path, capsys):
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_demo_takes_text_prompts_through_a_model_folders_tokenizer(hf_folder, tmp_path, capsys,
+                                                                   name):
     tokenizers = pytest.importorskip("tokenizers")
-    path, _ = hf_gpt2_folder
+    path, _ = hf_folder(name)
     for name in ("config.json", "model.safetensors"):
         (tmp_path / name).write_bytes((path / name).read_bytes())
     vocab = {"[UNK]": 0, "hello": 1, "paged": 2, "world": 3} | {f"w{i}": i for i in range(4, 100)}
