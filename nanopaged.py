@@ -37,16 +37,15 @@ from kernel import paged_attention, paged_attention_torch, store_kv
 # Tensor parallelism (paper, section 4.6): Megatron-LM's split of each layer across ranks
 #
 # Under torchrun, each of tensor_parallel_size ranks holds a slice of every attention and MLP
-# layer. A column-parallel layer (c_attn, c_fc) keeps its rows of the weight: its query heads,
-# K/V heads or MLP columns. The row-parallel c_proj after it keeps the matching input columns,
-# so its output is a partial sum that one all-reduce completes. Embeddings, norms and the LM
-# head are replicated, and each rank caches the K/V of its own heads only.
+# layer. A column-parallel layer (c_attn, c_fc, c_gate) keeps its rows of the weight: its query
+# heads, K/V heads or MLP columns. The row-parallel c_proj after it keeps the matching input
+# columns, so its output is a partial sum that one all-reduce completes. Embeddings, norms and
+# the LM head are replicated, and each rank caches the K/V of its own heads only.
 
 tp = SimpleNamespace(rank=0, world_size=1)  # this process's place in the group; 1 without torchrun
 # The weight dim each layer splits along: 0, output rows (column-parallel); 1, input columns
-# (row-parallel). A fused layer splits each of its parts on its own, listed in heads.
-TP_SPLIT_DIM = {"attn.c_attn": 0, "mlp.c_fc": 0, "attn.c_proj": 1, "mlp.c_proj": 1}
-TP_FUSED_PARTS = {"attn.c_attn": lambda c: [c.n_head, c.n_kv_head, c.n_kv_head]}  # [q | k | v]
+# (row-parallel). c_attn is fused [q | k | v]: each of the three splits on its own.
+TP_SPLIT_DIM = {"attn.c_attn": 0, "mlp.c_fc": 0, "mlp.c_gate": 0, "attn.c_proj": 1, "mlp.c_proj": 1}
 
 
 def init_tensor_parallel(tensor_parallel_size, timeout_s=300):
@@ -85,23 +84,34 @@ def broadcast(x):
     return x
 
 
-def tp_shard(name, tensor, config):
-    """This rank's slice of one whole-model tensor. Loading calls it as each tensor is read,
-    so no rank ever holds the whole model on its device."""
+def tp_split_dim(name):
+    """The dim along which the whole-model tensor `name` splits; None: each rank holds it all."""
     layer, kind = name.rsplit(".", 1)
-    layer = ".".join(layer.split(".")[-2:])  # h.3.attn.c_attn -> attn.c_attn
-    dim, rank, world = TP_SPLIT_DIM.get(layer), tp.rank, tp.world_size
-    if world == 1 or dim is None:
-        return tensor
-    if dim == 1:  # weight (out, in): this rank's inputs; the bias is added once, by rank 0 alone
-        return tensor.chunk(world, dim=1)[rank] if kind == "weight" else tensor * (rank == 0)
-    parts = TP_FUSED_PARTS.get(layer, lambda c: [1])(config)
-    cuts = [sum(parts[:i]) * len(tensor) // sum(parts) for i in range(1, len(parts))]
-    return torch.cat([part.chunk(world)[rank] for part in tensor.tensor_split(cuts)])
+    dim = TP_SPLIT_DIM.get(".".join(layer.split(".")[-2:]))  # h.3.attn.c_attn -> attn.c_attn
+    return None if tp.world_size == 1 or kind == "bias" and dim == 1 else dim
+
+
+def tp_full_shape(name, shape):
+    """The whole model's shape of a tensor of which this rank holds `shape`."""
+    dim = tp_split_dim(name)
+    return torch.Size(n * tp.world_size if d == dim else n for d, n in enumerate(shape))
+
+
+def tp_shard(name, tensor, config):
+    """This rank's slice of one whole-model tensor. Loading calls it as it reads each tensor,
+    so no rank ever holds the whole model on its device."""
+    dim = tp_split_dim(name)
+    if dim is None:  # replicated; but a row-parallel bias must enter the all-reduce's sum once
+        row_bias = tp.world_size > 1 and name.endswith("c_proj.bias")
+        return tensor * (tp.rank == 0) if row_bias else tensor
+    qkv = [n * config.head_dim for n in (config.n_head, config.n_kv_head, config.n_kv_head)]
+    parts = tensor.split(qkv) if ".c_attn." in name else [tensor]
+    return torch.cat([part.chunk(tp.world_size, dim)[tp.rank] for part in parts], dim)
 
 
 # -----------------------------------------------------------------------------
-# The model: GPT-2, whose attention reads and writes K/V through block tables
+# The model: one GPT for GPT-2 and the Llama family (Llama, Mistral, Qwen2), told apart by a
+# few config switches as in litgpt; its attention reads and writes K/V through block tables
 
 
 @dataclass
@@ -112,18 +122,30 @@ class GPTConfig:
     n_head: int = 12
     n_embd: int = 768
     n_kv_head: int | None = None  # fewer K/V heads than query heads is GQA; None means n_head (GPT-2)
-    layer_norm_epsilon: float = 1e-5
+    head_dim: int | None = None  # None: n_embd // n_head; some checkpoints choose their own
+    layer_norm_epsilon: float = 1e-5  # the eps of either norm (HF Llama: rms_norm_eps)
     eos_token_id: int | None = None  # GPT-2's <|endoftext|> is 50256; the byte model has none
+    # GPT-2 is the default; the Llama family is these switches:
+    rope_theta: float | None = None  # None: GPT-2's learned positions; else rotary, of this base
+    rope_scaling: dict | None = None  # Llama 3.1's "llama3" slowing of the slow rotary frequencies
+    norm: str = "layernorm"  # Llama's "rmsnorm" divides by the root mean square: no mean, no bias
+    mlp: str = "gelu"  # Llama's "swiglu" gates the MLP: down(silu(gate(x)) * up(x))
+    intermediate_size: int | None = None  # the MLP's hidden width; None: GPT-2's 4 * n_embd
+    bias: bool = True  # GPT-2 has biases in every linear layer and norm; Llama has none
+    qkv_bias: bool | None = None  # Qwen2 keeps biases on q, k and v alone; None follows bias
+    tie_word_embeddings: bool = True  # the output head is wte (GPT-2, the small Qwen2 models)
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
-        if self.n_embd % self.n_head or self.n_head % self.n_kv_head:
+        if self.n_head % self.n_kv_head or self.head_dim is None and self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must divide by n_head ({self.n_head}) "
                              f"and n_head by n_kv_head ({self.n_kv_head})")
-
-    @property
-    def head_dim(self):
-        return self.n_embd // self.n_head
+        if self.norm not in ("layernorm", "rmsnorm") or self.mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"norm must be 'layernorm' or 'rmsnorm' (got {self.norm!r}), "
+                             f"mlp 'gelu' or 'swiglu' (got {self.mlp!r})")
+        self.head_dim = self.head_dim or self.n_embd // self.n_head
+        self.intermediate_size = self.intermediate_size or 4 * self.n_embd
+        self.qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
 
 
 @dataclass
@@ -140,65 +162,97 @@ class Batch:
     use_triton: bool = False      # the Triton kernel, or the plain-torch paged path
 
 
+def rope_cos_sin(config, positions, dtype):
+    """RoPE (Su et al., 2021): dims i and i + hs/2 of every head turn by position * inv_freq[i].
+    The angles are computed in fp32, as transformers does, whatever the model's dtype."""
+    hs, device = config.head_dim, positions.device
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, hs, 2, device=device).float() / hs)
+    if config.rope_scaling:  # llama3: frequencies slower than the original context turn factor
+        s = config.rope_scaling  # times slower still, fast ones stay, a linear ramp between
+        wavelen = 2 * math.pi / inv_freq
+        ramp = ((s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"])
+                / (s["high_freq_factor"] - s["low_freq_factor"])).clamp(0, 1)
+        inv_freq = (1 - ramp) * inv_freq / s["factor"] + ramp * inv_freq
+    angles = positions.float()[:, None] * inv_freq                            # (T, hs/2)
+    angles = torch.cat((angles, angles), dim=-1)[:, None, :]                   # (T, 1, hs)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x (..., T, heads, hs): each pair (x1, x2) turns to (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        # this rank's heads: all of them without tensor parallelism
+        # this rank's heads (all of them without tensor parallelism): see TP_SPLIT_DIM
         self.n_head = config.n_head // tp.world_size
         self.n_kv_head = config.n_kv_head // tp.world_size
         self.head_dim = config.head_dim
-        # column-parallel, then row-parallel: see TP_SPLIT_DIM
-        self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim)
-        self.c_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd)
+        qkv_dim = (self.n_head + 2 * self.n_kv_head) * self.head_dim  # q, k, v: one matmul
+        self.c_attn = nn.Linear(config.n_embd, qkv_dim, bias=config.qkv_bias)
+        self.c_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=config.bias)
 
-    def forward(self, x, batch=None, kv_cache=None):
+    def forward(self, x, batch=None, kv_cache=None, rope=None):
         q, k, v = self.c_attn(x).split([self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
                                         self.n_kv_head * self.head_dim], dim=-1)
+        q = q.unflatten(-1, (self.n_head, self.head_dim))     # (B, T, nh, hs), paged (T, nh, hs)
+        k = k.unflatten(-1, (self.n_kv_head, self.head_dim))  # (B, T, nkv, hs), paged (T, nkv, hs)
+        v = v.unflatten(-1, (self.n_kv_head, self.head_dim))
+        if rope is not None:  # before the cache: it holds rotated keys, kernels need no positions
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if batch is None:
             # contiguous (B, T, C): training and the reference path, no cache involved
-            B, T, _ = x.shape
-            q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)     # (B, nh, T, hs)
-            k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
-            v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hs)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            return all_reduce(self.c_proj(y.transpose(1, 2).reshape(B, T, -1)))
+            return all_reduce(self.c_proj(y.transpose(1, 2).flatten(2)))
         # paged (T, C): first write the new K/V into their slots, then every new token attends
         # to its sequence's whole context, gathered block by block through the block table
         k_cache, v_cache = kv_cache                                          # (num_blocks, block_size, nkv, hs)
-        T = x.shape[0]
-        q = q.view(T, self.n_head, self.head_dim)                            # (T, nh, hs)
-        store_kv(k.view(T, self.n_kv_head, self.head_dim), v.view(T, self.n_kv_head, self.head_dim),
-                 k_cache, v_cache, batch.slot_mapping, use_triton=batch.use_triton)
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping, use_triton=batch.use_triton)
         attention = paged_attention if batch.use_triton else paged_attention_torch
         y = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
                       1.0 / math.sqrt(self.head_dim), max_q_len=batch.max_q_len)  # (T, nh, hs)
-        return all_reduce(self.c_proj(y.reshape(T, -1)))
+        return all_reduce(self.c_proj(y.flatten(1)))
 
 
 class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd // tp.world_size)  # column-parallel
-        self.c_proj = nn.Linear(4 * config.n_embd // tp.world_size, config.n_embd)  # row-parallel
+        n, hidden, bias = config.n_embd, config.intermediate_size // tp.world_size, config.bias
+        self.c_fc = nn.Linear(n, hidden, bias=bias)  # HF Llama: up_proj
+        self.c_gate = nn.Linear(n, hidden, bias=bias) if config.mlp == "swiglu" else None  # Llama
+        self.c_proj = nn.Linear(hidden, n, bias=bias)  # HF Llama: down_proj
 
     def forward(self, x):
-        h = F.gelu(self.c_fc(x), approximate="tanh")  # GPT-2's "gelu_new"
+        if self.c_gate is None:
+            h = F.gelu(self.c_fc(x), approximate="tanh")  # GPT-2's "gelu_new"
+        else:
+            h = F.silu(self.c_gate(x)) * self.c_fc(x)
         return all_reduce(self.c_proj(h))
+
+
+def norm(config):
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
+    return nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
 
 
 class Block(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_1 = norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_2 = norm(config)
         self.mlp = MLP(config)
 
-    def forward(self, x, batch=None, kv_cache=None):
-        x = x + self.attn(self.ln_1(x), batch, kv_cache)
+    def forward(self, x, batch=None, kv_cache=None, rope=None):
+        x = x + self.attn(self.ln_1(x), batch, kv_cache, rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -206,19 +260,20 @@ class GPT(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        for name, n in [("n_head", config.n_head), ("n_kv_head", config.n_kv_head)]:
-            if n % tp.world_size:
+        for name in ("n_head", "n_kv_head", "intermediate_size"):
+            if (n := getattr(config, name)) % tp.world_size:
                 raise ValueError(f"{name}={n} does not divide by tensor_parallel_size="
-                                 f"{tp.world_size}: each rank holds whole heads")
+                                 f"{tp.world_size}: each rank holds whole heads, equal MLP slices")
         self.config = config
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.max_seq_len, config.n_embd),
+            wpe=None if config.rope_theta else nn.Embedding(config.max_seq_len, config.n_embd),
             h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
-            ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon),
+            ln_f=norm(config),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
 
     @staticmethod
@@ -232,9 +287,13 @@ class GPT(nn.Module):
         """Contiguous: idx (B, T) -> logits (B, T, V). Paged: idx (T,) packed, batch and
         kv_cache (2, n_layer, num_blocks, block_size, nkv, hs) given -> logits (R, V) at batch.logits_indices."""
         pos = torch.arange(idx.shape[-1], device=idx.device) if batch is None else batch.positions
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        x, rope = self.transformer.wte(idx), None
+        if self.config.rope_theta is None:
+            x = x + self.transformer.wpe(pos)
+        else:  # the angles of each token's position, for every layer
+            rope = rope_cos_sin(self.config, pos, x.dtype)
         for i, block in enumerate(self.transformer.h):
-            x = block(x, batch, None if batch is None else (kv_cache[0, i], kv_cache[1, i]))
+            x = block(x, batch, None if batch is None else (kv_cache[0, i], kv_cache[1, i]), rope)
         if batch is not None:
             x = x[batch.logits_indices]  # the LM head is the widest matmul: run it only where we sample
         return self.lm_head(self.transformer.ln_f(x))
@@ -248,46 +307,132 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32):
-        """Load a Hugging Face GPT-2 folder (config.json + model.safetensors or pytorch_model.bin)
-        from disk. Needs no network and no transformers."""
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise ValueError(f"no GPT-2 checkpoint at {path!r}: config.json not found")
-        with open(os.path.join(path, "config.json")) as f:
-            hf = json.load(f)
-        for key, default, supported in [("activation_function", "gelu_new", ("gelu_new", "gelu_pytorch_tanh")),
-                                        ("n_inner", None, (None, 4 * hf["n_embd"])),
-                                        ("scale_attn_by_inverse_layer_idx", False, (False,))]:
-            if hf.get(key, default) not in supported:
-                raise ValueError(f"{path}: config.json sets {key}={hf[key]!r}, a GPT-2 variant this model lacks")
-        eos = hf.get("eos_token_id")  # random test configs keep GPT-2's 50256 with a tiny vocabulary
-        config = GPTConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"], n_layer=hf["n_layer"],
-                           n_head=hf["n_head"], n_embd=hf["n_embd"],
-                           layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-                           eos_token_id=eos if isinstance(eos, int) and 0 <= eos < hf["vocab_size"] else None)
-        if os.path.isfile(os.path.join(path, "model.safetensors")):
-            from safetensors.torch import load_file
-            sd = load_file(os.path.join(path, "model.safetensors"))
-        elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
-            sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu", weights_only=True)
-        else:
-            raise ValueError(f"{path}: no weights (expected model.safetensors or pytorch_model.bin)")
-        sd = {k.removeprefix("transformer."): v for k, v in sd.items()}
-        model = cls(config)
-        # GPT-2 stores its linear layers as Conv1D, weight (in, out): transpose into nn.Linear's (out, in)
-        conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+        """Load a local Hugging Face folder whose config.json says model_type gpt2, llama, mistral
+        or qwen2, from disk. Needs no network and no transformers."""
+        hf = read_hf_config(path)
+        config = gpt2_config(hf, path) if hf["model_type"] == "gpt2" else llama_config(hf, path)
+        model, sd = cls(config), read_hf_weights(path)
+        qkv = [n * config.head_dim for n in (config.n_head, config.n_kv_head, config.n_kv_head)]
         with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name == "lm_head.weight":
-                    continue  # tied to wte
-                key = name.removeprefix("transformer.")
-                if key not in sd:
-                    raise ValueError(f"{path}: tensor {key!r} is missing from the checkpoint")
-                tensor = tp_shard(key, sd[key].t() if key.endswith(conv1d) else sd[key], config)
-                if tensor.shape != param.shape:
-                    raise ValueError(f"{path}: tensor {key!r} has shape {tuple(sd[key].shape)}, "
-                                     f"config.json implies {tuple(param.shape)}")
-                param.copy_(tensor)
+            for name, param in model.named_parameters():  # a tied lm_head is wte, listed once
+                keys = hf_names(name, hf["model_type"])
+                # GPT-2 stores linear layers as Conv1D, weight (in, out): nn.Linear's transposed
+                transpose = hf["model_type"] == "gpt2" and name.endswith(GPT2_CONV1D)
+                whole = tp_full_shape(name, param.shape)  # the whole model's, all ranks together
+                shapes = [(n, *whole[1:]) for n in qkv] if len(keys) == 3 else [whole]
+                for key, shape in zip(keys, shapes):
+                    expected = shape[::-1] if transpose else shape
+                    if key not in sd:
+                        raise ValueError(f"{path}: tensor {key!r} is missing from the checkpoint")
+                    if sd[key].shape != expected:
+                        raise ValueError(f"{path}: tensor {key!r} has shape {tuple(sd[key].shape)},"
+                                         f" config.json implies {tuple(expected)}")
+                tensors = [sd[key].t() if transpose else sd[key] for key in keys]
+                tensor = torch.cat(tensors) if len(keys) == 3 else tensors[0]  # q, k, v stacked
+                param.copy_(tp_shard(name, tensor, config))
         return model.to(dtype).eval()
+
+
+# Checkpoints: where each parameter is in a Hugging Face folder. GPT-2's names are ours less
+# "transformer."; the Llama family's are below, per layer "transformer.h.N." -> "model.layers.N.",
+# and three names are q, k and v, stacked in that order into our c_attn.
+GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+HF_LLAMA_NAMES = {
+    "transformer.wte.weight": ["model.embed_tokens.weight"],
+    "ln_1.weight": ["input_layernorm.weight"],
+    "attn.c_attn.weight": [f"self_attn.{x}_proj.weight" for x in "qkv"],
+    "attn.c_attn.bias": [f"self_attn.{x}_proj.bias" for x in "qkv"],  # Qwen2
+    "attn.c_proj.weight": ["self_attn.o_proj.weight"],
+    "ln_2.weight": ["post_attention_layernorm.weight"],
+    "mlp.c_fc.weight": ["mlp.up_proj.weight"],
+    "mlp.c_gate.weight": ["mlp.gate_proj.weight"],
+    "mlp.c_proj.weight": ["mlp.down_proj.weight"],
+    "transformer.ln_f.weight": ["model.norm.weight"],
+    "lm_head.weight": ["lm_head.weight"],  # untied heads only
+}
+
+
+def hf_names(name, model_type):
+    if model_type == "gpt2":
+        return [name.removeprefix("transformer.")]
+    if name.startswith("transformer.h."):
+        layer, _, rest = name.removeprefix("transformer.h.").partition(".")
+        return [f"model.layers.{layer}.{key}" for key in HF_LLAMA_NAMES[rest]]
+    return HF_LLAMA_NAMES[name]
+
+
+def read_hf_config(path):
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"no checkpoint at {path!r}: config.json not found")
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    if hf.get("model_type") not in ("gpt2", "llama", "mistral", "qwen2"):
+        raise ValueError(f"{path}: config.json has model_type={hf.get('model_type')!r}; "
+                         "this GPT loads 'gpt2', 'llama', 'mistral' and 'qwen2'")
+    eos = hf.get("eos_token_id")  # a list (Llama 3 instruct): stop on the first; out of the
+    eos = eos[0] if isinstance(eos, list) and eos else eos  # vocabulary (random test configs): none
+    hf["eos_token_id"] = eos if isinstance(eos, int) and 0 <= eos < hf["vocab_size"] else None
+    return hf
+
+
+def reject(path, hf, key, default, supported, where=""):
+    if hf.get(key, default) not in supported:
+        raise ValueError(f"{path}: config.json sets {where}{key}={hf[key]!r}; this model takes "
+                         "only " + " or ".join(map(repr, supported)))
+
+
+def gpt2_config(hf, path):
+    reject(path, hf, "activation_function", "gelu_new", ("gelu_new", "gelu_pytorch_tanh"))
+    reject(path, hf, "n_inner", None, (None, 4 * hf["n_embd"]))
+    reject(path, hf, "scale_attn_by_inverse_layer_idx", False, (False,))
+    return GPTConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
+                     n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
+                     layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+                     eos_token_id=hf["eos_token_id"])
+
+
+def llama_config(hf, path):
+    # Published folders have rope_theta and rope_scaling; transformers 5 writes rope_parameters.
+    rope = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {}),
+            **(hf.get("rope_parameters") or {})}
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    for key, supported in [("rope_type", ("default", "llama3")), ("partial_rotary_factor", (1.0,))]:
+        reject(path, rope, key, supported[0], supported, where="rope_scaling / rope_parameters ")
+    for key, default in [("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+                         ("use_sliding_window", False)]:  # Qwen2's window is off unless this is on
+        reject(path, hf, key, default, (default,))
+    max_seq_len = hf.get("max_position_embeddings", 2048)
+    if hf["model_type"] == "mistral" and (hf.get("sliding_window") or max_seq_len) < max_seq_len:
+        raise ValueError(f"{path}: config.json sets sliding_window={hf['sliding_window']}, below "
+                         f"max_position_embeddings={max_seq_len}; this model sees all the context")
+    rope.setdefault("original_max_position_embeddings", max_seq_len)  # as transformers, for llama3
+    return GPTConfig(
+        vocab_size=hf["vocab_size"], max_seq_len=max_seq_len, n_layer=hf["num_hidden_layers"],
+        n_head=hf["num_attention_heads"], n_kv_head=hf.get("num_key_value_heads"),
+        n_embd=hf["hidden_size"], head_dim=hf.get("head_dim"), eos_token_id=hf["eos_token_id"],
+        layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), rope_theta=rope["rope_theta"],
+        rope_scaling=rope if rope["rope_type"] == "llama3" else None, norm="rmsnorm", mlp="swiglu",
+        intermediate_size=hf["intermediate_size"], bias=False, qkv_bias=hf["model_type"] == "qwen2",
+        tie_word_embeddings=hf.get("tie_word_embeddings", False))
+
+
+def read_hf_weights(path):
+    """Every tensor in model.safetensors, in the shards model.safetensors.index.json lists, or in
+    pytorch_model.bin. Memory-mapped, not read: each tensor is read as it is copied (or sliced,
+    under tensor parallelism), so no process holds the whole checkpoint in memory."""
+    from safetensors.torch import load_file
+    if os.path.isfile(index := os.path.join(path, "model.safetensors.index.json")):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return {k: v for shard in shards for k, v in load_file(os.path.join(path, shard)).items()}
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        sd = load_file(os.path.join(path, "model.safetensors"))
+    elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+        sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu",
+                        weights_only=True, mmap=True)
+    else:
+        raise ValueError(f"{path}: no weights (model.safetensors, its shards or pytorch_model.bin)")
+    return {k.removeprefix("transformer."): v for k, v in sd.items()}  # GPT-2 saves both ways
 
 
 # -----------------------------------------------------------------------------

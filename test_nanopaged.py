@@ -6,6 +6,7 @@ inputs. Run: python -m pytest -q   (without a GPU the Triton kernels run in the 
 
 import copy
 import functools
+import json
 import os
 import random
 import re
@@ -816,41 +817,93 @@ def test_prompt_fully_in_the_cache_still_gets_its_next_token():
 
 
 # -----------------------------------------------------------------------------
-# The model against Hugging Face GPT-2
+# The model against Hugging Face GPT-2, Llama, Mistral and Qwen2
+
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0,
+                   high_freq_factor=4.0, original_max_position_embeddings=32)  # all 3 bands at hs 8
+LLAMA_FAMILY = dict(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=6, max_position_embeddings=64, bos_token_id=None,
+                    eos_token_id=None, pad_token_id=None)
+HF_MODELS = {  # between them: 1, 2 and 3 K/V heads for 6 query heads, tied and untied, both RoPEs
+    "gpt2": ("GPT2Config", dict(n_layer=2, n_head=4, n_embd=64, vocab_size=100, n_positions=48,
+                                bos_token_id=None, eos_token_id=None)),
+    "llama": ("LlamaConfig", dict(LLAMA_FAMILY, num_key_value_heads=1,
+                                  rope_parameters=LLAMA3_ROPE)),
+    "mistral": ("MistralConfig", dict(LLAMA_FAMILY, num_key_value_heads=2, head_dim=16,
+                                      sliding_window=None, tie_word_embeddings=True,
+                                      rope_parameters=dict(rope_theta=1e4))),
+    "qwen2": ("Qwen2Config", dict(LLAMA_FAMILY, num_key_value_heads=3, tie_word_embeddings=True,
+                                  rope_parameters=dict(rope_theta=1e6))),
+}
 
 
 @pytest.fixture(scope="module")
-def hf_gpt2_folder(tmp_path_factory):
+def hf_folder(tmp_path_factory):
+    """hf_folder(name) -> (path, model): a small random transformers model saved to disk, once."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=100, n_positions=48,
-                                     bos_token_id=None, eos_token_id=None)
-    torch.manual_seed(0)
-    hf = transformers.GPT2LMHeadModel(config).eval()
-    with torch.no_grad():  # a random GPT-2 has zero biases and unit LayerNorms: make every tensor count
-        for p in hf.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    path = tmp_path_factory.mktemp("gpt2")
-    hf.save_pretrained(path)
-    return path, hf
+
+    @functools.cache
+    def build(name):
+        config_class, kwargs = (HF_MODELS | TP_HF_MODELS)[name]
+        torch.manual_seed(0)
+        config = getattr(transformers, config_class)(**kwargs)
+        hf = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():  # a random model has zero biases and unit norms: make all count
+            for p in hf.parameters():
+                p.add_(0.02 * torch.randn_like(p))
+        path = tmp_path_factory.mktemp(name)
+        hf.save_pretrained(path)
+        return path, hf
+    return build
 
 
-def test_logits_match_hugging_face_gpt2(hf_gpt2_folder):
-    path, hf = hf_gpt2_folder
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_logits_match_hugging_face(hf_folder, name):
+    path, hf = hf_folder(name)
     model = GPT.from_pretrained(str(path))
-    idx = torch.randint(100, (3, 40))
+    idx = torch.randint(hf.config.vocab_size, (3, 40))
     with torch.no_grad():
         torch.testing.assert_close(model(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
-    # the paged path: greedy generation through the engine equals transformers' greedy generate
+
+
+@pytest.mark.parametrize("name", HF_MODELS)
+def test_paged_greedy_generation_equals_hugging_face_generate(hf_folder, name):
+    path, hf = hf_folder(name)
     model, hf64 = GPT.from_pretrained(str(path), dtype=torch.float64), copy.deepcopy(hf).double()
-    prompts = [[1, 2, 3, 4, 5], [42] * 11]
-    outputs = Engine(model, block_size=4, num_blocks=32).generate(prompts, SamplingParams(max_tokens=12, temperature=0))
-    for prompt, out in zip(prompts, outputs):
-        reference = hf64.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, pad_token_id=0)
-        assert out.outputs[0].token_ids == reference[0, len(prompt):].tolist()
+    prompts = [[(7 * i + 3 * j) % 97 for j in range(n)] for i, n in enumerate([5, 7, 11, 13])]
+    expected = []
+    for p in prompts:  # token 0 is not padding here, so the mask is explicit
+        mask = torch.ones(1, len(p), dtype=torch.long)
+        out = hf64.generate(torch.tensor([p]), attention_mask=mask, max_new_tokens=12,
+                            do_sample=False, pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    for mode in ["recompute", "swap"]:
+        engine = Engine(model, block_size=3, num_blocks=12, preemption_mode=mode)  # 3 divides none
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+        assert engine.stats()["num_preemptions"] > 0
+        assert [o.outputs[0].token_ids for o in outputs] == expected
 
 
-def test_from_pretrained_reads_pytorch_model_bin(hf_gpt2_folder, tmp_path):
-    path, hf = hf_gpt2_folder
+def test_both_config_dialects_and_sharded_folders_load_alike(hf_folder, tmp_path):
+    path, hf = hf_folder("llama")
+    idx = torch.randint(128, (2, 50))  # past original_max_position_embeddings (32)
+    with torch.no_grad():
+        expected = hf(idx).logits
+    hf.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    assert not (tmp_path / "model.safetensors").exists()
+    config = json.loads((tmp_path / "config.json").read_text())
+    rope = config.pop("rope_parameters")  # the dialect of published Llama 3.1 folders
+    config |= dict(rope_theta=rope.pop("rope_theta"), rope_scaling=rope)
+    config |= dict(sliding_window=16, use_sliding_window=False)  # a window, but off
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with torch.no_grad():
+        logits = GPT.from_pretrained(str(tmp_path))(idx)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_from_pretrained_reads_pytorch_model_bin(hf_folder, tmp_path):
+    path, hf = hf_folder("gpt2")
     from safetensors.torch import load_file
     torch.save(load_file(os.path.join(path, "model.safetensors")), tmp_path / "pytorch_model.bin")
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
@@ -859,8 +912,20 @@ def test_from_pretrained_reads_pytorch_model_bin(hf_gpt2_folder, tmp_path):
         torch.testing.assert_close(GPT.from_pretrained(str(tmp_path))(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
 
 
-def test_from_pretrained_bad_folders(hf_gpt2_folder, tmp_path):
-    path, _ = hf_gpt2_folder
+@pytest.mark.parametrize("name,key,size,message", [
+    ("gpt2", "transformer.h.1.mlp.c_fc.weight", 100,
+     r"'h.1.mlp.c_fc.weight' has shape \(64, 100\), config.json implies \(64, 256\)"),
+    ("llama", "model.layers.1.self_attn.k_proj.weight", 4,
+     r"'model.layers.1.self_attn.k_proj.weight' has shape \(8, 4\), config.json implies \(8, 48\)"),
+    ("qwen2", "model.layers.0.self_attn.v_proj.bias", 5,
+     r"'model.layers.0.self_attn.v_proj.bias' has shape \(5,\), config.json implies \(24,\)"),
+    ("llama", "lm_head.weight", 7,
+     r"'lm_head.weight' has shape \(128, 7\), config.json implies \(128, 48\)"),
+    ("mistral", "model.layers.0.mlp.gate_proj.weight", 3,
+     r"'model.layers.0.mlp.gate_proj.weight' has shape \(64, 3\), config.json implies \(64, 48\)"),
+])
+def test_from_pretrained_bad_folders(hf_folder, tmp_path, name, key, size, message):
+    path, _ = hf_folder(name)
     with pytest.raises(ValueError, match="config.json not found"):
         GPT.from_pretrained(str(tmp_path / "nowhere"))
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
@@ -868,13 +933,38 @@ def test_from_pretrained_bad_folders(hf_gpt2_folder, tmp_path):
         GPT.from_pretrained(str(tmp_path))
     from safetensors.torch import load_file, save_file
     weights = load_file(os.path.join(path, "model.safetensors"))
-    weights["transformer.h.1.mlp.c_fc.weight"] = weights["transformer.h.1.mlp.c_fc.weight"][:, :100].contiguous()
+    weights[key] = weights[key][..., :size].contiguous()
     save_file(weights, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"'h.1.mlp.c_fc.weight' has shape \(64, 100\)"):
+    with pytest.raises(ValueError, match=message):
         GPT.from_pretrained(str(tmp_path))
-    del weights["transformer.h.1.mlp.c_fc.weight"]
+    del weights[key]
     save_file(weights, tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match="'h.1.mlp.c_fc.weight' is missing"):
+    with pytest.raises(ValueError, match=f"'{key.removeprefix('transformer.')}' is missing"):
+        GPT.from_pretrained(str(tmp_path))
+
+
+@pytest.mark.parametrize("name,edit,message", [
+    ("llama", dict(model_type="gemma"), "model_type='gemma'; this GPT loads 'gpt2', 'llama'"),
+    ("llama", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)),
+     "rope_scaling / rope_parameters rope_type='yarn'; this model takes only 'default' or"),
+    ("llama", dict(rope_parameters=None, rope_scaling=dict(type="linear", factor=2.0)),
+     "rope_type='linear'"),
+    ("qwen2", dict(rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.5)),
+     "partial_rotary_factor=0.5"),
+    ("mistral", dict(sliding_window=16), "sliding_window=16, below max_position_embeddings=64"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=16),
+     "use_sliding_window=True; this model takes only False"),
+    ("llama", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("llama", dict(attention_bias=True), "attention_bias=True"),
+    ("gpt2", dict(n_inner=100), "n_inner=100"),
+])
+def test_from_pretrained_rejects_settings_it_would_get_wrong(hf_folder, tmp_path, name, edit,
+                                                            message):
+    path, _ = hf_folder(name)
+    (tmp_path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | edit))
+    with pytest.raises(ValueError, match=re.escape(message)):
         GPT.from_pretrained(str(tmp_path))
 
 
@@ -1132,9 +1222,11 @@ def test_torch_path_works_inside_and_outside_inference_mode():
     torch.testing.assert_close(paged_attention_torch(*args), inside)
 
 
-def test_demo_takes_text_prompts_through_a_model_folders_tokenizer(hf_gpt2_folder, tmp_path, capsys):
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_demo_takes_text_prompts_through_a_model_folders_tokenizer(hf_folder, tmp_path, capsys,
+                                                                   name):
     tokenizers = pytest.importorskip("tokenizers")
-    path, _ = hf_gpt2_folder
+    path, _ = hf_folder(name)
     for name in ("config.json", "model.safetensors"):
         (tmp_path / name).write_bytes((path / name).read_bytes())
     vocab = {"[UNK]": 0, "hello": 1, "paged": 2, "world": 3} | {f"w{i}": i for i in range(4, 100)}
@@ -1170,6 +1262,13 @@ def test_hundreds_of_requests_in_a_pool_a_few_sequences_deep(mode):
 # a token could only change on a near-exact tie; the demo checks the float32 model as well.
 
 TP_CONFIG = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, vocab_size=32, max_seq_len=64)
+TP_HF_MODELS = {  # Llama and Qwen2 with K/V heads that split in two: untied, llama3 RoPE, biases
+    "llama_2kv": ("LlamaConfig", dict(LLAMA_FAMILY, num_key_value_heads=2,
+                                      rope_parameters=LLAMA3_ROPE)),
+    "qwen2_2kv": ("Qwen2Config", dict(LLAMA_FAMILY, num_key_value_heads=2,
+                                      rope_parameters=dict(rope_theta=1e6))),
+}
+TP_CHECKPOINTS = ["gpt2", "mistral", "llama_2kv", "qwen2_2kv"]
 TP_DEMO_FLAGS = ["--max-tokens", "8", "--num-blocks", "24"]  # float32, sampled at 0.8, preempts
 
 
@@ -1211,7 +1310,7 @@ def tp_scenarios(model, names=None):
     return results
 
 
-def tp_worker(rank, port, folder, gpt2_path):
+def tp_worker(rank, port, folder, checkpoints):
     """One of two ranks: every scenario, then the demo; then rank 1 dies and rank 0 must raise."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
@@ -1220,9 +1319,10 @@ def tp_worker(rank, port, folder, gpt2_path):
     full = torch.load(os.path.join(folder, "full.pt"))
     model = GPT(TP_CONFIG).double().load_full_state_dict(full)
     results = dict(scenarios=tp_scenarios(model))
-    gpt2 = GPT.from_pretrained(gpt2_path, dtype=torch.float64)  # sharded as the checkpoint is read
-    results["gpt2"] = tp_scenarios(gpt2, ["greedy", "beam"])
-    results["shapes"] = {name: tuple(p.shape) for name, p in gpt2.named_parameters()}
+    for name, path in checkpoints.items():  # sharded as each tensor is read
+        checkpoint = GPT.from_pretrained(path, dtype=torch.float64)
+        results[name] = tp_scenarios(checkpoint, ["greedy", "beam"])
+        results[name + " shapes"] = {k: tuple(p.shape) for k, p in checkpoint.named_parameters()}
     report = nanopaged.main(TP_DEMO_FLAGS + ["--tensor-parallel-size", "2"])
     results["demo"] = [[c.token_ids for c in o.outputs] for o in report["outputs"]]
     with torch.no_grad():  # what lets greedy and beam choices agree without a broadcast
@@ -1246,12 +1346,13 @@ def free_port():
         return s.getsockname()[1]
 
 
-def test_two_ranks_serve_every_feature_like_one_process(hf_gpt2_folder, tmp_path):
+def test_two_ranks_serve_every_feature_like_one_process(hf_folder, tmp_path):
     torch.manual_seed(0)
-    model, gpt2_path = GPT(TP_CONFIG).double(), str(hf_gpt2_folder[0])
+    model = GPT(TP_CONFIG).double()
     torch.save(model.state_dict(), tmp_path / "full.pt")
+    checkpoints = {name: str(hf_folder(name)[0]) for name in TP_CHECKPOINTS}
     ctx, port = torch.multiprocessing.get_context("spawn"), free_port()
-    ranks = [ctx.Process(target=tp_worker, args=(rank, port, str(tmp_path), gpt2_path))
+    ranks = [ctx.Process(target=tp_worker, args=(rank, port, str(tmp_path), checkpoints))
              for rank in (0, 1)]
     for p in ranks:
         p.start()
@@ -1261,7 +1362,8 @@ def test_two_ranks_serve_every_feature_like_one_process(hf_gpt2_folder, tmp_path
     torch.set_num_threads(1)
     try:
         single = tp_scenarios(model)
-        gpt2 = tp_scenarios(GPT.from_pretrained(gpt2_path, dtype=torch.float64), ["greedy", "beam"])
+        single |= {name: tp_scenarios(GPT.from_pretrained(path, dtype=torch.float64),
+                                      ["greedy", "beam"]) for name, path in checkpoints.items()}
         demo = nanopaged.main(TP_DEMO_FLAGS)["outputs"]
     finally:
         torch.set_num_threads(num_threads)
@@ -1276,14 +1378,18 @@ def test_two_ranks_serve_every_feature_like_one_process(hf_gpt2_folder, tmp_path
     assert single["recompute"]["preemptions"] > 0 and single["swap"]["preemptions"] > 0
     assert single["prefix"]["hits"] == 8
     assert rank0["scenarios"]["unseeded"] == rank1["scenarios"]["unseeded"]
-    assert rank0["gpt2"] == rank1["gpt2"] == gpt2
+    for name in TP_CHECKPOINTS:
+        assert rank0[name] == rank1[name] == single[name], name
     assert rank0["demo"] == rank1["demo"] == [[c.token_ids for c in o.outputs] for o in demo]
     # each rank caches its own K/V heads only, so one byte budget holds twice the blocks
     assert single["kv_heads"] == 2
     assert rank0["scenarios"]["kv_heads"] == rank1["scenarios"]["kv_heads"] == 1
     assert rank0["scenarios"]["budget_blocks"] == 2 * single["budget_blocks"]
-    assert rank0["shapes"]["transformer.h.0.attn.c_attn.weight"] == (3 * 64 // 2, 64)
-    assert rank0["shapes"]["transformer.h.0.mlp.c_proj.weight"] == (64, 4 * 64 // 2)
+    assert rank0["gpt2 shapes"]["transformer.h.0.attn.c_attn.weight"] == (3 * 64 // 2, 64)
+    assert rank0["gpt2 shapes"]["transformer.h.0.mlp.c_proj.weight"] == (64, 4 * 64 // 2)
+    mistral = rank0["mistral shapes"]  # 6 query and 2 K/V heads of 16
+    assert mistral["transformer.h.0.attn.c_attn.weight"] == ((6 + 2 * 2) * 16 // 2, 48)
+    assert mistral["transformer.h.0.mlp.c_gate.weight"] == (64 // 2, 48)
     assert torch.equal(rank0["logits"], rank1["logits"])  # bit for bit on every rank
     with torch.no_grad():
         one_process = model(torch.arange(30).view(2, 15))
