@@ -60,14 +60,15 @@ def init_tensor_parallel(tensor_parallel_size, timeout_s=300):
     if int(launched or 1) != size:
         raise ValueError(f"tensor_parallel_size={size} but torchrun launched {launched} processes: "
                          f"give torchrun --nproc-per-node {size}")
-    if size > 1 and not dist.is_initialized():
+    if size == 1:
+        return
+    if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         # The timeout bounds every collective: when a rank dies, the others raise, not hang.
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                 timeout=timedelta(seconds=timeout_s))
-    if size > 1:
-        tp.rank, tp.world_size = dist.get_rank(), dist.get_world_size()
+    tp.rank, tp.world_size = dist.get_rank(), dist.get_world_size()
 
 
 def all_reduce(x):
@@ -89,12 +90,6 @@ def tp_split_dim(name):
     layer, kind = name.rsplit(".", 1)
     dim = TP_SPLIT_DIM.get(".".join(layer.split(".")[-2:]))  # h.3.attn.c_attn -> attn.c_attn
     return None if tp.world_size == 1 or kind == "bias" and dim == 1 else dim
-
-
-def tp_full_shape(name, shape):
-    """The whole model's shape of a tensor of which this rank holds `shape`."""
-    dim = tp_split_dim(name)
-    return torch.Size(n * tp.world_size if d == dim else n for d, n in enumerate(shape))
 
 
 def tp_shard(name, tensor, config):
@@ -318,10 +313,12 @@ class GPT(nn.Module):
                 keys = hf_names(name, hf["model_type"])
                 # GPT-2 stores linear layers as Conv1D, weight (in, out): nn.Linear's transposed
                 transpose = hf["model_type"] == "gpt2" and name.endswith(GPT2_CONV1D)
-                whole = tp_full_shape(name, param.shape)  # the whole model's, all ranks together
+                whole = list(param.shape)  # the whole model's: all ranks' slices together
+                if (dim := tp_split_dim(name)) is not None:
+                    whole[dim] *= tp.world_size
                 shapes = [(n, *whole[1:]) for n in qkv] if len(keys) == 3 else [whole]
                 for key, shape in zip(keys, shapes):
-                    expected = shape[::-1] if transpose else shape
+                    expected = tuple(shape[::-1] if transpose else shape)
                     if key not in sd:
                         raise ValueError(f"{path}: tensor {key!r} is missing from the checkpoint")
                     if sd[key].shape != expected:
@@ -1162,10 +1159,9 @@ class Engine:
             logits = logits if rows == list(range(len(logits))) else logits[rows]             # (S, V)
             tokens = sample(logits, [p.temperature for p in params], [p.top_k for p in params],
                             [p.top_p for p in params], [seq.generator for _, seq, _ in to_sample])
-            # Tensor parallelism: every rank runs this same scheduler on bit-identical logits
-            # (the all-reduce hands each rank the same sum), so greedy picks, beams and stops
-            # agree by themselves. A random draw may not (an unseeded request's seed is each
-            # rank's own), so all take rank 0's tokens: one small broadcast, and none diverges.
+            # Tensor parallel ranks run this same scheduler on bit-identical logits (the all-reduce
+            # gives each the same sum), so greedy picks, beams and stops agree; a random draw may
+            # not (unseeded, each rank has its own seed), so all take rank 0's tokens.
             tokens = broadcast(tokens)
             logprobs = logits.float().log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
             for (group, seq, _), token, logprob in zip(to_sample, tokens.tolist(), logprobs.tolist()):
