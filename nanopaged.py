@@ -10,8 +10,10 @@ sequences onto the device as the blocks allow and preempts when they run out.
     Kwon et al., "Efficient Memory Management for Large Language Model Serving with
     PagedAttention", SOSP 2023.  https://arxiv.org/abs/2309.06180
 
-Sections: the model, the block allocator, sequences, the scheduler, sampling, the
-engine, the demo. The attention kernels live in kernel.py. Run `python nanopaged.py`.
+Sections: tensor parallelism (what the model layers split), the model, the block allocator,
+sequences, the scheduler, sampling, the engine, the demo. The attention kernels live in
+kernel.py. Run `python nanopaged.py`, or `torchrun --nproc-per-node 2 nanopaged.py
+--tensor-parallel-size 2` to split the model and its KV cache across two processes.
 """
 
 import json
