@@ -60,8 +60,9 @@ def init_tensor_parallel(tensor_parallel_size, timeout_s=300):
         raise ValueError(f"tensor_parallel_size={size} needs one process per rank: launch with "
                          f"torchrun --nproc-per-node {size} (RANK and WORLD_SIZE are not set)")
     if int(launched or 1) != size:
-        raise ValueError(f"tensor_parallel_size={size} but torchrun launched {launched} processes: "
-                         f"give torchrun --nproc-per-node {size}")
+        raise ValueError(f"tensor_parallel_size={size} but torchrun launched {launched} "
+                         f"processes: give torchrun --nproc-per-node {size}, or "
+                         f"tensor_parallel_size={launched}")
     if size == 1:
         return
     if not dist.is_initialized():

@@ -1399,7 +1399,8 @@ def test_two_ranks_serve_every_feature_like_one_process(hf_folder, tmp_path):
 
 @pytest.mark.parametrize("size,env,message", [
     (2, {}, "tensor_parallel_size=2 needs one process per rank: launch with torchrun --nproc-per"),
-    (2, dict(WORLD_SIZE="3"), "tensor_parallel_size=2 but torchrun launched 3 processes"),
+    (2, dict(WORLD_SIZE="3"), "tensor_parallel_size=2 but torchrun launched 3 processes: give "
+                              "torchrun --nproc-per-node 2, or tensor_parallel_size=3"),
     (1, dict(WORLD_SIZE="2"), "tensor_parallel_size=1 but torchrun launched 2 processes"),
     (0, {}, "tensor_parallel_size must be an integer >= 1, got 0"),
 ])
@@ -1421,3 +1422,38 @@ def test_heads_that_do_not_divide_across_ranks_are_rejected(n_head, n_kv_head, m
     monkeypatch.setattr(nanopaged.tp, "world_size", 4)
     with pytest.raises(ValueError, match=message + " by tensor_parallel_size=4: each rank"):
         GPT(GPTConfig(n_layer=1, n_head=n_head, n_kv_head=n_kv_head, n_embd=48))
+
+
+@settings(max_examples=40, deadline=None)
+@given(world_size=st.sampled_from([2, 4]), kv_per_rank=st.sampled_from([1, 2]),
+       group=st.sampled_from([1, 2, 3]), family=st.sampled_from(["gpt2", "llama", "qwen2"]))
+def test_the_ranks_slices_of_a_layer_sum_to_the_whole_layer(world_size, kv_per_rank, group, family):
+    """Megatron's identity, for any split: attention and MLP outputs are the sum over ranks of
+    each rank's output before the all-reduce (row-parallel biases counted once)."""
+    from unittest import mock
+    llama = dict(rope_theta=1e4, norm="rmsnorm", mlp="swiglu", bias=False,
+                 qkv_bias=family == "qwen2")
+    n_kv_head = kv_per_rank * world_size
+    config = GPTConfig(n_layer=1, n_head=n_kv_head * group, n_kv_head=n_kv_head, head_dim=8,
+                       n_embd=16, vocab_size=32, intermediate_size=6 * world_size,
+                       **({} if family == "gpt2" else llama))
+    torch.manual_seed(world_size + 10 * kv_per_rank + 100 * group)
+    whole = GPT(config).double()
+    with torch.no_grad():
+        for p in whole.parameters():  # biases start at zero: make every tensor count
+            p.add_(0.1 * torch.randn_like(p))
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    rope = nanopaged.rope_cos_sin(config, torch.arange(5), x.dtype) if family != "gpt2" else None
+    layer = whole.transformer.h[0]
+    with torch.no_grad():
+        want_attn, want_mlp = layer.attn(x, rope=rope), layer.mlp(x)
+        attn = mlp = 0
+        with mock.patch.object(nanopaged, "all_reduce", lambda y: y):  # each rank's partial sum
+            for rank in range(world_size):
+                with mock.patch.multiple(nanopaged.tp, rank=rank, world_size=world_size):
+                    shard = GPT(config).double().load_full_state_dict(whole.state_dict())
+                shard = shard.transformer.h[0]
+                assert shard.attn.c_attn.out_features == (group + 2) * kv_per_rank * 8
+                attn, mlp = attn + shard.attn(x, rope=rope), mlp + shard.mlp(x)
+    torch.testing.assert_close(attn, want_attn, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mlp, want_mlp, rtol=1e-12, atol=1e-12)
