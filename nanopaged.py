@@ -43,6 +43,7 @@ from kernel import paged_attention, paged_attention_torch, store_kv
 # heads, K/V heads or MLP columns. The row-parallel c_proj after it keeps the matching input
 # columns, so its output is a partial sum that one all-reduce completes. Embeddings, norms and
 # the LM head are replicated, and each rank caches the K/V of its own heads only.
+# (Shoeybi et al., "Megatron-LM", 2019, section 3; as vLLM runs it, paper section 4.6.)
 
 tp = SimpleNamespace(rank=0, world_size=1)  # this process's place in the group; 1 without torchrun
 # The weight dim each layer splits along: 0, output rows (column-parallel); 1, input columns
