@@ -318,8 +318,7 @@ def llama_config(hf, path):
 
 
 def read_hf_weights(path):
-    """Every tensor in model.safetensors, in the shards model.safetensors.index.json lists, or in
-    pytorch_model.bin."""
+    """Every tensor of model.safetensors, of the shards its index.json lists, or of pytorch_model.bin."""
     from safetensors.torch import load_file
     if os.path.isfile(index := os.path.join(path, "model.safetensors.index.json")):
         with open(index) as f:

@@ -1266,6 +1266,7 @@ def test_demo_serves_its_workload_and_reports_true_numbers(capsys, tmp_path):
     (["--block-size", "0"], "block_size must be an integer >= 1, got 0"),
     (["--prompt", "x" * 300], r"= 364 exceeds the model's max_seq_len \(256\)"),
     (["--max-tokens", "many"], "argument --max-tokens: invalid int value"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
 ])
 def test_demo_bad_flags_end_with_one_clear_line(flags, message):
     run = subprocess.run([sys.executable, "nanopaged.py", *flags], capture_output=True, text=True, timeout=300,
