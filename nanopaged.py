@@ -200,7 +200,7 @@ class GPT(nn.Module):
         kv_cache (2, n_layer, num_blocks, block_size, nkv, hs) given -> logits (R, V) at batch.logits_indices."""
         pos = torch.arange(idx.shape[-1], device=idx.device) if batch is None else batch.positions
         x, rope = self.transformer.wte(idx), None
-        if self.config.rope_theta is None:
+        if self.transformer.wpe is not None:
             x = x + self.transformer.wpe(pos)
         else:  # the angles of each token's position, for every layer
             rope = rope_cos_sin(self.config, pos, x.dtype)
@@ -270,8 +270,9 @@ def read_hf_config(path):
     if hf.get("model_type") not in ("gpt2", "llama", "mistral", "qwen2"):
         raise ValueError(f"{path}: config.json has model_type={hf.get('model_type')!r}; "
                          "this GPT loads 'gpt2', 'llama', 'mistral' and 'qwen2'")
-    eos = hf.get("eos_token_id")  # a list (Llama 3 instruct): stop on the first; out of the
-    eos = eos[0] if isinstance(eos, list) and eos else eos  # vocabulary (random test configs): none
+    eos = hf.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos  # Llama 3 instruct lists several
+    # random test configs keep GPT-2's 50256 with a tiny vocabulary
     hf["eos_token_id"] = eos if isinstance(eos, int) and 0 <= eos < hf["vocab_size"] else None
     return hf
 
@@ -318,13 +319,16 @@ def llama_config(hf, path):
 
 
 def read_hf_weights(path):
-    """Every tensor of model.safetensors, of the shards its index.json lists, or of pytorch_model.bin."""
+    """Every tensor of model.safetensors, of the shards its index lists, or of pytorch_model.bin."""
     from safetensors.torch import load_file
-    if os.path.isfile(index := os.path.join(path, "model.safetensors.index.json")):
+    sd, index = {}, os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
         with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return {k: v for shard in shards for k, v in load_file(os.path.join(path, shard)).items()}
-    if os.path.isfile(os.path.join(path, "model.safetensors")):
+            for shard in sorted(set(json.load(f)["weight_map"].values())):
+                if not os.path.isfile(os.path.join(path, shard)):
+                    raise ValueError(f"{path}: {shard!r}, a shard the index lists, is missing")
+                sd.update(load_file(os.path.join(path, shard)))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
         sd = load_file(os.path.join(path, "model.safetensors"))
     elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
         sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu",

@@ -910,6 +910,10 @@ def test_both_config_dialects_and_sharded_folders_load_alike(hf_folder, tmp_path
     with torch.no_grad():
         logits = GPT.from_pretrained(str(tmp_path))(idx)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    shard.unlink()  # a download cut short
+    with pytest.raises(ValueError, match=f"'{shard.name}', a shard the index lists, is missing"):
+        GPT.from_pretrained(str(tmp_path))
 
 
 class RecordingEngine(Engine):
