@@ -46,7 +46,6 @@ class GPTConfig:
     head_dim: int | None = None  # None: n_embd // n_head; some checkpoints choose their own
     layer_norm_epsilon: float = 1e-5  # the eps of either norm (HF Llama: rms_norm_eps)
     eos_token_id: int | None = None  # GPT-2's <|endoftext|> is 50256; the byte model has none
-    # GPT-2 is the default; the Llama family is these switches:
     rope_theta: float | None = None  # None: GPT-2's learned positions; else rotary, of this base
     rope_scaling: dict | None = None  # Llama 3.1's "llama3" slowing of the slow rotary frequencies
     norm: str = "layernorm"  # Llama's "rmsnorm" divides by the root mean square: no mean, no bias
@@ -153,9 +152,8 @@ class MLP(nn.Module):
 
 
 def norm(config):
-    if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
-    return nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+    return (nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon) if config.norm == "rmsnorm"
+            else nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias))
 
 
 class Block(nn.Module):
@@ -234,9 +232,8 @@ class GPT(nn.Module):
         return model.to(dtype).eval()
 
 
-# Checkpoints: where each parameter is in a Hugging Face folder. GPT-2's names are ours less
-# "transformer."; the Llama family's are below, per layer "transformer.h.N." -> "model.layers.N.",
-# and three names are q, k and v, stacked in that order into our c_attn.
+# Checkpoints: GPT-2's names are ours less "transformer."; the Llama family's are below, per layer
+# "transformer.h.N." -> "model.layers.N."; three names are q, k, v, stacked in that order in c_attn.
 GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 HF_LLAMA_NAMES = {
     "transformer.wte.weight": ["model.embed_tokens.weight"],
@@ -272,7 +269,6 @@ def read_hf_config(path):
                          "this GPT loads 'gpt2', 'llama', 'mistral' and 'qwen2'")
     eos = hf.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) and eos else eos  # Llama 3 instruct lists several
-    # random test configs keep GPT-2's 50256 with a tiny vocabulary
     hf["eos_token_id"] = eos if isinstance(eos, int) and 0 <= eos < hf["vocab_size"] else None
     return hf
 
