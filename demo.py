@@ -10,6 +10,8 @@ import os
 import sys
 import time
 
+import torch
+
 import nanopaged
 from nanopaged import GPT, Engine, SamplingParams
 
@@ -162,8 +164,8 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 def main(argv=None):
     p = _ArgumentParser(description="Serve a mixed workload with PagedAttention and show the KV block pool.")
-    p.add_argument("--model", default=DEMO_MODEL, help="a local Hugging Face GPT-2 folder (default: the built-in "
-                   "byte-level model trained on Python's docs)")
+    p.add_argument("--model", default=DEMO_MODEL, help="a local Hugging Face folder of a gpt2, llama, mistral or "
+                   "qwen2 model (default: the built-in byte-level model trained on Python's docs)")
     p.add_argument("--prompt", action="append", help="a prompt to serve instead of the built-in workload (repeatable)")
     p.add_argument("--max-tokens", type=int, help="tokens to generate per request (default: 32-192, mixed)")
     p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, 0 for greedy")
@@ -181,12 +183,19 @@ def main(argv=None):
                    help="ranks that split every layer and its K/V heads; launch with torchrun "
                    "--nproc-per-node N (rank 0 prints)")
     p.add_argument("--plot", metavar="FILE.png", help="also draw the block map and KV use over time to an image")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: 1 for models under 100M parameters, "
+                   "whose ops are too small to split and crawl when another process shares the cores; "
+                   "torch's default, one per core, for larger models)")
     args = p.parse_args(argv)
     try:
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
         nanopaged.init_tensor_parallel(args.tensor_parallel_size)
         if nanopaged.tp.rank > 0:  # every rank serves the same requests; one of them speaks
             sys.stdout = open(os.devnull, "w")
         model = GPT.from_pretrained(args.model)
+        if args.threads or sum(p.numel() for p in model.parameters()) < 100e6:
+            torch.set_num_threads(args.threads or 1)
         engine = Engine(model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device,
                         preemption_mode=args.preemption, enable_prefix_caching=not args.no_prefix_cache,
                         max_num_seqs=len(CELLS))

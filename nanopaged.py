@@ -124,7 +124,6 @@ class GPTConfig:
     head_dim: int | None = None  # None: n_embd // n_head; some checkpoints choose their own
     layer_norm_epsilon: float = 1e-5  # the eps of either norm (HF Llama: rms_norm_eps)
     eos_token_id: int | None = None  # GPT-2's <|endoftext|> is 50256; the byte model has none
-    # GPT-2 is the default; the Llama family is these switches:
     rope_theta: float | None = None  # None: GPT-2's learned positions; else rotary, of this base
     rope_scaling: dict | None = None  # Llama 3.1's "llama3" slowing of the slow rotary frequencies
     norm: str = "layernorm"  # Llama's "rmsnorm" divides by the root mean square: no mean, no bias
@@ -236,9 +235,8 @@ class MLP(nn.Module):
 
 
 def norm(config):
-    if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon)
-    return nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+    return (nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon) if config.norm == "rmsnorm"
+            else nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias))
 
 
 class Block(nn.Module):
@@ -287,7 +285,7 @@ class GPT(nn.Module):
         kv_cache (2, n_layer, num_blocks, block_size, nkv, hs) given -> logits (R, V) at batch.logits_indices."""
         pos = torch.arange(idx.shape[-1], device=idx.device) if batch is None else batch.positions
         x, rope = self.transformer.wte(idx), None
-        if self.config.rope_theta is None:
+        if self.transformer.wpe is not None:
             x = x + self.transformer.wpe(pos)
         else:  # the angles of each token's position, for every layer
             rope = rope_cos_sin(self.config, pos, x.dtype)
@@ -334,9 +332,8 @@ class GPT(nn.Module):
         return model.to(dtype).eval()
 
 
-# Checkpoints: where each parameter is in a Hugging Face folder. GPT-2's names are ours less
-# "transformer."; the Llama family's are below, per layer "transformer.h.N." -> "model.layers.N.",
-# and three names are q, k and v, stacked in that order into our c_attn.
+# Checkpoints: GPT-2's names are ours less "transformer."; the Llama family's are below, per layer
+# "transformer.h.N." -> "model.layers.N."; three names are q, k, v, stacked in that order in c_attn.
 GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 HF_LLAMA_NAMES = {
     "transformer.wte.weight": ["model.embed_tokens.weight"],
@@ -370,8 +367,8 @@ def read_hf_config(path):
     if hf.get("model_type") not in ("gpt2", "llama", "mistral", "qwen2"):
         raise ValueError(f"{path}: config.json has model_type={hf.get('model_type')!r}; "
                          "this GPT loads 'gpt2', 'llama', 'mistral' and 'qwen2'")
-    eos = hf.get("eos_token_id")  # a list (Llama 3 instruct): stop on the first; out of the
-    eos = eos[0] if isinstance(eos, list) and eos else eos  # vocabulary (random test configs): none
+    eos = hf.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos  # Llama 3 instruct lists several
     hf["eos_token_id"] = eos if isinstance(eos, int) and 0 <= eos < hf["vocab_size"] else None
     return hf
 
@@ -418,15 +415,17 @@ def llama_config(hf, path):
 
 
 def read_hf_weights(path):
-    """Every tensor in model.safetensors, in the shards model.safetensors.index.json lists, or in
-    pytorch_model.bin. Memory-mapped, not read: each tensor is read as it is copied (or sliced,
-    under tensor parallelism), so no process holds the whole checkpoint in memory."""
+    """Every tensor of model.safetensors, of the shards its index lists, or of pytorch_model.bin,
+    memory-mapped: each is read as it is copied (or sliced, under tensor parallelism)."""
     from safetensors.torch import load_file
-    if os.path.isfile(index := os.path.join(path, "model.safetensors.index.json")):
+    sd, index = {}, os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
         with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return {k: v for shard in shards for k, v in load_file(os.path.join(path, shard)).items()}
-    if os.path.isfile(os.path.join(path, "model.safetensors")):
+            for shard in sorted(set(json.load(f)["weight_map"].values())):
+                if not os.path.isfile(os.path.join(path, shard)):
+                    raise ValueError(f"{path}: {shard!r}, a shard the index lists, is missing")
+                sd.update(load_file(os.path.join(path, shard)))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
         sd = load_file(os.path.join(path, "model.safetensors"))
     elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
         sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu",

@@ -545,14 +545,20 @@ def test_double_free_raises():
 # Models run in float64 in these tests, so that the paged and the contiguous computations
 # agree to ~1e-15 and an argmax can only flip on an exact tie.
 
-def tiny_model(n_kv_head=None, seed=0, vocab_size=32, max_seq_len=64):
+def tiny_model(n_kv_head=None, seed=0, vocab_size=32, max_seq_len=64, **switches):
     torch.manual_seed(seed)
     config = GPTConfig(n_layer=2, n_head=4, n_kv_head=n_kv_head, n_embd=32, vocab_size=vocab_size,
-                       max_seq_len=max_seq_len)
+                       max_seq_len=max_seq_len, **switches)
     return GPT(config).double()
 
 
 MODEL = tiny_model()
+# The Llama family's switches; its rotary scaling has all three bands at head_dim 8.
+LLAMA = tiny_model(n_kv_head=2, seed=1, rope_theta=1e4, norm="rmsnorm", mlp="swiglu", bias=False,
+                   qkv_bias=True, tie_word_embeddings=False, intermediate_size=48,
+                   rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=0.25,
+                                     high_freq_factor=4.0, original_max_position_embeddings=32))
+MODELS = {"gpt2": MODEL, "llama": LLAMA}
 
 
 @torch.no_grad()
@@ -603,14 +609,15 @@ def request_mixes(draw):
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(request_mixes())
-def test_greedy_paged_generation_equals_naive_generation(mix):
+@given(request_mixes(), st.sampled_from(["gpt2", "llama"]))
+def test_greedy_paged_generation_equals_naive_generation(mix, name):
     prompts, max_tokens, engine_args = mix
-    engine = Engine(MODEL, **engine_args)
+    model = MODELS[name]
+    engine = Engine(model, **engine_args)
     params = [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens]
     outputs = engine.generate(prompts, params)
     for prompt, m, out in zip(prompts, max_tokens, outputs):
-        assert out.outputs[0].token_ids == naive_greedy(MODEL, prompt, m)
+        assert out.outputs[0].token_ids == naive_greedy(model, prompt, m)
         assert out.outputs[0].finish_reason == "length"
     assert_all_blocks_free(engine)
 
@@ -716,9 +723,10 @@ def no_writes_into_shared_blocks(monkeypatch):
     return engines.append
 
 
-def test_parallel_samples_equal_the_same_seeds_run_one_by_one(no_writes_into_shared_blocks):
+@pytest.mark.parametrize("model", [MODEL, LLAMA], ids=["gpt2", "llama"])
+def test_parallel_samples_equal_the_same_seeds_run_one_by_one(model, no_writes_into_shared_blocks):
     prompt = list(range(1, 11))  # 2.5 blocks: two shared full blocks and a partial one to copy
-    engine = Engine(MODEL, block_size=4, num_blocks=64)
+    engine = Engine(model, block_size=4, num_blocks=64)
     no_writes_into_shared_blocks(engine)
     params = SamplingParams(max_tokens=12, temperature=1.0, n=4, seed=42)
     request_id = engine.add_request(prompt, params)
@@ -732,7 +740,7 @@ def test_parallel_samples_equal_the_same_seeds_run_one_by_one(no_writes_into_sha
     while engine.scheduler.has_unfinished():
         outputs.update({o.request_id: o for o in engine.step()})
     samples = [c.token_ids for c in outputs[request_id].outputs]
-    singles = [Engine(MODEL, block_size=4, num_blocks=64).generate(
+    singles = [Engine(model, block_size=4, num_blocks=64).generate(
         [prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=42 + i))[0].outputs[0].token_ids
         for i in range(4)]
     assert samples == singles and len(set(map(tuple, samples))) > 1
@@ -765,16 +773,17 @@ def naive_beam_search(model, prompt, width, max_tokens, stop_token_ids=()):
 
 
 @pytest.mark.parametrize("width,stop", [(1, ()), (3, ()), (4, (5, 17)), (6, (9,))])
-def test_beam_search_equals_naive_beam_search(width, stop, no_writes_into_shared_blocks):
+@pytest.mark.parametrize("model", [MODEL, LLAMA], ids=["gpt2", "llama"])
+def test_beam_search_equals_naive_beam_search(model, width, stop, no_writes_into_shared_blocks):
     prompt = [3, 14, 15, 9, 2, 6]
-    engine = Engine(MODEL, block_size=2, num_blocks=128, preemption_mode="swap")
+    engine = Engine(model, block_size=2, num_blocks=128, preemption_mode="swap")
     no_writes_into_shared_blocks(engine)
     out = engine.generate([prompt], SamplingParams(max_tokens=8, beam_width=width, stop_token_ids=list(stop)))[0]
-    expected = naive_beam_search(MODEL, prompt, width, 8, stop)
+    expected = naive_beam_search(model, prompt, width, 8, stop)
     assert [(c.token_ids, c.finish_reason) for c in out.outputs] == [(t, r) for t, _, r in expected]
     assert [c.cumulative_logprob for c in out.outputs] == pytest.approx([s for _, s, _ in expected], abs=1e-9)
     if width == 1:  # beam search of width 1 is greedy decoding
-        assert out.outputs[0].token_ids == naive_greedy(MODEL, prompt, 8)
+        assert out.outputs[0].token_ids == naive_greedy(model, prompt, 8)
     assert_all_blocks_free(engine)
 
 
@@ -791,20 +800,21 @@ def test_beam_search_and_parallel_samples_survive_preemption(mode):
     assert_all_blocks_free(engine)
 
 
-def test_prefix_caching_on_and_off_give_identical_outputs(no_writes_into_shared_blocks):
+@pytest.mark.parametrize("model", [MODEL, LLAMA], ids=["gpt2", "llama"])
+def test_prefix_caching_on_and_off_give_identical_outputs(model, no_writes_into_shared_blocks):
     system = [(11 * j) % 32 for j in range(13)]
     prompts = [system + [i, i + 1] for i in range(6)] + [system[:8], system]
     params = SamplingParams(max_tokens=6, temperature=0)
     results = {}
     for caching in (True, False):
-        engine = Engine(MODEL, block_size=4, num_blocks=64, enable_prefix_caching=caching, max_num_seqs=2)
+        engine = Engine(model, block_size=4, num_blocks=64, enable_prefix_caching=caching, max_num_seqs=2)
         no_writes_into_shared_blocks(engine)
         results[caching] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
         hits = engine.stats()["prefix_cache_hit_tokens"]
         assert hits > 0 if caching else hits == 0
         assert_all_blocks_free(engine)
         assert engine.stats()["num_cached_blocks"] > 0 if caching else engine.stats()["num_cached_blocks"] == 0
-    assert results[True] == results[False] == [naive_greedy(MODEL, p, 6) for p in prompts]
+    assert results[True] == results[False] == [naive_greedy(model, p, 6) for p in prompts]
 
 
 def test_prompt_fully_in_the_cache_still_gets_its_next_token():
@@ -819,7 +829,7 @@ def test_prompt_fully_in_the_cache_still_gets_its_next_token():
 # -----------------------------------------------------------------------------
 # The model against Hugging Face GPT-2, Llama, Mistral and Qwen2
 
-LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0,
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=0.1,
                    high_freq_factor=4.0, original_max_position_embeddings=32)  # all 3 bands at hs 8
 LLAMA_FAMILY = dict(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=6, max_position_embeddings=64, bos_token_id=None,
@@ -848,9 +858,9 @@ def hf_folder(tmp_path_factory):
         torch.manual_seed(0)
         config = getattr(transformers, config_class)(**kwargs)
         hf = transformers.AutoModelForCausalLM.from_config(config).eval()
-        with torch.no_grad():  # a random model has zero biases and unit norms: make all count
+        with torch.no_grad():  # zero biases, unit norms, faint attention: make every tensor count
             for p in hf.parameters():
-                p.add_(0.02 * torch.randn_like(p))
+                p.add_(0.1 * torch.randn_like(p))
         path = tmp_path_factory.mktemp(name)
         hf.save_pretrained(path)
         return path, hf
@@ -900,6 +910,61 @@ def test_both_config_dialects_and_sharded_folders_load_alike(hf_folder, tmp_path
     with torch.no_grad():
         logits = GPT.from_pretrained(str(tmp_path))(idx)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    shard.unlink()  # a download cut short
+    with pytest.raises(ValueError, match=f"'{shard.name}', a shard the index lists, is missing"):
+        GPT.from_pretrained(str(tmp_path))
+
+
+class RecordingEngine(Engine):
+    """An engine that keeps the logits of every step, by the tokens they follow."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.logits = {}  # token ids -> next-token logits
+
+    def _postprocess(self, scheduled, logits):
+        done = [seq for seq, num_new in scheduled if seq.num_computed_tokens + num_new == len(seq)]
+        self.logits.update({tuple(s.token_ids): row for s, row in zip(done, logits, strict=True)})
+        return super()._postprocess(scheduled, logits)
+
+
+@settings(max_examples=20, deadline=None)
+@given(prompt=st.lists(st.integers(0, 31), min_size=1, max_size=40),
+       block_size=st.sampled_from([1, 2, 3, 4, 8]), chunk=st.integers(1, 9),
+       mode=st.sampled_from(["recompute", "swap"]))
+def test_rotary_positions_do_not_depend_on_how_a_prompt_is_served(prompt, block_size, chunk, mode):
+    """A token's rotary angle comes from its position in its sequence, so the logits after a
+    prompt are the same served whole, in prefill chunks, after a prefix-cache hit, or after
+    its sequence was preempted and its K/V recomputed (or swapped back)."""
+    params = SamplingParams(max_tokens=block_size + 1, temperature=0)  # crosses a block boundary
+    num_blocks = -(-len(prompt) // block_size)
+
+    def serve(prompts, **kwargs):
+        engine = RecordingEngine(LLAMA, block_size=block_size, **{"num_blocks": 64, **kwargs})
+        engine.generate(prompts, params)
+        return engine
+    whole = serve([prompt])
+    chunked = serve([prompt], max_num_batched_tokens=chunk)
+    cached = serve([prompt])
+    cached.logits.clear()
+    cached.generate([prompt], params)
+    # Two copies admitted together into a pool with one spare block: the younger is preempted
+    # when both need a new block, and comes back to finish.
+    preempted = serve([prompt, prompt], num_blocks=2 * num_blocks + 1, preemption_mode=mode,
+                      enable_prefix_caching=False)
+    assert preempted.stats()["num_preemptions"] > 0
+    assert cached.stats()["prefix_cache_hit_tokens"] == (len(prompt) - 1) // block_size * block_size
+    for engine in (whole, chunked, cached, preempted):
+        assert tuple(prompt) in engine.logits
+        for tokens, logits in engine.logits.items():
+            torch.testing.assert_close(logits, naive_logits(LLAMA, tokens), atol=1e-10, rtol=1e-10)
+
+
+@functools.lru_cache(maxsize=4096)
+def naive_logits(model, tokens):
+    with torch.no_grad():
+        return model(torch.tensor([tokens]))[0, -1]
 
 
 def test_from_pretrained_reads_pytorch_model_bin(hf_folder, tmp_path):
@@ -1205,6 +1270,7 @@ def test_demo_serves_its_workload_and_reports_true_numbers(capsys, tmp_path):
     (["--block-size", "0"], "block_size must be an integer >= 1, got 0"),
     (["--prompt", "x" * 300], r"= 364 exceeds the model's max_seq_len \(256\)"),
     (["--max-tokens", "many"], "argument --max-tokens: invalid int value"),
+    (["--threads", "0"], "--threads must be >= 1, got 0"),
 ])
 def test_demo_bad_flags_end_with_one_clear_line(flags, message):
     run = subprocess.run([sys.executable, "nanopaged.py", *flags], capture_output=True, text=True, timeout=300,
