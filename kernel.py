@@ -168,15 +168,16 @@ def kernel_config(dtype, head_dim, group, block_size, decode, split_kv=False):
     memory of consumer GPUs, and for no register spills (the compile gate checks both)."""
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_dim)
-    # the M dimension stacks (new token, head of the group) rows, at least 16 for tl.dot.
-    # Decode: one token, and wide K/V tiles three deep in flight to keep HBM busy. Prefill:
-    # 64 rows (32 at head_dim 256) of new tokens x heads reuse each K/V tile.
+    # the M dimension stacks (new token, head of the group) rows, at least 16 for tl.dot:
+    # decode has one token; prefill takes 64 rows (32 at head_dim 256) of new tokens x heads,
+    # which share each K/V tile. K and V tiles of 8 KiB in fp16: decode, memory bound, keeps
+    # two more in flight (num_stages=3; block-table entries too) while it computes on one
     block_m = max(16, group_pad) if decode else max(group_pad, min(64, 8192 // head_dim_pad))
     upcast = dtype == torch.float32 or (dtype == torch.bfloat16 and INTERPRETED)
     return dict(
         GROUP=group, GROUP_PAD=group_pad,
         BLOCK_M=block_m, BLOCK_Q=1 if decode else block_m // group_pad,
-        BLOCK_N=min(32, 4096 // head_dim_pad) if decode else min(64, 4096 // head_dim_pad),
+        BLOCK_N=min(64, 4096 // head_dim_pad),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         DECODE=decode, SPLIT_KV=split_kv,
         DOT_DTYPE=tl.float32 if upcast else {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype],
