@@ -503,7 +503,7 @@ def bench_kernel():
 # compute capability -> (shared memory per SM, most per program, threads per SM), from CUDA's
 # programming guide; every one of them has 64K registers per SM
 AOT_GPUS = {80: (167936, 166912, 2048), 86: (102400, 101376, 1536), 90: (233472, 232448, 2048)}
-AOT_STEPS = {  # step -> (q_len of each sequence, its context, num_splits), as the engine batches them
+AOT_STEPS = {  # step -> (q_len of each sequence, its context, num_splits), batched as by the engine
     "decode": ([1] * 32, [1000] * 32, 1),
     "split decode": ([1] * 2, [3000, 2000], 8),
     "prefill": ([300, 200], [300, 500], 1),
@@ -548,7 +548,7 @@ def engine_step(dtype, head_dim, group, block_size, q_lens, contexts, n_kv_head=
     num_blocks = sum(-(-c // block_size) for c in contexts)
     qkv = torch.randn(sum(q_lens), (n_head + 2 * n_kv_head) * head_dim, generator=g).to(dtype)
     q = qkv[:, :n_head * head_dim].view(-1, n_head, head_dim)                    # (T, nh, D)
-    kv_cache = torch.empty(2, 2, num_blocks, block_size, n_kv_head, head_dim, dtype=dtype)  # never read here
+    kv_cache = torch.empty(2, 2, num_blocks, block_size, n_kv_head, head_dim, dtype=dtype)  # unread
     ids = torch.randperm(num_blocks, generator=g).tolist()
     tables = []
     for c in contexts:
@@ -622,15 +622,18 @@ def aot_compile(cc, fn, grid, args, kwargs):
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
-        usage = subprocess.run([f"{tools}/cuobjdump", "-res-usage", f.name], capture_output=True, text=True,
-                               check=True).stdout
-        sass = subprocess.run([f"{tools}/nvdisasm", "-c", f.name], capture_output=True, text=True, check=True).stdout
+        def tool(*cmd):
+            return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        usage = tool(f"{tools}/cuobjdump", "-res-usage", f.name)
+        sass = tool(f"{tools}/nvdisasm", "-c", f.name)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     shared, num_warps = compiled.metadata.shared, compiled.metadata.num_warps
     sm_shared, max_shared, sm_threads = AOT_GPUS[cc]
     return dict(
-        kernel=fn.__name__, regs=regs, shared=shared, fits=shared <= max_shared, num_warps=num_warps,
-        spills=len(re.findall(r"\b(?:LDL|STL)\b", sass)),  # local-memory loads/stores: this kernel has no local arrays
+        kernel=fn.__name__, regs=regs, shared=shared, fits=shared <= max_shared,
+        num_warps=num_warps,
+        # local-memory loads and stores: spills, as the kernel has no local arrays
+        spills=len(re.findall(r"\b(?:LDL|STL)\b", sass)),
         programs_per_sm=kernel.programs_per_sm(regs, shared, num_warps, sm_shared, sm_threads),
         loop=sass_loop_length(sass), mma=sorted(set(re.findall(r"\b(H?G?MMA\.[\w.]+)", sass))),
     )
@@ -643,12 +646,11 @@ def aot_config(cc, dtype, head_dim, group, block_size, step):
     args = engine_step(dtype, head_dim, group, block_size, q_lens, contexts)
     rows = []
     for fn, grid, a, k in capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits):
-        launch = "prefill" if not k.get("DECODE", True) else "split decode" if k.get("SPLIT_KV") else "decode"
-        if fn.__name__ == "_merge_splits_kernel":
-            launch = "merge"
+        launch = ("merge" if fn.__name__ == "_merge_splits_kernel" else "prefill" if not k["DECODE"]
+                  else "split decode" if k["SPLIT_KV"] else "decode")
         row = aot_compile(cc, fn, grid, a, k)
-        rows.append(dict(sm=cc, dtype=str(dtype).replace("torch.", ""), head_dim=head_dim, group=group,
-                         block_size=block_size, step=step, launch=launch, **row))
+        rows.append(dict(sm=cc, dtype=str(dtype).replace("torch.", ""), head_dim=head_dim,
+                         group=group, block_size=block_size, step=step, launch=launch, **row))
     return rows
 
 
@@ -662,7 +664,8 @@ def aot_matrix(full=True):
     # each target, dtype and head size; a plain decode step and a mixed step (split decode, merge
     # and prefill) give every kernel variant; groups and block sizes rotate through them
     combos = itertools.product(AOT_GPUS, dtypes, head_dims, ("decode", "mixed"))
-    return [(cc, dt, d, groups[i % 3], (16, 32)[i // 2 % 2], step) for i, (cc, dt, d, step) in enumerate(combos)]
+    return [(cc, dt, d, groups[i % 3], (16, 32)[i // 2 % 2], step)
+            for i, (cc, dt, d, step) in enumerate(combos)]
 
 
 def _aot_worker(config):
@@ -685,18 +688,21 @@ def bench_kernel_aot(full=True):
     binaries = {}  # the mixed step reuses the binaries of the others
     for r in rows:
         binaries[r["sm"], r["dtype"], r["head_dim"], r["group"], r["block_size"], r["launch"]] = r
-    table = [[f"sm_{r['sm']}", r["dtype"], r["head_dim"], r["group"], r["block_size"], r["launch"], r["num_warps"],
-              r["regs"], r["spills"], f"{r['shared'] / 1024:.1f}", r["programs_per_sm"],
-              r["loop"] if r["launch"] != "merge" else "-", " ".join(r["mma"]) or "-"] for r in binaries.values()]
-    print_table(f"--kernel --aot: paged attention compiled for GPUs this machine lacks, from the launches of "
-                f"engine-shaped steps ({len(rows)} launches, {len(table)} binaries, {seconds:.0f}s); loop = SASS "
-                "instructions per warp per iteration of the K/V loop (goal at sm_90 fp16 head_dim 128 group 4 "
-                "decode: <= 300)",
-                ["GPU", "dtype", "head_dim", "group", "block", "launch", "warps", "regs", "spills", "smem KiB",
-                 "programs/SM", "loop", "MMA"], table)
+    table = [[f"sm_{r['sm']}", r["dtype"], r["head_dim"], r["group"], r["block_size"], r["launch"],
+              r["num_warps"], r["regs"], r["spills"], f"{r['shared'] / 1024:.1f}",
+              r["programs_per_sm"],
+              r["loop"] if r["launch"] != "merge" else "-", " ".join(r["mma"]) or "-"]
+             for r in binaries.values()]
+    print_table(f"--kernel --aot: paged attention compiled for GPUs this machine lacks, from the "
+                f"launches of engine-shaped steps ({len(rows)} launches, {len(table)} binaries, "
+                f"{seconds:.0f}s); loop = SASS instructions per warp per iteration of the K/V loop "
+                "(goal at sm_90, fp16, head_dim 128, group 4, decode: <= 300)",
+                ["GPU", "dtype", "head_dim", "group", "block", "launch", "warps", "regs", "spills",
+                 "smem KiB", "programs/SM", "loop", "MMA"], table)
     goal = binaries.get((90, "float16", 128, 4, 16, "decode"))
     return dict(seconds=seconds, binaries=len(table), spills=sum(r["spills"] for r in rows),
-                all_fit=all(r["fits"] for r in rows), max_regs=max(r["regs"] for r in rows), goal=goal)
+                all_fit=all(r["fits"] for r in rows), max_regs=max(r["regs"] for r in rows),
+                goal=goal)
 
 # -----------------------------------------------------------------------------
 # --overhead and --soak: the engine with a model that does nothing
@@ -812,8 +818,9 @@ def main():
                  kernel="decode attention latency and bandwidth vs contiguous SDPA (torch path on a CPU)",
                  overhead="engine time per running sequence per step with a no-op model",
                  soak="10,000 requests with aborts through a small pool; asserts nothing is lost",
-                 aot="with --kernel: compile the Triton kernels for sm_80/86/90 instead (no GPU needed) and print\n"
-                     "registers, spills, shared memory, programs per SM and the K/V loop's SASS length")
+                 aot="with --kernel: compile the Triton kernels for sm_80/86/90 instead (no GPU\n"
+                     "needed); print registers, spills, shared memory, programs per SM and the\n"
+                     "K/V loop's SASS length")
     for name in list(SECTIONS) + ["soak", "aot"]:
         p.add_argument(f"--{name}", action="store_true", help=helps[name])
     args = p.parse_args()

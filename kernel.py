@@ -43,7 +43,8 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    DECODE: tl.constexpr, SPLIT_KV: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DECODE: tl.constexpr, SPLIT_KV: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # one program: BLOCK_Q new tokens of one sequence x the GROUP query heads of one KV head
     # x one split of the context (split-KV only on decode)
@@ -81,7 +82,8 @@ def _paged_attention_kernel(
     q_offs = token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
     # tiles stay in the cache dtype for fp16/bf16 tensor-core dots; DOT_DTYPE is fp32 only for
     # fp32 caches and for bf16 under the interpreter, whose bf16 tl.dot is wrong
-    q = tl.load(q_ptr + q_offs, mask=row_mask[:, None] & d_mask[None, :], other=0.0).to(DOT_DTYPE)  # (M, D_PAD)
+    q = tl.load(q_ptr + q_offs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+    q = q.to(DOT_DTYPE)  # (BLOCK_M, HEAD_DIM_PAD)
 
     # keys past the tile's last new token are masked for every row: never load them
     kv_end = seq_len - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
@@ -102,11 +104,12 @@ def _paged_attention_kernel(
         block = block.to(tl.int64)  # likewise block * stride in a large cache
         offset = pos % BLOCK_SIZE
         kv_mask = pos_mask[:, None] & d_mask[None, :]
-        kv_offs = (block * stride_cb + offset * stride_cs + kv_head * stride_ch)[:, None] + d[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)  # (BLOCK_N, HEAD_DIM_PAD)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)  # (BLOCK_N, HEAD_DIM_PAD)
+        slot_offs = block * stride_cb + offset * stride_cs + kv_head * stride_ch  # K and V alike
+        kv_offs = slot_offs[:, None] + d[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)  # (N, D_PAD)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)  # (N, D_PAD)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N) fp32
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) fp32
         s = tl.where(pos_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no visible key yet (only possible in a split) keeps exp2 at 0, not NaN
@@ -145,14 +148,15 @@ def _merge_splits_kernel(
     d = tl.arange(0, HEAD_DIM_PAD)
     s_mask = s < num_splits
     d_mask = d < HEAD_DIM
-    row = seq.to(tl.int64) * stride_pt + head * stride_ph
-    lse = tl.load(lse_ptr + seq.to(tl.int64) * stride_lt + head * stride_lh + s, mask=s_mask, other=float("-inf"))
-    o = tl.load(partial_ptr + row + s[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & d_mask[None, :],
-                other=0.0)  # (SPLITS_PAD, HEAD_DIM_PAD)
+    lse_offs = seq.to(tl.int64) * stride_lt + head * stride_lh + s
+    lse = tl.load(lse_ptr + lse_offs, mask=s_mask, other=float("-inf"))  # (SPLITS_PAD,)
+    o_offs = seq.to(tl.int64) * stride_pt + head * stride_ph + s[:, None] * HEAD_DIM + d[None, :]
+    o = tl.load(partial_ptr + o_offs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # (SPLITS_PAD, D_PAD)
     # each split's output is normalized by its own denominator; reweight by its share
     w = tl.exp2(lse - tl.max(lse, 0))
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    out_offs = token * stride_ot + head * stride_oh + d
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # head sizes the kernel is built for (padded to a power of two)
@@ -180,7 +184,7 @@ def kernel_config(dtype, head_dim, group, block_size, decode, split_kv=False):
         BLOCK_N=min(64, 4096 // head_dim_pad),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
         DECODE=decode, SPLIT_KV=split_kv,
-        DOT_DTYPE=tl.float32 if upcast else {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype],
+        DOT_DTYPE=tl.float32 if upcast else tl.float16 if dtype == torch.float16 else tl.bfloat16,
         DOT_PRECISION="ieee" if upcast else None,
         num_warps=4 if head_dim_pad <= 128 or decode else 8, num_stages=3 if decode else 2,
     )
@@ -234,7 +238,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     assert k_cache.dtype == v_cache.dtype == q.dtype, \
         f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
     assert v_cache.shape == k_cache.shape, f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}"
-    assert v_cache.stride() == k_cache.stride(), "k_cache and v_cache must share strides (one offset for both)"
+    assert v_cache.stride() == k_cache.stride(), "k_cache and v_cache must have the same strides"
     assert k_cache.shape[3] == head_dim, f"head_dim of q ({head_dim}) != that of the caches ({k_cache.shape[3]})"
     assert head_dim in HEAD_DIMS, f"head_dim {head_dim} not supported, use one of {HEAD_DIMS}"
     assert n_head % n_kv_head == 0, f"n_head ({n_head}) must be a multiple of n_kv_head ({n_kv_head})"
@@ -246,7 +250,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     assert seq_lens.dim() == 1 and cu_seqlens_q.shape == (num_seqs + 1,), "cu_seqlens_q is [num_seqs + 1]"
     assert q.stride(2) == k_cache.stride(3) == v_cache.stride(3) == 1, "head_dim must be contiguous"
     assert block_tables.stride(1) == 1 and seq_lens.is_contiguous() and cu_seqlens_q.is_contiguous()
-    assert num_splits is None or 1 <= num_splits <= MAX_SPLITS, f"num_splits must be in 1..{MAX_SPLITS}"
+    assert num_splits is None or 1 <= num_splits <= MAX_SPLITS, f"num_splits is in 1..{MAX_SPLITS}"
 
     out = torch.empty((num_tokens, n_head, head_dim), device=q.device, dtype=q.dtype)  # (T, nh, D)
     if num_tokens == 0:
@@ -256,7 +260,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     group = n_head // n_kv_head
 
     def args(out, lse, num_splits):
-        return (q, k_cache, v_cache, out, lse, block_tables, seq_lens, cu_seqlens_q, num_seqs, num_splits,
+        return (q, k_cache, v_cache, out, lse, block_tables, seq_lens, cu_seqlens_q,
+                num_seqs, num_splits,
                 q.stride(0), q.stride(1), *k_cache.stride()[:3],
                 *out.stride()[:3], *lse.stride()[:2], block_tables.stride(0),
                 scale * 1.4426950408889634)  # log2(e): the kernel uses exp2, cheaper than exp
@@ -270,17 +275,20 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     if num_splits == 1:
         _paged_attention_kernel[(num_seqs, n_kv_head, 1)](*args(out[:, :, None], out, 1), **decode)
     else:  # partials of the decoding sequences, in buffers reused across calls (for CUDA graphs)
-        partial = _buffer("partial", (num_seqs, n_head, num_splits, head_dim), q.new_empty(0, dtype=torch.float32))
-        lse = _buffer("lse", (num_seqs, n_head, num_splits), partial)
+        f32 = q.new_empty(0, dtype=torch.float32)
+        partial = _buffer("partial", (num_seqs, n_head, num_splits, head_dim), f32)  # (S, nh, n, D)
+        lse = _buffer("lse", (num_seqs, n_head, num_splits), f32)                     # (S, nh, n)
         _paged_attention_kernel[(num_seqs, n_kv_head, num_splits)](
             *args(partial, lse, num_splits), **{**decode, "SPLIT_KV": True})
         _merge_splits_kernel[(num_seqs, n_head)](
-            partial, lse, out, cu_seqlens_q, num_splits, *partial.stride()[:2], *lse.stride()[:2], *out.stride()[:2],
-            SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim, HEAD_DIM_PAD=decode["HEAD_DIM_PAD"],
+            partial, lse, out, cu_seqlens_q, num_splits,
+            *partial.stride()[:2], *lse.stride()[:2], *out.stride()[:2],
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=decode["HEAD_DIM_PAD"],
         )
     if max_q_len > 1:  # prefill: query tiles numbered across sequences; decoding ones exit at once
         prefill = kernel_config(q.dtype, head_dim, group, block_size, decode=False)
-        grid = (num_tokens // prefill["BLOCK_Q"] + num_seqs, n_kv_head, 1)  # >= the tiles of all sequences
+        grid = (num_tokens // prefill["BLOCK_Q"] + num_seqs, n_kv_head, 1)  # >= all the tiles
         _paged_attention_kernel[grid](*args(out[:, :, None], out, 1), **prefill)
     return out
 
@@ -300,7 +308,7 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
 ):
     # one program per token: copy its (n_kv_head, head_dim) K and V rows into its slot
-    token = tl.program_id(0).to(tl.int64)  # token * stride passes 2**31 past ~200k tokens in one step
+    token = tl.program_id(0).to(tl.int64)  # token * stride passes 2**31 at ~200k tokens a step
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # -1: skip this token
         return

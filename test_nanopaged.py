@@ -37,12 +37,12 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfl
 
 
 @st.composite
-def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, min_seqs=1, long_prefills=0,
-                  head_dims=HEAD_DIMS):
+def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, min_seqs=1,
+                  long_prefills=0, head_dims=HEAD_DIMS):
     """A packed batch of sequences in a paged cache, and the same K/V laid out contiguously.
     Tables are shuffled, later sequences may share a prefix of sequence 0's blocks (as after
     a fork or a prefix-cache hit), and every cache slot no sequence uses holds NaN.
-    long_prefills: that many more sequences, prefilling 2-4x max_seq_len tokens, at random places."""
+    long_prefills: that many more sequences, prefilling 2-4x max_seq_len tokens, anywhere."""
     num_seqs = draw(st.integers(min_seqs, max_seqs))
     block_size = draw(st.sampled_from([1, 3, 4, 5, 16]))
     n_kv_head = draw(st.sampled_from([1, 2]))
@@ -61,7 +61,8 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, 
         q_lens.append(q_len)
     for _ in range(long_prefills):
         seq_len = draw(st.integers(2 * max_seq_len, 4 * max_seq_len))
-        q_len = draw(st.sampled_from([seq_len, draw(st.integers(2, seq_len))]))  # whole, or over a cached prefix
+        # the whole prompt, or its end over a cached prefix
+        q_len = draw(st.sampled_from([seq_len, draw(st.integers(2, seq_len))]))
         at = draw(st.integers(0, len(seq_lens)))
         seq_lens.insert(at, seq_len)
         q_lens.insert(at, q_len)
@@ -131,7 +132,8 @@ def test_triton_matches_naive(b, num_splits, pass_max_q_len):
 
 
 @settings(max_examples=15, deadline=None)
-@given(paged_batches(dtypes=[torch.float32], max_seqs=2, max_seq_len=300, decode_only=True), st.integers(2, 64))
+@given(paged_batches(dtypes=[torch.float32], max_seqs=2, max_seq_len=300, decode_only=True),
+       st.integers(2, 64))
 def test_split_kv_agrees_with_one_split(b, num_splits):
     # the split path must give the same result as one program per sequence, including
     # splits left empty because the context is shorter than num_splits tiles
@@ -147,7 +149,8 @@ def test_split_kv_agrees_with_one_split(b, num_splits):
 def test_triton_mixed_batches_many_decodes_few_long_prefills(b, num_splits):
     # the engine's usual step: the decode launch (split or not) and the prefill launch, whose
     # query tiles are numbered across sequences, each take their own rows and only those
-    out = paged_attention(*paged_args(b), max_q_len=int(b["cu_seqlens_q"].diff().max()), num_splits=num_splits)
+    max_q_len = int(b["cu_seqlens_q"].diff().max())
+    out = paged_attention(*paged_args(b), max_q_len=max_q_len, num_splits=num_splits)
     assert_close(out, reference(b))
 
 
@@ -202,8 +205,8 @@ def run_without_interpreter(code, timeout=600):
     compiler needs no GPU to build one); returns its stdout."""
     pytest.importorskip("triton")
     here = os.path.dirname(os.path.abspath(__file__))
-    run = subprocess.run([sys.executable, "-c", code], cwd=here, env={**os.environ, "TRITON_INTERPRET": "0"},
-                         capture_output=True, text=True, timeout=timeout)
+    run = subprocess.run([sys.executable, "-c", code], cwd=here, capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=timeout)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout
 
@@ -214,14 +217,14 @@ def test_kernel_compiles_for_a_gpu():
     # launch would and compile them for sm_80, sm_86 and sm_90, and reads the binaries: here a
     # subset that still takes every target, dtype, head size, group, block size and launch
     import json
-    rows = json.loads(run_without_interpreter(
-        "import json, bench; print(json.dumps(bench.aot_rows(bench.aot_matrix(full=False), processes=2)))"))
+    code = "import json, bench; print(json.dumps(bench.aot_rows(bench.aot_matrix(full=False), 2)))"
+    rows = json.loads(run_without_interpreter(code))
     launches = Counter((r["sm"], r["dtype"], r["head_dim"], r["launch"]) for r in rows)
-    assert len(launches) == 3 * 2 * 4 * 4, f"a target, dtype, head size or launch is missing: {launches}"
+    assert len(launches) == 3 * 2 * 4 * 4, "a target, dtype, head size or launch is missing"
     for r in rows:
-        where = f"sm_{r['sm']} {r['dtype']} head_dim {r['head_dim']} group {r['group']} {r['launch']}"
+        where = "sm_{sm} {dtype} head_dim {head_dim} group {group} {launch}".format(**r)
         assert r["fits"], f"{where}: {r['shared']} bytes of shared memory do not fit"
-        assert r["spills"] == 0, f"{where}: {r['spills']} spill instructions ({r['regs']} registers)"
+        assert r["spills"] == 0, f"{where}: {r['spills']} spills ({r['regs']} registers)"
         if r["launch"] != "merge":  # tensor cores on the cache dtype: no tf32, no fp16 for bf16
             assert r["mma"] and all(("BF16" in m) == (r["dtype"] == "bfloat16") and "TF32" not in m
                                     for m in r["mma"]), f"{where}: MMA {r['mma']}"
@@ -235,9 +238,11 @@ def jit_keys_of_steps(seed=0, steps=40):
     for _ in range(steps):
         q_lens = [rng.choice([1, 1, rng.randint(1, 300)]) for _ in range(rng.randint(1, 40))]
         contexts = [n + rng.randint(0, rng.choice([100, 3000, 30000])) for n in q_lens]
-        args = bench.engine_step(torch.float16, 128, 4, 16, q_lens, contexts, seed=rng.randint(0, 99))
-        num_splits = kernel.split_count(len(q_lens), 2, args[3].shape[1] * 16, rng.choice([132, 1000]))
-        for fn, _, a, k in bench.capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits):
+        args = bench.engine_step(torch.float16, 128, 4, 16, q_lens, contexts)
+        resident = rng.choice([132, 1000])  # an H100's SMs, or several programs on each
+        num_splits = kernel.split_count(len(q_lens), 2, args[3].shape[1] * 16, resident)
+        launches = bench.capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits)
+        for fn, _, a, k in launches:
             launch = (fn.__name__, k.get("DECODE"), k.get("SPLIT_KV"))
             keys.setdefault(launch, set()).add(bench.jit_key(90, fn, a, k))
     return {str(launch): len(k) for launch, k in keys.items()}
@@ -252,7 +257,7 @@ def test_kernel_compiles_once_per_launch_kind_not_per_step():
     merges = counts.pop(str(("_merge_splits_kernel", None, None)))
     assert counts == {str(("_paged_attention_kernel",) + kind): 1
                       for kind in ((True, False), (True, True), (False, False))}, counts
-    assert merges <= math.log2(kernel.MAX_SPLITS), "the merge compiles once per power of two of splits"
+    assert merges <= math.log2(kernel.MAX_SPLITS), "the merge compiles once per power of two"
 
 
 def test_grid_stays_within_cuda_limits():
@@ -267,13 +272,14 @@ def test_grid_stays_within_cuda_limits():
             torch.tensor([0, n], dtype=torch.int32), 0.25)
     for fn, grid, _, _ in bench.capture_launches(args, max_q_len=n, num_splits=64):
         assert grid[0] < 2**31 and all(g <= 65535 for g in grid[1:]), (fn.__name__, grid)
-    assert max(grid[0] for _, grid, _, _ in bench.capture_launches(args, max_q_len=n)) >= n, "a tile per token"
+    grids = [grid for _, grid, _, _ in bench.capture_launches(args, max_q_len=n)]
+    assert max(grid[0] for grid in grids) >= n, "a tile for each token"
 
 
 @given(st.integers(1, 512), st.integers(1, 64), st.integers(1, 2**17), st.integers(1, 5000))
 def test_split_count_fills_the_gpu_once(num_seqs, n_kv_head, max_context, resident):
     splits = kernel.split_count(num_seqs, n_kv_head, max_context, resident)
-    assert 1 <= splits <= kernel.MAX_SPLITS and splits & (splits - 1) == 0, "a power of two in 1..64"
+    assert 1 <= splits <= kernel.MAX_SPLITS and splits & (splits - 1) == 0, "a power of two"
     if splits > 1:  # only to fill idle resident slots, never past them, and >= 256 keys a split
         assert num_seqs * n_kv_head * splits <= resident and max_context // splits >= 256
     else:  # a second wave of splits would fit nowhere, or the context is too short to split
@@ -282,7 +288,7 @@ def test_split_count_fills_the_gpu_once(num_seqs, n_kv_head, max_context, reside
 
 def test_programs_per_sm_matches_cuda_occupancy():
     # CUDA's occupancy rules: 64K registers a SM, allocated per warp in units of 256
-    assert kernel.programs_per_sm(128, 0, 4, 233472, 2048) == 4      # registers: 65536 / (128 * 128)
+    assert kernel.programs_per_sm(128, 0, 4, 233472, 2048) == 4      # 65536 / (128 * 128)
     assert kernel.programs_per_sm(80, 0, 4, 233472, 2048) == 6       # 80 regs x 32 = 2560 per warp
     assert kernel.programs_per_sm(24, 0, 4, 233472, 2048) == 16      # threads: 2048 / 128
     assert kernel.programs_per_sm(30, 40000, 4, 102400, 1536) == 2   # shared memory
