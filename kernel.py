@@ -53,7 +53,9 @@ def _paged_attention_kernel(
     if DECODE:  # program i: decoding sequence i, if it decodes
         seq = tl.program_id(0)
         q_tile = 0
-    else:  # tile t: sequence s's first tile is cu_seqlens_q[s] // BLOCK_Q + s; binary search
+    else:
+        # vLLM's numbering: sequence s's tiles start at cu_seqlens_q[s] // BLOCK_Q + s (the + s
+        # makes room for its ragged last tile); a binary search over cu_seqlens_q finds s
         lo, hi = 0, num_seqs
         while lo < hi:
             mid = (lo + hi) // 2
