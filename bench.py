@@ -4,6 +4,7 @@ bench.py: the numbers that made PagedAttention matter, measured side by side in 
     python bench.py              # every section
     python bench.py --memory     # or any of: --memory --capacity --sharing --throughput
                                  #            --kernel --overhead --soak (the soak is not in "every")
+    python bench.py --kernel --aot   # the Triton kernels compiled for sm_80/86/90, without a GPU
 
 Each section prints a table, and the run writes results/results.json plus PNG plots to
 results/. The paper's figures are quoted next to ours (Kwon et al., SOSP 2023).
