@@ -306,6 +306,7 @@ def with_arg(i, value):
     (lambda args: small_batch(dtype=torch.float64), "unsupported dtype"),
     (with_arg(0, lambda q: q[:, :3]), "multiple of n_kv_head"),
     (with_arg(2, lambda v_cache: v_cache[:, :2]), "v_cache"),
+    (with_arg(2, lambda v_cache: v_cache.transpose(0, 1).contiguous().transpose(0, 1)), "same strides"),
     (with_arg(3, lambda block_tables: block_tables.long()), "block_tables must be int32"),
     (with_arg(3, lambda block_tables: block_tables[:1]), "block_tables is"),
     (with_arg(5, lambda cu_seqlens_q: cu_seqlens_q[:2]), "cu_seqlens_q is"),
