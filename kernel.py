@@ -271,17 +271,17 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     # decode: one program per sequence x KV head x split; those not decoding exit at once
     decode = kernel_config(q.dtype, head_dim, group, block_size, decode=True)
     if num_splits is None:
-        num_splits = 1 if not q.is_cuda else split_count(
-            num_seqs, n_kv_head, block_tables.shape[1] * block_size,
-            _resident_programs(q, args(out[:, :, None], out, 1), decode))
+        resident = _resident_programs(q, args(out[:, :, None], out, 1), decode) if q.is_cuda else 0
+        num_splits = split_count(num_seqs, n_kv_head, block_tables.shape[1] * block_size, resident)
     if num_splits == 1:
         _paged_attention_kernel[(num_seqs, n_kv_head, 1)](*args(out[:, :, None], out, 1), **decode)
     else:  # partials of the decoding sequences, in buffers reused across calls (for CUDA graphs)
         f32 = q.new_empty(0, dtype=torch.float32)
         partial = _buffer("partial", (num_seqs, n_head, num_splits, head_dim), f32)  # (S, nh, n, D)
         lse = _buffer("lse", (num_seqs, n_head, num_splits), f32)                     # (S, nh, n)
-        _paged_attention_kernel[(num_seqs, n_kv_head, num_splits)](
-            *args(partial, lse, num_splits), **{**decode, "SPLIT_KV": True})
+        decode = kernel_config(q.dtype, head_dim, group, block_size, decode=True, split_kv=True)
+        grid = (num_seqs, n_kv_head, num_splits)
+        _paged_attention_kernel[grid](*args(partial, lse, num_splits), **decode)
         _merge_splits_kernel[(num_seqs, n_head)](
             partial, lse, out, cu_seqlens_q, num_splits,
             *partial.stride()[:2], *lse.stride()[:2], *out.stride()[:2],
