@@ -3,8 +3,9 @@ bench.py: the numbers that made PagedAttention matter, measured side by side in 
 
     python bench.py              # every section
     python bench.py --memory     # or any of: --memory --capacity --sharing --throughput
-                                 #   --kernel --overhead --tensor-parallel
-                                 #   --soak (the soak is not in "every")
+                                 #            --kernel --overhead --tensor-parallel
+                                 #            --soak (the soak is not in "every")
+    python bench.py --kernel --aot   # the Triton kernels compiled for sm_80/86/90, without a GPU
 
 Each section prints a table, and the run writes results/results.json plus PNG plots to
 results/. The paper's figures are quoted next to ours (Kwon et al., SOSP 2023).
@@ -17,6 +18,7 @@ import math
 import os
 import platform
 import random
+import re
 import time
 
 # Before torch starts OpenMP: idle workers that spin-wait make every small op wait for a
@@ -497,6 +499,214 @@ def bench_kernel():
 
 
 # -----------------------------------------------------------------------------
+# --kernel --aot: the Triton kernel compiled ahead of time for GPUs this machine lacks, exactly
+# as Triton's JIT would build it for a real launch (same specialization hints, same options)
+
+# compute capability -> (shared memory per SM, most per program, threads per SM), from CUDA's
+# programming guide; every one of them has 64K registers per SM
+AOT_GPUS = {80: (167936, 166912, 2048), 86: (102400, 101376, 1536), 90: (233472, 232448, 2048)}
+AOT_STEPS = {  # step -> (q_len of each sequence, its context, num_splits), batched as by the engine
+    "decode": ([1] * 32, [1000] * 32, 1),
+    "split decode": ([1] * 2, [3000, 2000], 8),
+    "prefill": ([300, 200], [300, 500], 1),
+    "mixed": ([1] * 30 + [256, 100], [800] * 30 + [256, 900], 4),
+}
+
+
+class TargetDriver:
+    """Stands in for the CUDA driver while the JIT specializes and compiles a launch (with
+    TargetDriver(cc): ...): it names the GPU to compile for, and a device of its own so each
+    target gets its own JIT cache."""
+
+    def __init__(self, cc):
+        from triton.backends.compiler import GPUTarget
+        self.target = GPUTarget("cuda", cc, 32)
+
+    def __enter__(self):
+        from triton.runtime.driver import driver
+        self.previous = driver._active  # None on a machine without a GPU: nothing to restore then
+        driver.set_active(self)
+
+    def __exit__(self, *exc):
+        from triton.runtime.driver import driver
+        driver._active = self.previous
+
+    def get_current_target(self):
+        return self.target
+
+    def get_current_device(self):
+        return f"sm_{self.target.arch}"
+
+    def get_current_stream(self, device=None):
+        return None
+
+
+def engine_step(dtype, head_dim, group, block_size, q_lens, contexts, n_kv_head=2, seed=SEED):
+    """paged_attention's arguments on CPU tensors laid out as the engine lays them out: q a view
+    of the fused qkv projection, the caches slices of one (2, n_layer, ...) tensor, shuffled
+    block tables padded with -1. For compiling and capturing launches: the caches are empty."""
+    g = torch.Generator().manual_seed(seed)
+    n_head, max_blocks = n_kv_head * group, max(-(-c // block_size) for c in contexts)
+    num_blocks = sum(-(-c // block_size) for c in contexts)
+    qkv = torch.randn(sum(q_lens), (n_head + 2 * n_kv_head) * head_dim, generator=g).to(dtype)
+    q = qkv[:, :n_head * head_dim].view(-1, n_head, head_dim)                    # (T, nh, D)
+    kv_cache = torch.empty(2, 2, num_blocks, block_size, n_kv_head, head_dim, dtype=dtype)  # unread
+    ids = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for c in contexts:
+        n = -(-c // block_size)
+        tables.append(ids[:n] + [-1] * (max_blocks - n))
+        ids = ids[n:]
+    cu = torch.tensor([0] + q_lens).cumsum(0).int()
+    return (q, kv_cache[0, 1], kv_cache[1, 1], torch.tensor(tables, dtype=torch.int32),
+            torch.tensor(contexts, dtype=torch.int32), cu, head_dim**-0.5)
+
+
+def capture_launches(args, **kwargs):
+    """The Triton launches paged_attention(*args, **kwargs) makes, as (kernel, grid, args,
+    kwargs), captured instead of run: the launcher's real arguments, no GPU needed."""
+    import kernel
+    launches = []
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: launches.append((self.fn, grid, a, k))
+
+    names = ("_paged_attention_kernel", "_merge_splits_kernel")
+    saved = [getattr(kernel, name) for name in names]
+    try:
+        for name, fn in zip(names, saved):
+            setattr(kernel, name, Recorder(fn))
+        kernel.paged_attention(*args, **kwargs)
+    finally:
+        for name, fn in zip(names, saved):
+            setattr(kernel, name, fn)
+    return launches
+
+
+def jit_key(cc, fn, args, kwargs):
+    """The key under which Triton's JIT caches the binary for these arguments on that target: a
+    launch with a new key compiles, so steps of one shape must not produce new keys."""
+    from triton.runtime.jit import compute_cache_key
+    with TargetDriver(cc):
+        _, key_cache, _, _, binder = fn.device_caches[f"sm_{cc}"]
+        _, specialization, options = binder(*args, **kwargs)
+    return compute_cache_key(key_cache, specialization, options)
+
+
+def sass_loop_length(sass):
+    """Instructions in the longest loop of a SASS listing (the K/V loop): from a label to the
+    branch back to it."""
+    lines = sass.splitlines()
+    labels, longest = {}, 0
+    for i, line in enumerate(lines):
+        if m := re.match(r"(\.L_x_\d+):", line):
+            labels[m.group(1)] = i
+        if (m := re.search(r"BRA `\((\.L_x_\d+)\)", line)) and m.group(1) in labels:
+            body = lines[labels[m.group(1)]:i + 1]
+            longest = max(longest, sum(bool(re.search(r"/\*[0-9a-f]{4}\*/", x)) for x in body))
+    return longest
+
+
+def aot_compile(cc, fn, grid, args, kwargs):
+    """Compile one captured launch for compute capability cc through the JIT (warmup: compile,
+    do not run) and read the binary with the CUDA tools that ship in the triton wheel."""
+    import subprocess
+    import tempfile
+    import triton
+    import kernel
+    with TargetDriver(cc):
+        compiled = fn.warmup(*args, grid=grid, **kwargs)
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        def tool(*cmd):
+            return subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        usage = tool(f"{tools}/cuobjdump", "-res-usage", f.name)
+        sass = tool(f"{tools}/nvdisasm", "-c", f.name)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    shared, num_warps = compiled.metadata.shared, compiled.metadata.num_warps
+    sm_shared, max_shared, sm_threads = AOT_GPUS[cc]
+    return dict(
+        kernel=fn.__name__, regs=regs, shared=shared, fits=shared <= max_shared,
+        num_warps=num_warps,
+        # local-memory loads and stores: spills, as the kernel has no local arrays
+        spills=len(re.findall(r"\b(?:LDL|STL)\b", sass)),
+        programs_per_sm=kernel.programs_per_sm(regs, shared, num_warps, sm_shared, sm_threads),
+        loop=sass_loop_length(sass), mma=sorted(set(re.findall(r"\b(H?G?MMA\.[\w.]+)", sass))),
+    )
+
+
+def aot_config(cc, dtype, head_dim, group, block_size, step):
+    """Every distinct kernel one engine step of this shape launches, compiled for cc: a list
+    of aot_compile's rows, tagged with the configuration."""
+    q_lens, contexts, num_splits = AOT_STEPS[step]
+    args = engine_step(dtype, head_dim, group, block_size, q_lens, contexts)
+    rows = []
+    for fn, grid, a, k in capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits):
+        launch = ("merge" if fn.__name__ == "_merge_splits_kernel" else "prefill" if not k["DECODE"]
+                  else "split decode" if k["SPLIT_KV"] else "decode")
+        row = aot_compile(cc, fn, grid, a, k)
+        rows.append(dict(sm=cc, dtype=str(dtype).replace("torch.", ""), head_dim=head_dim,
+                         group=group, block_size=block_size, step=step, launch=launch, **row))
+    return rows
+
+
+def aot_matrix(full=True):
+    """The configurations the compile gate covers: every combination the issue names (full), or
+    a subset for CI that still takes every head size, dtype, group, block size, step and target."""
+    import itertools
+    dtypes, head_dims, groups = (torch.float16, torch.bfloat16), (64, 80, 128, 256), (1, 4, 8)
+    if full:
+        return list(itertools.product(AOT_GPUS, dtypes, head_dims, groups, (16, 32), AOT_STEPS))
+    # each target, dtype and head size; a plain decode step and a mixed step (split decode, merge
+    # and prefill) give every kernel variant; groups and block sizes rotate through them
+    combos = itertools.product(AOT_GPUS, dtypes, head_dims, ("decode", "mixed"))
+    return [(cc, dt, d, groups[i % 3], (16, 32)[i // 2 % 2], step)
+            for i, (cc, dt, d, step) in enumerate(combos)]
+
+
+def _aot_worker(config):
+    return aot_config(*config)
+
+
+def aot_rows(configs, processes=None):
+    """aot_config over configs in a pool of fresh processes, where Triton's compiler, not its
+    interpreter, takes the kernels: a list of rows, one per launch."""
+    import multiprocessing
+    os.environ["TRITON_INTERPRET"] = "0"  # read when the workers import kernel.py
+    with multiprocessing.get_context("spawn").Pool(processes or os.cpu_count()) as pool:
+        return [row for rows in pool.map(_aot_worker, configs, chunksize=1) for row in rows]
+
+
+def bench_kernel_aot(full=True):
+    start = time.perf_counter()
+    rows = aot_rows(aot_matrix(full))
+    seconds = time.perf_counter() - start
+    binaries = {}  # the mixed step reuses the binaries of the others
+    for r in rows:
+        binaries[r["sm"], r["dtype"], r["head_dim"], r["group"], r["block_size"], r["launch"]] = r
+    table = [[f"sm_{r['sm']}", r["dtype"], r["head_dim"], r["group"], r["block_size"], r["launch"],
+              r["num_warps"], r["regs"], r["spills"], f"{r['shared'] / 1024:.1f}",
+              r["programs_per_sm"],
+              r["loop"] if r["launch"] != "merge" else "-", " ".join(r["mma"]) or "-"]
+             for r in binaries.values()]
+    print_table(f"--kernel --aot: paged attention compiled for GPUs this machine lacks, from the "
+                f"launches of engine-shaped steps ({len(rows)} launches, {len(table)} binaries, "
+                f"{seconds:.0f}s); loop = SASS instructions per warp per iteration of the K/V loop "
+                "(goal at sm_90, fp16, head_dim 128, group 4, decode: <= 300)",
+                ["GPU", "dtype", "head_dim", "group", "block", "launch", "warps", "regs", "spills",
+                 "smem KiB", "programs/SM", "loop", "MMA"], table)
+    goal = binaries.get((90, "float16", 128, 4, 16, "decode"))
+    return dict(seconds=seconds, binaries=len(table), spills=sum(r["spills"] for r in rows),
+                all_fit=all(r["fits"] for r in rows), max_regs=max(r["regs"] for r in rows),
+                goal=goal)
+
+# -----------------------------------------------------------------------------
 # --overhead and --soak: the engine with a model that does nothing
 
 
@@ -689,18 +899,23 @@ def main():
                  overhead="engine time per running sequence per step with a no-op model",
                  soak="10,000 requests with aborts through a small pool; asserts nothing is lost",
                  tensor_parallel="KV bytes, blocks and sequences per rank at one budget, tokens/s "
-                 "and time in collectives: tp=1 vs tp=2 on the CPU (gloo)")
-    for name in list(SECTIONS) + ["soak"]:
+                 "and time in collectives: tp=1 vs tp=2 on the CPU (gloo)",
+                 aot="with --kernel: compile the Triton kernels for sm_80/86/90 instead (no GPU\n"
+                     "needed); print registers, spills, shared memory, programs per SM and the\n"
+                     "K/V loop's SASS length")
+    for name in list(SECTIONS) + ["soak", "aot"]:
         p.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=helps[name])
     args = p.parse_args()
     chosen = [name for name in list(SECTIONS) + ["soak"] if getattr(args, name)] or list(SECTIONS)
+    if args.aot:  # under its own name in results.json, beside a GPU's --kernel figures
+        chosen = ["kernel_aot" if name == "kernel" else name for name in chosen]
     os.makedirs(OUT_DIR, exist_ok=True)
     path = os.path.join(OUT_DIR, "results.json")
     results = json.load(open(path)) if os.path.exists(path) else {}
     print(f"machine: {machine()}")
     for name in chosen:
         start = time.perf_counter()
-        results[name] = (SECTIONS.get(name) or bench_soak)()
+        results[name] = dict(SECTIONS, soak=bench_soak, kernel_aot=bench_kernel_aot)[name]()
         results[name + "_machine"] = machine()
         print(f"({name}: {time.perf_counter() - start:.0f}s)")
     with open(path, "w") as f:

@@ -23,34 +23,52 @@ except ImportError:  # no Triton wheel (macOS, Windows): the torch path below st
 # Triton paged attention: one kernel for prefill, decode, chunked prefill and prefill on
 # top of a cached prefix. FlashAttention-2's online softmax (Dao, 2023) over K/V tiles
 # gathered through the block table, as in vLLM's paged attention; GQA heads share loads.
+# A step launches it twice at most, with tile shapes of their own: once over the decoding
+# sequences (one new token each, optionally split along the context), once over the query
+# tiles of all the others, numbered across sequences as in vLLM's unified attention.
 
 
-@triton.jit
+# the sequence and split counts, the block tables' width and the split partials' strides change
+# from step to step: Triton's specialization of integers (== 1, divisible by 16) would recompile
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_lt", "stride_lh", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
-    block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr,
+    block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, num_splits,
     stride_qt, stride_qh,
-    stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh,
+    stride_cb, stride_cs, stride_ch,
     stride_ot, stride_oh, stride_os,
     stride_lt, stride_lh,
     stride_bt,
     qk_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    DECODE: tl.constexpr, SPLIT_KV: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # one program: BLOCK_Q new tokens of one sequence x the GROUP query heads of one KV head
-    # x one split of the context (NUM_SPLITS == 1 unless split-KV)
-    seq = tl.program_id(0)
-    q_tile = tl.program_id(1)
-    kv_head = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    # x one split of the context (split-KV only on decode)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE:  # program i: decoding sequence i, if it decodes
+        seq = tl.program_id(0)
+        q_tile = 0
+    else:
+        # vLLM's numbering: sequence s's tiles start at cu_seqlens_q[s] // BLOCK_Q + s (the + s
+        # makes room for its ragged last tile); a binary search over cu_seqlens_q finds s
+        lo, hi = 0, num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= tl.program_id(0):
+                lo = mid + 1
+            else:
+                hi = mid
+        seq = lo - 1
+        q_tile = tl.program_id(0) - tl.load(cu_seqlens_q_ptr + seq) // BLOCK_Q - seq
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
-    if q_tile * BLOCK_Q >= q_len:  # the grid is sized for the longest sequence
+    if (q_len == 1) != DECODE or q_tile * BLOCK_Q >= q_len:  # the other launch's, or past the end
         return
 
     # row r of the tile is new token r // GROUP_PAD under query head r % GROUP_PAD of the
@@ -64,13 +82,15 @@ def _paged_attention_kernel(
     d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = d < HEAD_DIM
     q_offs = token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
+    # tiles stay in the cache dtype for fp16/bf16 tensor-core dots; DOT_DTYPE is fp32 only for
+    # fp32 caches and for bf16 under the interpreter, whose bf16 tl.dot is wrong
     q = tl.load(q_ptr + q_offs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
-    q = q.to(tl.float32)  # (BLOCK_M, HEAD_DIM_PAD)
+    q = q.to(DOT_DTYPE)  # (BLOCK_M, HEAD_DIM_PAD)
 
     # keys past the tile's last new token are masked for every row: never load them
     kv_end = seq_len - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
     # split-KV (Flash-Decoding): this program takes one BLOCK_N-aligned chunk of 0..kv_end
-    chunk = tl.cdiv(tl.cdiv(kv_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, kv_end)
 
@@ -86,13 +106,12 @@ def _paged_attention_kernel(
         block = block.to(tl.int64)  # likewise block * stride in a large cache
         offset = pos % BLOCK_SIZE
         kv_mask = pos_mask[:, None] & d_mask[None, :]
-        k_offs = (block * stride_kb + offset * stride_ks + kv_head * stride_kh)[:, None] + d[None, :]
-        v_offs = (block * stride_vb + offset * stride_vs + kv_head * stride_vh)[:, None] + d[None, :]
-        # fp32 tiles: the interpreter's tl.dot is wrong on bf16, and fp32 accumulation is wanted anyway
-        k = tl.load(k_cache_ptr + k_offs, mask=kv_mask, other=0.0).to(tl.float32)  # (BLOCK_N, HEAD_DIM_PAD)
-        v = tl.load(v_cache_ptr + v_offs, mask=kv_mask, other=0.0).to(tl.float32)  # (BLOCK_N, HEAD_DIM_PAD)
+        slot_offs = block * stride_cb + offset * stride_cs + kv_head * stride_ch  # K and V alike
+        kv_offs = slot_offs[:, None] + d[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)  # (N, D_PAD)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)  # (N, D_PAD)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) fp32
         s = tl.where(pos_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no visible key yet (only possible in a split) keeps exp2 at 0, not NaN
@@ -100,76 +119,109 @@ def _paged_attention_kernel(
         alpha = tl.exp2(m_i - m_safe)  # rescales what was accumulated under the old max
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split has l = 0 and acc = 0
     out = acc / l_safe[:, None]
-    out_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] + split * stride_os
+    # out rows are tokens; split partials are rows of decoding sequences
+    row = tl.full([BLOCK_M], seq, tl.int64) if SPLIT_KV else token
+    out_offs = row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] + split * stride_os
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
-    if NUM_SPLITS > 1:
+    if SPLIT_KV:
         # log2 of the split's softmax denominator (-inf when empty), for the merge below
         lse = m_i + tl.log2(l_safe)
-        tl.store(lse_ptr + token * stride_lt + head * stride_lh + split, lse, mask=row_mask)
+        tl.store(lse_ptr + row * stride_lt + head * stride_lh + split, lse, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_lt", "stride_lh"])
 def _merge_splits_kernel(
-    partial_ptr, lse_ptr, out_ptr,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    partial_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr, num_splits,
+    stride_pt, stride_ph, stride_lt, stride_lh, stride_ot, stride_oh,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
-    # one program per (token, head); partial (.., NUM_SPLITS, HEAD_DIM), lse and out are contiguous
-    row = tl.program_id(0).to(tl.int64)
+    # one program per (sequence, head): the decoding sequences' split partials into out
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    token = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
+    if tl.load(cu_seqlens_q_ptr + seq + 1) - token != 1:  # not decoding: the other launch wrote it
+        return
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
-    s_mask = s < NUM_SPLITS
+    s_mask = s < num_splits
     d_mask = d < HEAD_DIM
-    lse = tl.load(lse_ptr + row * NUM_SPLITS + s, mask=s_mask, other=float("-inf"))  # (SPLITS_PAD,)
-    o_offs = (row * NUM_SPLITS + s)[:, None] * HEAD_DIM + d[None, :]
+    lse_offs = seq.to(tl.int64) * stride_lt + head * stride_lh + s
+    lse = tl.load(lse_ptr + lse_offs, mask=s_mask, other=float("-inf"))  # (SPLITS_PAD,)
+    o_offs = seq.to(tl.int64) * stride_pt + head * stride_ph + s[:, None] * HEAD_DIM + d[None, :]
     o = tl.load(partial_ptr + o_offs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # (SPLITS_PAD, D_PAD)
     # each split's output is normalized by its own denominator; reweight by its share
     w = tl.exp2(lse - tl.max(lse, 0))
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
-    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+    out_offs = token * stride_ot + head * stride_oh + d
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # head sizes the kernel is built for (padded to a power of two)
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # cast to fp32 inside, for the dots
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_SPLITS = 64
+# the interpreter's tl.dot is wrong on bf16 (exact on fp16): there, bf16 tiles are cast to fp32
+INTERPRETED = type(_paged_attention_kernel).__name__ == "InterpretedFunction"
 
 
-def default_num_splits(q, num_seqs, n_kv_head, max_q_len, max_context):
-    """Flash-Decoding's rule (Dao et al., 2023): split the context only when every sequence
-    decodes one token, its num_seqs * n_kv_head programs would leave the GPU's SMs idle, and
-    the context is long (>= 512 keys); then use enough splits to fill the SMs, each >= 256 keys."""
-    if not q.is_cuda or max_q_len != 1 or max_context < 512:
-        return 1
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    programs = num_seqs * n_kv_head
-    if programs >= num_sms:
-        return 1
-    return min(triton.cdiv(num_sms, programs), max_context // 256, 16)
-
-
-def kernel_config(dtype, head_dim, group, block_size, max_q_len, num_splits):
-    """The paged-attention kernel's compile-time constants and launch options for one call
-    (a function of its own so the tests can compile exactly this for a GPU they lack)."""
+def kernel_config(dtype, head_dim, group, block_size, decode, split_kv=False):
+    """The paged-attention kernel's compile-time constants and launch options for the decode
+    launch (decode=True) or the prefill launch of one call. Sized for the ~100 KiB of shared
+    memory of consumer GPUs, and for no register spills (the compile gate checks both)."""
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_dim)
-    # the M dimension stacks (new token, head of the group) rows: at least 16 for tl.dot,
-    # at most 64 (32 for head_dim 256) unless one token's group alone is larger; with
-    # BLOCK_N below, the fp32 tiles fit the ~100 KiB of shared memory of consumer GPUs
-    block_m = max(16, group_pad, min(8192 // head_dim_pad, 64, triton.next_power_of_2(max_q_len) * group_pad))
+    # the M dimension stacks (new token, head of the group) rows, at least 16 for tl.dot:
+    # decode has one token; prefill takes 64 rows (32 at head_dim 256) of new tokens x heads,
+    # which share each K/V tile. K and V tiles of 8 KiB in fp16: decode, memory bound, keeps
+    # two more in flight (num_stages=3; block-table entries too) while it computes on one
+    block_m = max(16, group_pad) if decode else max(group_pad, min(64, 8192 // head_dim_pad))
+    upcast = dtype == torch.float32 or (dtype == torch.bfloat16 and INTERPRETED)
     return dict(
         GROUP=group, GROUP_PAD=group_pad,
-        BLOCK_M=block_m, BLOCK_Q=block_m // group_pad, BLOCK_N=min(64, 4096 // head_dim_pad),
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
-        # fp32 inputs get a full-precision dot; fp16/bf16 tiles, cast to fp32, get the backend's
-        # fast default (tf32 on NVIDIA), which holds fp16 and bf16 values exactly
-        DOT_PRECISION="ieee" if dtype == torch.float32 else None,
-        num_warps=8 if head_dim_pad > 128 else 4, num_stages=2,
+        BLOCK_M=block_m, BLOCK_Q=1 if decode else block_m // group_pad,
+        BLOCK_N=min(64, 4096 // head_dim_pad),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
+        DECODE=decode, SPLIT_KV=split_kv,
+        DOT_DTYPE=tl.float32 if upcast else tl.float16 if dtype == torch.float16 else tl.bfloat16,
+        DOT_PRECISION="ieee" if upcast else None,
+        num_warps=4 if head_dim_pad <= 128 or decode else 8, num_stages=3 if decode else 2,
     )
+
+
+def programs_per_sm(n_regs, shared, num_warps, sm_shared, sm_threads):
+    """How many programs of a compiled kernel one SM holds at once: registers (64K per SM,
+    allocated per warp in units of 256), shared memory, threads, and at most 32 blocks."""
+    regs_per_warp = triton.cdiv(n_regs * 32, 256) * 256
+    return max(1, min(65536 // (regs_per_warp * num_warps), sm_shared // max(shared, 1),
+                      sm_threads // (32 * num_warps), 32))
+
+
+def split_count(num_seqs, n_kv_head, max_context, resident_programs):
+    """Flash-Decoding's split-KV (Dao et al., 2023), sized by what the GPU holds at once: when the
+    num_seqs * n_kv_head decode programs leave resident slots empty, split every context into
+    enough chunks to fill them, each >= 256 keys so the merge stays cheap. A power of two, so the
+    merge kernel compiles for a handful of counts."""
+    splits = min(resident_programs // max(1, num_seqs * n_kv_head), max_context // 256, MAX_SPLITS)
+    return 1 if splits < 2 else 1 << (splits.bit_length() - 1)
+
+
+_resident = {}  # (device, config) -> resident programs of the compiled decode kernel
+
+
+def _resident_programs(q, args, config):
+    key = (q.device, tuple(config.items()))
+    if key not in _resident:
+        compiled = _paged_attention_kernel.warmup(*args, grid=(1,), **config)
+        compiled._init_handles()  # loads it: sets n_regs
+        props = torch.cuda.get_device_properties(q.device)
+        _resident[key] = props.multi_processor_count * programs_per_sm(
+            compiled.n_regs, compiled.metadata.shared, config["num_warps"],
+            props.shared_memory_per_multiprocessor, props.max_threads_per_multi_processor)
+    return _resident[key]
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
@@ -178,8 +230,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     q [num_tokens, n_head, head_dim]; caches [num_blocks, block_size, n_kv_head, head_dim];
     block_tables int32 [num_seqs, max_blocks] (-1 past the end); seq_lens int32 [num_seqs]
     (context including the new tokens); cu_seqlens_q int32 [num_seqs + 1].
-    max_q_len (>= every q_len; if known) saves a device->host sync; num_splits forces the
-    split-KV choice (default: default_num_splits)."""
+    max_q_len (>= every q_len; if known) saves a device->host sync; num_splits (1..64) forces
+    the split-KV of the decoding sequences (default: split_count, on a GPU)."""
     assert q.dim() == 3 and k_cache.dim() == 4, "q is [num_tokens, n_head, head_dim], caches are 4-D"
     num_tokens, n_head, head_dim = q.shape
     block_size, n_kv_head = k_cache.shape[1:3]
@@ -188,6 +240,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     assert k_cache.dtype == v_cache.dtype == q.dtype, \
         f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
     assert v_cache.shape == k_cache.shape, f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}"
+    assert v_cache.stride() == k_cache.stride(), "k_cache and v_cache must have the same strides"
     assert k_cache.shape[3] == head_dim, f"head_dim of q ({head_dim}) != that of the caches ({k_cache.shape[3]})"
     assert head_dim in HEAD_DIMS, f"head_dim {head_dim} not supported, use one of {HEAD_DIMS}"
     assert n_head % n_kv_head == 0, f"n_head ({n_head}) must be a multiple of n_kv_head ({n_kv_head})"
@@ -199,41 +252,46 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     assert seq_lens.dim() == 1 and cu_seqlens_q.shape == (num_seqs + 1,), "cu_seqlens_q is [num_seqs + 1]"
     assert q.stride(2) == k_cache.stride(3) == v_cache.stride(3) == 1, "head_dim must be contiguous"
     assert block_tables.stride(1) == 1 and seq_lens.is_contiguous() and cu_seqlens_q.is_contiguous()
+    assert num_splits is None or 1 <= num_splits <= MAX_SPLITS, f"num_splits is in 1..{MAX_SPLITS}"
 
     out = torch.empty((num_tokens, n_head, head_dim), device=q.device, dtype=q.dtype)  # (T, nh, D)
     if num_tokens == 0:
         return out
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())  # device->host sync
+    group = n_head // n_kv_head
+
+    def args(out, lse, num_splits):
+        return (q, k_cache, v_cache, out, lse, block_tables, seq_lens, cu_seqlens_q,
+                num_seqs, num_splits,
+                q.stride(0), q.stride(1), *k_cache.stride()[:3],
+                *out.stride()[:3], *lse.stride()[:2], block_tables.stride(0),
+                scale * 1.4426950408889634)  # log2(e): the kernel uses exp2, cheaper than exp
+
+    # decode: one program per sequence x KV head x split; those not decoding exit at once
+    decode = kernel_config(q.dtype, head_dim, group, block_size, decode=True)
     if num_splits is None:
-        num_splits = default_num_splits(q, num_seqs, n_kv_head, max_q_len, block_tables.shape[1] * block_size)
-
-    config = kernel_config(q.dtype, head_dim, n_head // n_kv_head, block_size, max_q_len, num_splits)
+        resident = _resident_programs(q, args(out[:, :, None], out, 1), decode) if q.is_cuda else 0
+        num_splits = split_count(num_seqs, n_kv_head, block_tables.shape[1] * block_size, resident)
     if num_splits == 1:
-        partial, lse = out[:, :, None], out  # write the final output directly; no lse
-    else:
-        partial = torch.empty((num_tokens, n_head, num_splits, head_dim), device=q.device, dtype=torch.float32)
-        lse = torch.empty((num_tokens, n_head, num_splits), device=q.device, dtype=torch.float32)
-
-    grid = (num_seqs, triton.cdiv(max_q_len, config["BLOCK_Q"]), n_kv_head * num_splits)
-    _paged_attention_kernel[grid](
-        q, k_cache, v_cache, partial, lse,
-        block_tables, seq_lens, cu_seqlens_q,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        partial.stride(0), partial.stride(1), partial.stride(2),
-        lse.stride(0), lse.stride(1),
-        block_tables.stride(0),
-        scale * 1.4426950408889634,  # log2(e): the kernel uses exp2, cheaper than exp
-        **config,
-    )
-    if num_splits > 1:
-        _merge_splits_kernel[(num_tokens * n_head,)](
-            partial, lse, out,
-            NUM_SPLITS=num_splits, SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim, HEAD_DIM_PAD=config["HEAD_DIM_PAD"],
+        _paged_attention_kernel[(num_seqs, n_kv_head, 1)](*args(out[:, :, None], out, 1), **decode)
+    else:  # partials of the decoding sequences, in buffers reused across calls (for CUDA graphs)
+        f32 = q.new_empty(0, dtype=torch.float32)
+        partial = _buffer("partial", (num_seqs, n_head, num_splits, head_dim), f32)  # (S, nh, n, D)
+        lse = _buffer("lse", (num_seqs, n_head, num_splits), f32)                     # (S, nh, n)
+        decode = kernel_config(q.dtype, head_dim, group, block_size, decode=True, split_kv=True)
+        grid = (num_seqs, n_kv_head, num_splits)
+        _paged_attention_kernel[grid](*args(partial, lse, num_splits), **decode)
+        _merge_splits_kernel[(num_seqs, n_head)](
+            partial, lse, out, cu_seqlens_q, num_splits,
+            *partial.stride()[:2], *lse.stride()[:2], *out.stride()[:2],
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=decode["HEAD_DIM_PAD"],
         )
+    if max_q_len > 1:  # prefill: query tiles numbered across sequences; decoding ones exit at once
+        prefill = kernel_config(q.dtype, head_dim, group, block_size, decode=False)
+        grid = (num_tokens // prefill["BLOCK_Q"] + num_seqs, n_kv_head, 1)  # >= all the tiles
+        _paged_attention_kernel[grid](*args(out[:, :, None], out, 1), **prefill)
     return out
 
 
@@ -252,7 +310,7 @@ def _store_kv_kernel(
     BLOCK_SIZE: tl.constexpr,
 ):
     # one program per token: copy its (n_kv_head, head_dim) K and V rows into its slot
-    token = tl.program_id(0)
+    token = tl.program_id(0).to(tl.int64)  # token * stride passes 2**31 at ~200k tokens a step
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # -1: skip this token
         return

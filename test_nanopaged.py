@@ -7,6 +7,7 @@ inputs. Run: python -m pytest -q   (without a GPU the Triton kernels run in the 
 import copy
 import functools
 import json
+import math
 import os
 import random
 import re
@@ -37,15 +38,17 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfl
 
 
 @st.composite
-def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False):
+def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, min_seqs=1,
+                  long_prefills=0, head_dims=HEAD_DIMS):
     """A packed batch of sequences in a paged cache, and the same K/V laid out contiguously.
     Tables are shuffled, later sequences may share a prefix of sequence 0's blocks (as after
-    a fork or a prefix-cache hit), and every cache slot no sequence uses holds NaN."""
-    num_seqs = draw(st.integers(1, max_seqs))
+    a fork or a prefix-cache hit), and every cache slot no sequence uses holds NaN.
+    long_prefills: that many more sequences, prefilling 2-4x max_seq_len tokens, anywhere."""
+    num_seqs = draw(st.integers(min_seqs, max_seqs))
     block_size = draw(st.sampled_from([1, 3, 4, 5, 16]))
     n_kv_head = draw(st.sampled_from([1, 2]))
     group = draw(st.sampled_from([1, 2, 3, 4, 8]))  # n_kv_head == 1 with group > 1 is MQA
-    head_dim = draw(st.sampled_from(HEAD_DIMS))
+    head_dim = draw(st.sampled_from(head_dims))
     dtype = draw(st.sampled_from(dtypes))
     seq_lens, q_lens = [], []
     for _ in range(num_seqs):
@@ -57,6 +60,14 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False):
         q_len = {"decode": 1, "prefill": seq_len, "chunk": draw(st.integers(1, seq_len))}[kind]
         seq_lens.append(seq_len)
         q_lens.append(q_len)
+    for _ in range(long_prefills):
+        seq_len = draw(st.integers(2 * max_seq_len, 4 * max_seq_len))
+        # the whole prompt, or its end over a cached prefix
+        q_len = draw(st.sampled_from([seq_len, draw(st.integers(2, seq_len))]))
+        at = draw(st.integers(0, len(seq_lens)))
+        seq_lens.insert(at, seq_len)
+        q_lens.insert(at, q_len)
+        num_seqs += 1
 
     # block tables: shuffled physical ids; sequence i > 0 may start with sequence 0's blocks
     num_blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -122,13 +133,26 @@ def test_triton_matches_naive(b, num_splits, pass_max_q_len):
 
 
 @settings(max_examples=15, deadline=None)
-@given(paged_batches(dtypes=[torch.float32], max_seqs=2, max_seq_len=300, decode_only=True), st.integers(2, 8))
+@given(paged_batches(dtypes=[torch.float32], max_seqs=2, max_seq_len=300, decode_only=True),
+       st.integers(2, 64))
 def test_split_kv_agrees_with_one_split(b, num_splits):
     # the split path must give the same result as one program per sequence, including
     # splits left empty because the context is shorter than num_splits tiles
     one = paged_attention(*paged_args(b), max_q_len=1, num_splits=1)
     split = paged_attention(*paged_args(b), max_q_len=1, num_splits=num_splits)
     assert_close(split, one)
+
+
+@settings(max_examples=6, deadline=None)
+@given(paged_batches(dtypes=[torch.float32, torch.float16, torch.bfloat16], min_seqs=8, max_seqs=24,
+                     max_seq_len=60, long_prefills=2, head_dims=(16, 32, 64, 80)),
+       st.integers(1, 64))
+def test_triton_mixed_batches_many_decodes_few_long_prefills(b, num_splits):
+    # the engine's usual step: the decode launch (split or not) and the prefill launch, whose
+    # query tiles are numbered across sequences, each take their own rows and only those
+    max_q_len = int(b["cu_seqlens_q"].diff().max())
+    out = paged_attention(*paged_args(b), max_q_len=max_q_len, num_splits=num_splits)
+    assert_close(out, reference(b))
 
 
 @settings(max_examples=200, deadline=None)
@@ -177,45 +201,99 @@ def test_triton_matches_torch_path_on_a_fixed_batch():
     assert_close(paged_attention(*args), paged_attention_torch(*args))
 
 
-GPU_CONFIGS = [  # dtype, head_dim, group, block_size, max_q_len, num_splits
-    (torch.float16, 128, 1, 16, 1, 1),     # decode
-    (torch.bfloat16, 80, 4, 5, 300, 1),    # prefill, GQA, padded head_dim, odd block size
-    (torch.float32, 256, 8, 1, 1, 4),      # split-KV, the largest fp32 tiles
-]
-
-
-def compile_for_sm86(dtype, head_dim, group, block_size, max_q_len, num_splits):
-    """Compile the kernel as paged_attention would launch it, for an sm_86 GPU (RTX 30xx);
-    returns the shared memory it needs. Runs without a GPU, but not under the interpreter."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    config = kernel.kernel_config(dtype, head_dim, group, block_size, max_q_len, num_splits)
-    options = dict(num_warps=config.pop("num_warps"), num_stages=config.pop("num_stages"))
-    fn = kernel._paged_attention_kernel
-    ptr = "*" + {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
-    out_ptr = ptr if num_splits == 1 else "*fp32"
-    signature = {name: "i32" for name in fn.arg_names}  # the strides
-    signature.update(q_ptr=ptr, k_cache_ptr=ptr, v_cache_ptr=ptr, out_ptr=out_ptr, lse_ptr=out_ptr,
-                     block_tables_ptr="*i32", seq_lens_ptr="*i32", cu_seqlens_q_ptr="*i32", qk_scale="fp32")
-    signature.update({name: "constexpr" for name in config})
-    source = ASTSource(fn, signature, constexprs=config)
-    return triton.compile(source, target=GPUTarget("cuda", 86, 32), options=options).metadata.shared
+def run_without_interpreter(code, timeout=600):
+    """Run code in a fresh Python where @triton.jit gives Triton's JIT, not its interpreter (the
+    compiler needs no GPU to build one); returns its stdout."""
+    pytest.importorskip("triton")
+    here = os.path.dirname(os.path.abspath(__file__))
+    run = subprocess.run([sys.executable, "-c", code], cwd=here, capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=timeout)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout
 
 
 def test_kernel_compiles_for_a_gpu():
-    # the interpreter never runs Triton's compiler, so compile the launch configurations in a
-    # fresh process with the interpreter off: a GPU-only error fails here, GPU or no GPU
-    pytest.importorskip("triton")
-    module = os.path.splitext(os.path.basename(__file__))[0]
-    code = f"import torch, {module} as t\nfor c in t.GPU_CONFIGS: print(t.compile_for_sm86(*c))"
-    env = {**os.environ, "TRITON_INTERPRET": "0"}
-    run = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(os.path.abspath(__file__)), env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    shared = [int(line) for line in run.stdout.split()]
-    assert len(shared) == len(GPU_CONFIGS) and max(shared) <= 99 * 1024, f"shared memory {shared} > 99 KiB"
+    # the interpreter never runs Triton's compiler. bench.py --kernel --aot captures the
+    # launcher's real arguments for engine-shaped steps, lets Triton's JIT specialize them as a
+    # launch would and compile them for sm_80, sm_86 and sm_90, and reads the binaries: here a
+    # subset that still takes every target, dtype, head size, group, block size and launch
+    import json
+    code = "import json, bench; print(json.dumps(bench.aot_rows(bench.aot_matrix(full=False), 2)))"
+    rows = json.loads(run_without_interpreter(code))
+    launches = Counter((r["sm"], r["dtype"], r["head_dim"], r["launch"]) for r in rows)
+    assert len(launches) == 3 * 2 * 4 * 4, "a target, dtype, head size or launch is missing"
+    for r in rows:
+        where = "sm_{sm} {dtype} head_dim {head_dim} group {group} {launch}".format(**r)
+        assert r["fits"], f"{where}: {r['shared']} bytes of shared memory do not fit"
+        assert r["spills"] == 0, f"{where}: {r['spills']} spills ({r['regs']} registers)"
+        if r["launch"] != "merge":  # tensor cores on the cache dtype: no tf32, no fp16 for bf16
+            assert r["mma"] and all(("BF16" in m) == (r["dtype"] == "bfloat16") and "TF32" not in m
+                                    for m in r["mma"]), f"{where}: MMA {r['mma']}"
+
+
+def jit_keys_of_steps(seed=0, steps=40):
+    """The JIT cache keys (sm_90) of the launches of random engine steps of one model: many
+    sequences or few, short or long tables, decode, split decode, prefill and mixed."""
+    import bench
+    rng, keys = random.Random(seed), {}
+    for _ in range(steps):
+        q_lens = [rng.choice([1, 1, rng.randint(1, 300)]) for _ in range(rng.randint(1, 40))]
+        contexts = [n + rng.randint(0, rng.choice([100, 3000, 30000])) for n in q_lens]
+        args = bench.engine_step(torch.float16, 128, 4, 16, q_lens, contexts)
+        resident = rng.choice([132, 1000])  # an H100's SMs, or several programs on each
+        num_splits = kernel.split_count(len(q_lens), 2, args[3].shape[1] * 16, resident)
+        launches = bench.capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits)
+        for fn, _, a, k in launches:
+            launch = (fn.__name__, k.get("DECODE"), k.get("SPLIT_KV"))
+            keys.setdefault(launch, set()).add(bench.jit_key(90, fn, a, k))
+    return {str(launch): len(k) for launch, k in keys.items()}
+
+
+def test_kernel_compiles_once_per_launch_kind_not_per_step():
+    # Triton specializes integers on == 1 and divisibility by 16: a block-table width or a
+    # sequence count that does it mid-serving would recompile (seconds) in the middle of a step
+    import json
+    counts = json.loads(run_without_interpreter(
+        "import json, test_nanopaged as t; print(json.dumps(t.jit_keys_of_steps()))"))
+    merges = counts.pop(str(("_merge_splits_kernel", None, None)))
+    assert counts == {str(("_paged_attention_kernel",) + kind): 1
+                      for kind in ((True, False), (True, True), (False, False))}, counts
+    assert merges <= math.log2(kernel.MAX_SPLITS), "the merge compiles once per power of two"
+
+
+def test_grid_stays_within_cuda_limits():
+    # dims 1 and 2 of a CUDA grid stop at 65,535: an MQA prefill of 2**16 tokens x 64 heads must
+    # not put its query tiles there (q broadcast with stride 0: the launches are only captured)
+    import bench
+    n = 2**16
+    q = torch.zeros(1, 1, 16, dtype=torch.float16).expand(n, 64, 16)
+    k_cache = torch.zeros(n // 16, 16, 1, 16, dtype=torch.float16)
+    block_tables = torch.arange(n // 16, dtype=torch.int32)[None]
+    args = (q, k_cache, k_cache, block_tables, torch.tensor([n], dtype=torch.int32),
+            torch.tensor([0, n], dtype=torch.int32), 0.25)
+    for fn, grid, _, _ in bench.capture_launches(args, max_q_len=n, num_splits=64):
+        assert grid[0] < 2**31 and all(g <= 65535 for g in grid[1:]), (fn.__name__, grid)
+    grids = [grid for _, grid, _, _ in bench.capture_launches(args, max_q_len=n)]
+    assert max(grid[0] for grid in grids) >= n, "a tile for each token"
+
+
+@given(st.integers(1, 512), st.integers(1, 64), st.integers(1, 2**17), st.integers(1, 5000))
+def test_split_count_fills_the_gpu_once(num_seqs, n_kv_head, max_context, resident):
+    splits = kernel.split_count(num_seqs, n_kv_head, max_context, resident)
+    assert 1 <= splits <= kernel.MAX_SPLITS and splits & (splits - 1) == 0, "a power of two"
+    if splits > 1:  # only to fill idle resident slots, never past them, and >= 256 keys a split
+        assert num_seqs * n_kv_head * splits <= resident and max_context // splits >= 256
+    else:  # a second wave of splits would fit nowhere, or the context is too short to split
+        assert num_seqs * n_kv_head * 2 > resident or max_context < 512
+
+
+def test_programs_per_sm_matches_cuda_occupancy():
+    # CUDA's occupancy rules: 64K registers a SM, allocated per warp in units of 256
+    assert kernel.programs_per_sm(128, 0, 4, 233472, 2048) == 4      # 65536 / (128 * 128)
+    assert kernel.programs_per_sm(80, 0, 4, 233472, 2048) == 6       # 80 regs x 32 = 2560 per warp
+    assert kernel.programs_per_sm(24, 0, 4, 233472, 2048) == 16      # threads: 2048 / 128
+    assert kernel.programs_per_sm(30, 40000, 4, 102400, 1536) == 2   # shared memory
+    assert kernel.programs_per_sm(16, 0, 1, 233472, 2048) == 32      # at most 32 blocks
 
 
 def with_arg(i, value):
@@ -229,6 +307,7 @@ def with_arg(i, value):
     (lambda args: small_batch(dtype=torch.float64), "unsupported dtype"),
     (with_arg(0, lambda q: q[:, :3]), "multiple of n_kv_head"),
     (with_arg(2, lambda v_cache: v_cache[:, :2]), "v_cache"),
+    (with_arg(2, lambda v_cache: v_cache.transpose(0, 1).contiguous().transpose(0, 1)), "same strides"),
     (with_arg(3, lambda block_tables: block_tables.long()), "block_tables must be int32"),
     (with_arg(3, lambda block_tables: block_tables[:1]), "block_tables is"),
     (with_arg(5, lambda cu_seqlens_q: cu_seqlens_q[:2]), "cu_seqlens_q is"),
