@@ -731,9 +731,13 @@ def test_parallel_samples_equal_the_same_seeds_run_one_by_one(no_writes_into_sha
     while engine.scheduler.has_unfinished():
         outputs.update({o.request_id: o for o in engine.step()})
     samples = [c.token_ids for c in outputs[request_id].outputs]
-    singles = [Engine(MODEL, block_size=4, num_blocks=64).generate(
-        [prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=42 + i))[0].outputs[0].token_ids
-        for i in range(4)]
+    singles = []
+    for i in range(4):  # sample i alone: a request of one sample on sample i's generator
+        single = Engine(MODEL, block_size=4, num_blocks=64)
+        single_id = single.add_request(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=42))
+        single.requests[single_id].seqs[0].generator = nanopaged.sample_generator(42, i, single.device)
+        while single.scheduler.has_unfinished():
+            singles += [o.outputs[0].token_ids for o in single.step()]
     assert samples == singles and len(set(map(tuple, samples))) > 1
     assert_all_blocks_free(engine)
 
@@ -938,6 +942,13 @@ def test_a_batch_with_one_bad_prompt_is_rejected_whole():
     (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
     (dict(attention_backend="flash"), "attention_backend must be 'triton' or 'torch'"),
     (dict(attention_backend="triton"), r"Triton kernel takes head sizes .* model has head size 8 in torch.float64"),
+    (dict(num_cpu_blocks=-1), "num_cpu_blocks must be an integer >= 0, got -1"),
+    (dict(num_cpu_blocks=2.0), "num_cpu_blocks must be an integer >= 0, got 2.0"),
+    (dict(num_blocks=None, kv_cache_bytes=-1), "kv_cache_bytes must be an integer >= 1, got -1"),
+    (dict(block_size=True), "block_size must be an integer >= 1, got True"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an integer >= 1, got 0"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False, got 'no'"),
+    (dict(device="gpu"), "device must be like 'cpu', 'cuda' or 'cuda:1', got 'gpu'"),
 ])
 def test_bad_engine_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -1159,3 +1170,68 @@ def test_hundreds_of_requests_in_a_pool_a_few_sequences_deep(mode):
     assert engine.stats()["num_preemptions"] > 10
     assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in ample]
     assert_all_blocks_free(engine)
+
+
+# -----------------------------------------------------------------------------
+# Policies: what the scheduler, the allocator and the sampler promise, not only their outputs
+#
+# First the defects a close read found, each with the test that failed on it; then the
+# policies as Hypothesis properties over random workloads, in both preemption modes.
+
+
+def test_samples_of_requests_with_nearby_seeds_do_not_replay_each_other():
+    # sample 1 of seed 0 drew from seed 0 + 1, the very stream of seed 1's sample 0
+    engine = Engine(MODEL, block_size=4, num_blocks=64)
+    prompt = [5, 6, 7]
+    first, second = engine.generate([prompt, prompt], [SamplingParams(max_tokens=12, temperature=1.0, n=2, seed=0),
+                                                       SamplingParams(max_tokens=12, temperature=1.0, seed=1)])
+    assert first.outputs[1].token_ids != second.outputs[0].token_ids
+
+
+def test_a_recomputed_sequence_publishes_its_blocks_to_the_prefix_cache_again():
+    engine = Engine(MODEL, block_size=2, num_blocks=16)
+    a, prompt = engine.allocator, [3, 1, 4, 1, 5, 9, 2]
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0))
+    engine.step()  # prefill: its three full blocks are published
+    keys = [chain_hash(None, prompt[:2])]
+    keys += [chain_hash(keys[-1], prompt[2:4]), chain_hash(chain_hash(keys[-1], prompt[2:4]), prompt[4:6])]
+    assert all(k in a.hash_to_block for k in keys)
+    group = engine.requests[request_id]
+    engine.scheduler.running.remove(group)
+    engine.scheduler._preempt(group, nanopaged.SchedulerOutput())  # recompute: blocks freed, still cached
+    filler = make_seq(99, [0] * (a.num_free_blocks * 2))
+    a.allocate(filler)  # takes every free block: the cached ones are evicted
+    a.free(filler)
+    assert not any(k in a.hash_to_block for k in keys)
+    while engine.scheduler.has_unfinished():
+        engine.step()
+    assert all(k in a.hash_to_block for k in keys), "the recomputed prompt is shareable again"
+
+
+def test_beam_search_ends_when_every_candidate_is_a_stop_token():
+    engine = Engine(MODEL, block_size=4, num_blocks=32)
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=5, beam_width=2, stop_token_ids=list(range(32))))
+    assert [len(c.token_ids) for c in out[0].outputs] == [1, 1]
+    assert all(c.finish_reason == "stop" for c in out[0].outputs)
+    assert_all_blocks_free(engine)
+
+
+def test_tensor_prompts_work_in_generate_and_add_request_alike():
+    engine = Engine(MODEL, block_size=4, num_blocks=32)
+    greedy = SamplingParams(max_tokens=5, temperature=0)
+    expected = naive_greedy(MODEL, [1, 2, 3], 5)
+    for prompt in (torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3], dtype=torch.int32), (1, 2, 3)):
+        assert engine.generate([prompt], greedy)[0].outputs[0].token_ids == expected
+        request_id = engine.add_request(prompt, greedy)
+        while engine.scheduler.has_unfinished():
+            outputs = engine.step()
+        assert outputs[0].request_id == request_id and outputs[0].outputs[0].token_ids == expected
+    for prompt, message in [(torch.tensor([[1, 2]]), r"tensor prompt must be 1-D .* got shape \(1, 2\)"),
+                            (torch.tensor([1.0, 2.0]), r"integer token ids, got shape \(2,\) of torch.float32"),
+                            ("hello", "a prompt is a list or tuple of token ids or a 1-D integer tensor, got str"),
+                            (torch.tensor([1, 40]), "prompt token 1 is 40, outside the vocabulary")]:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(prompt, greedy)
+        with pytest.raises(ValueError, match="prompt 0: .*" + message):
+            engine.generate([prompt], greedy)
+    assert serves_normally(engine)
