@@ -597,28 +597,31 @@ class Scheduler:
             else:
                 self._append_slots(group, out)
                 i += 1
-        # 2. Swapped-out groups come back, oldest first, unless this step had to preempt.
-        while self.swapped and not out.preempted:
+        # 2. Swapped-out groups come back, oldest first, unless this step had to preempt or an older
+        #    group waits (one the swap space could not take, recomputed instead).
+        num_seqs = sum(g.params.num_seqs for g in self.running)  # each request holds room for all its samples
+        while self.swapped and not out.preempted and not self._older_waits(self.waiting, self.swapped[0]):
             group = self.swapped[0]
             need = len({b for seq in group.seqs for b in seq.block_table}) + len(group.seqs)  # + one per next token
-            if not self._fits(group, need) or out.num_batched_tokens + len(group.seqs) > self.max_num_batched_tokens:
+            if (not self._fits(group, need) or out.num_batched_tokens + len(group.seqs) > self.max_num_batched_tokens
+                    or num_seqs + group.params.num_seqs > self.max_num_seqs):
                 if not self.running:  # nothing will free blocks for it: recompute instead of waiting forever
                     self.swapped.pop(0)
                     self._recompute(group)
                 break
             self.swapped.pop(0)
+            num_seqs += group.params.num_seqs
             out.blocks_to_swap_in += self.allocator.swap_in(group.seqs)
             insort(self.running, group, key=lambda g: g.request_id)
             if self._is_decoding(group):
                 self._append_slots(group, out)
         # 3. Prefill chunks of running groups, oldest first, then 4. admit waiting groups while
-        #    blocks, sequence slots and token budget allow; none while any group is swapped out,
-        #    and none in a step that had to preempt, which would only preempt it again.
+        #    blocks, sequence slots and token budget allow; none while an older group is swapped
+        #    out, and none in a step that had to preempt, which would only preempt it again.
         for group in self.running:
             if not self._is_decoding(group):
                 self._schedule_prefill(group, out)
-        num_seqs = sum(g.params.num_seqs for g in self.running)  # each request holds room for all its samples
-        while (self.waiting and not self.swapped and not out.preempted
+        while (self.waiting and not self._older_waits(self.swapped, self.waiting[0]) and not out.preempted
                and out.num_batched_tokens < self.max_num_batched_tokens):
             group = self.waiting[0]
             need = sum(self.allocator.num_blocks_to_allocate(seq) for seq in group.seqs)
@@ -629,8 +632,15 @@ class Scheduler:
             for seq in group.seqs:
                 self.allocator.allocate(seq)
             insort(self.running, group, key=lambda g: g.request_id)
-            self._schedule_prefill(group, out)
+            if not self._is_decoding(group):
+                self._schedule_prefill(group, out)
+            elif out.num_batched_tokens + len(group.seqs) <= self.max_num_batched_tokens:
+                self._append_slots(group, out)  # recomputed samples found all but their last tokens cached
         return out
+
+    @staticmethod
+    def _older_waits(queue, group):
+        return bool(queue) and queue[0].request_id < group.request_id
 
     def _fits(self, group, num_blocks):
         # Alone on the device, a group needs no watermark: there is nobody left to preempt.

@@ -1235,3 +1235,225 @@ def test_tensor_prompts_work_in_generate_and_add_request_alike():
         with pytest.raises(ValueError, match="prompt 0: .*" + message):
             engine.generate([prompt], greedy)
     assert serves_normally(engine)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """The scheduler and the allocator without a model. Each SchedulerOutput is checked against
+    the policies, given the state before the step; then a fake model computes the scheduled
+    tokens and samples as Engine._postprocess does (forks the samples, appends a token, stops,
+    frees), with tokens from a 4-letter alphabet so that prefixes repeat."""
+
+    @initialize(block_size=st.integers(1, 4), num_blocks=st.integers(4, 16), num_cpu_blocks=st.integers(0, 16),
+                mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(), max_num_seqs=st.integers(1, 6),
+                max_num_batched_tokens=st.integers(3, 12), watermark=st.sampled_from([0.01, 0.25]))
+    def setup(self, block_size, num_blocks, num_cpu_blocks, mode, caching, max_num_seqs, max_num_batched_tokens,
+              watermark):
+        self.a = a = BlockAllocator(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching=caching)
+        self.s = s = nanopaged.Scheduler(a, max_num_seqs, max_num_batched_tokens, mode, watermark)
+        self.groups, self.next_id = {}, 0
+        # Accounting: what num_blocks_to_allocate / num_blocks_to_append promise is what is taken.
+        real_allocate, real_append_slots = a.allocate, s._append_slots
+
+        def allocate(seq):
+            expected, before = a.num_blocks_to_allocate(seq), a.num_free_blocks
+            real_allocate(seq)
+            assert before - a.num_free_blocks == expected, "num_blocks_to_allocate is not what allocate took"
+
+        def append_slots(group, out):
+            expected, before = a.num_blocks_to_append(group.seqs), a.num_free_blocks
+            real_append_slots(group, out)
+            assert before - a.num_free_blocks == expected, "num_blocks_to_append is not what append_slot took"
+
+        a.allocate, s._append_slots = allocate, append_slots
+
+    def new_id(self):
+        self.next_id += 1
+        return self.next_id - 1
+
+    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=10), max_tokens=st.integers(1, 6),
+          n=st.integers(1, 3), stop=st.booleans())
+    def add(self, prompt, max_tokens, n, stop):
+        bs, s = self.a.block_size, self.s
+        if n > min(s.max_num_seqs, s.max_num_batched_tokens) or n * -(-(len(prompt) + max_tokens) // bs) > \
+                self.a.num_blocks:
+            return  # Engine.check_request refuses it: it could never run
+        params = SamplingParams(max_tokens=max_tokens, n=n, stop_token_ids=[3] if stop else [])
+        request_id = self.new_id()
+        group = nanopaged.SequenceGroup(request_id, prompt, params,
+                                        Sequence(self.new_id(), prompt, len(prompt), request_id=request_id))
+        self.groups[request_id] = group
+        s.add(group)
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data())
+    def abort(self, data):
+        group = self.groups.pop(data.draw(st.sampled_from(sorted(self.groups))))
+        self.s.abort(group)
+
+    @rule(rng=st.randoms(use_true_random=False))
+    def step(self, rng):
+        a, s = self.a, self.s
+        pre = dict(running=list(s.running), waiting=list(s.waiting), swapped=list(s.swapped), free=a.num_free_blocks,
+                   refs=[b.ref_count for b in a.blocks],
+                   tables={g.request_id: [list(seq.block_table) for seq in g.seqs] for g in s.running},
+                   decoding={g.request_id: s._is_decoding(g) for g in s.running},
+                   need={g.request_id: a.num_blocks_to_append(g.seqs) for g in s.running if s._is_decoding(g)})
+        out = s.schedule()
+        self.check_step(pre, out)
+        self.fake_model(out, rng)
+
+    def expected_decodes_and_victims(self, pre):
+        """Step 1 of the policy on the state before the step: running groups decode oldest first;
+        one whose blocks are not free preempts the youngest, and only then, until its blocks are."""
+        running, refs, free, tokens = list(pre["running"]), list(pre["refs"]), pre["free"], 0
+        decoded, victims, i = [], [], 0
+        while i < len(running):
+            g = running[i]
+            if not pre["decoding"][g.request_id] or tokens + len(g.seqs) > self.s.max_num_batched_tokens:
+                i += 1
+                continue
+            while pre["need"][g.request_id] > free:
+                victim = running.pop()
+                victims.append(victim)
+                for table in pre["tables"][victim.request_id]:
+                    for b in table:
+                        refs[b] -= 1
+                        free += refs[b] == 0
+                if victim is g:
+                    break
+            else:
+                free -= pre["need"][g.request_id]
+                tokens += len(g.seqs)
+                decoded.append(g)
+                i += 1
+        return decoded, victims
+
+    def check_step(self, pre, out):
+        a, s = self.a, self.s
+        M, S = s.max_num_batched_tokens, s.max_num_seqs
+        scheduled = {seq.seq_id: n for seq, n in out.scheduled}
+        # budgets
+        assert len(scheduled) == len(out.scheduled) and all(n >= 1 for n in scheduled.values())
+        assert out.num_batched_tokens == sum(scheduled.values()) <= M
+        assert sum(g.params.num_seqs for g in s.running) <= S
+        # preemption: exactly the victims the policy names, youngest first, only when blocks ran out
+        decoded, victims = self.expected_decodes_and_victims(pre)
+        assert [g.request_id for g in out.preempted] == [g.request_id for g in victims]
+        assert [g.request_id for g in out.preempted] == [g.request_id for g in pre["running"][::-1]][:len(victims)]
+        assert all(scheduled.get(seq.seq_id) == 1 for g in decoded for seq in g.seqs)
+        # FCFS: what starts running is older than everything still waiting or swapped out,
+        # admitted and swapped-in groups come off the front of their queues, none after a preemption
+        started = [g for g in s.running if g not in pre["running"]]
+        admitted = [g for g in started if g in pre["waiting"]]
+        swapped_in = [g for g in started if g in pre["swapped"]]
+        assert admitted == pre["waiting"][:len(admitted)] and swapped_in == pre["swapped"][:len(swapped_in)]
+        assert all(g.request_id < h.request_id for g in started for h in list(s.waiting) + s.swapped)
+        assert not (out.preempted and started)
+        # watermark: admission leaves blocks spare while anything else runs
+        if admitted and (pre["running"] or swapped_in or len(admitted) > 1):
+            assert a.num_free_blocks >= s.watermark_blocks >= 1
+        # work conservation: nothing that fits both budgets and the free blocks is left out
+        left = M - out.num_batched_tokens
+        for g in s.running:
+            if s._is_decoding(g):
+                assert all(seq.seq_id in scheduled for seq in g.seqs) or len(g.seqs) > left, "decode left out"
+            else:
+                hold_back = 1 if len(g.seqs) > 1 else 0
+                for seq in g.seqs:
+                    rest = len(seq) - hold_back - seq.num_computed_tokens
+                    assert rest <= 0 or scheduled.get(seq.seq_id) == rest or left == 0, "prefill chunk left out"
+        spare = s.watermark_blocks if s.running else 0
+        num_seqs = sum(g.params.num_seqs for g in s.running)
+        if s.waiting and not out.preempted and not (s.swapped and s.swapped[0].request_id < s.waiting[0].request_id):
+            g = s.waiting[0]
+            need = sum(a.num_blocks_to_allocate(seq) for seq in g.seqs)
+            assert left == 0 or need + spare > a.num_free_blocks or num_seqs + g.params.num_seqs > S, "admission"
+        if s.swapped and not out.preempted and not (s.waiting and s.waiting[0].request_id < s.swapped[0].request_id):
+            g = s.swapped[0]  # the budget as it stood before step 3's prefill chunks
+            prefill_tokens = sum(n for seq, n in out.scheduled
+                                 if not s._is_decoding(self.groups[seq.request_id]))
+            need = len({b for seq in g.seqs for b in seq.block_table}) + len(g.seqs)
+            assert (need + spare > a.num_free_blocks or len(g.seqs) > left + prefill_tokens
+                    or num_seqs + g.params.num_seqs > S), "swap-in left out"
+
+    def fake_model(self, out, rng):
+        a = self.a
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            a.cache_full_blocks(seq)
+        ready = {seq.request_id: self.groups[seq.request_id] for seq, _ in out.scheduled
+                 if seq.num_computed_tokens == len(seq)}
+        for group in ready.values():
+            assert all(seq.num_computed_tokens == len(seq) for seq in group.seqs), "a group completes at once"
+            if group.params.n > 1 and len(group.seqs) == 1 and group.seqs[0].num_output_tokens == 0:
+                for i in range(1, group.params.n):
+                    child = group.seqs[0].fork(self.new_id(), i)
+                    a.fork(group.seqs[0], child)
+                    group.seqs.append(child)
+            for seq in list(group.seqs):
+                seq.token_ids.append(rng.randrange(4))
+                if seq.token_ids[-1] in group.params.stop_token_ids or seq.num_output_tokens >= group.params.max_tokens:
+                    a.free(seq)
+                    group.seqs.remove(seq)
+            if group.is_finished:
+                del self.groups[group.request_id]
+        self.s.remove_finished()
+
+    @invariant()
+    def blocks_owned_as_the_queues_say(self):
+        if not hasattr(self, "a"):
+            return
+        a, s = self.a, self.s
+        device, cpu = Counter(), Counter()
+        for g in s.running:
+            device.update(b for seq in g.seqs for b in seq.block_table)
+        for g in s.swapped:
+            cpu.update(b for seq in g.seqs for b in seq.block_table)
+        assert all(not seq.block_table for g in s.waiting for seq in g.seqs)
+        assert [b.ref_count for b in a.blocks] == [device[i] for i in range(a.num_blocks)]
+        assert a.cpu_ref_count == [cpu[i] for i in range(len(a.cpu_ref_count))]
+        assert sum(len(g.seqs) for g in s.running) <= s.max_num_seqs  # sequences, samples included
+
+    @invariant()
+    def queues_keep_arrival_order(self):
+        if not hasattr(self, "a"):
+            return
+        s = self.s
+        for queue in (s.running, list(s.waiting), s.swapped):
+            assert [g.request_id for g in queue] == sorted(g.request_id for g in queue)
+        # the running requests are the oldest ones: nobody overtook anybody
+        assert all(g.request_id < h.request_id for g in s.running for h in list(s.waiting) + s.swapped)
+
+    @invariant()
+    def a_block_is_cached_iff_full_and_computed(self):
+        if not hasattr(self, "a"):
+            return
+        a, bs = self.a, self.a.block_size
+        for h, block_id in a.hash_to_block.items():
+            assert a.blocks[block_id].hash == h and len(a.blocks[block_id].token_ids) == bs
+        for g in self.s.running:
+            for seq in g.seqs:
+                key = None
+                for i, block_id in enumerate(seq.block_table):
+                    chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                    key = chain_hash(key, chunk)
+                    computed = seq.num_computed_tokens >= (i + 1) * bs
+                    if a.blocks[block_id].hash is not None:
+                        assert computed and a.blocks[block_id].token_ids == chunk
+                    if computed and a.enable_prefix_caching:
+                        assert key in a.hash_to_block, f"full computed block {i} of seq {seq.seq_id} is not cached"
+
+    def teardown(self):
+        if not hasattr(self, "a"):
+            return
+        for _ in range(400):  # every request finishes: nobody starves, nothing deadlocks
+            if not self.groups:
+                break
+            self.step(random.Random(0))
+        assert not self.groups and not self.s.has_unfinished()
+        assert self.a.num_free_blocks == self.a.num_blocks
+        assert len(self.a.cpu_free_block_ids) == len(self.a.cpu_ref_count)
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+test_scheduler_state_machine = SchedulerMachine.TestCase
