@@ -377,10 +377,16 @@ class BlockAllocator:
             chunk = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(seq.block_hashes[-1] if i else None, chunk)
             seq.block_hashes.append(h)
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None and h not in self.hash_to_block:  # a twin computed earlier keeps the key
+            block, twin = self.blocks[seq.block_table[i]], self.hash_to_block.get(h)
+            if twin is None:
                 block.hash, block.token_ids = h, chunk
                 self.hash_to_block[h] = block.block_id
+            elif twin != block.block_id and self.blocks[twin].token_ids == chunk:
+                # A twin was computed first (say the same prompt was admitted in the same step): share
+                # it and free this copy, so no full computed block is left out of the cache.
+                self._share(twin)
+                self._release(block.block_id)
+                seq.block_table[i] = twin
 
     # -- swap: moving whole sequences between the device pool and the CPU pool -------------
 
@@ -400,7 +406,12 @@ class BlockAllocator:
         """Bring swapped-out seqs back; returns the (cpu block, device block) copies to perform."""
         if not self.can_swap_in(seqs):
             raise OutOfBlocksError("not enough free device blocks to swap these sequences in")
-        return self._move(seqs, self._take, self._share, self._release_cpu)
+        copies = self._move(seqs, self._take, self._share, self._release_cpu)
+        for seq in seqs:  # its device blocks are fresh: publish them again, or share twins still cached
+            seq.block_hashes = []
+            self.cache_full_blocks(seq)
+        kept = {b for seq in seqs for b in seq.block_table}
+        return [(cpu, device) for cpu, device in copies if device in kept]
 
     def _move(self, seqs, take, share, release):
         mapping = {}  # a block the sequences share maps to one block on the other side: sharing survives

@@ -1243,7 +1243,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     tokens and samples as Engine._postprocess does (forks the samples, appends a token, stops,
     frees), with tokens from a 4-letter alphabet so that prefixes repeat."""
 
-    @initialize(block_size=st.integers(1, 4), num_blocks=st.integers(4, 16), num_cpu_blocks=st.integers(0, 16),
+    @initialize(block_size=st.integers(1, 3), num_blocks=st.integers(4, 12), num_cpu_blocks=st.sampled_from([0, 2, 4, 16]),
                 mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(), max_num_seqs=st.integers(1, 6),
                 max_num_batched_tokens=st.integers(3, 12), watermark=st.sampled_from([0.01, 0.25]))
     def setup(self, block_size, num_blocks, num_cpu_blocks, mode, caching, max_num_seqs, max_num_batched_tokens,
@@ -1270,7 +1270,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.next_id += 1
         return self.next_id - 1
 
-    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=10), max_tokens=st.integers(1, 6),
+    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=6), max_tokens=st.integers(1, 10),
           n=st.integers(1, 3), stop=st.booleans())
     def add(self, prompt, max_tokens, n, stop):
         bs, s = self.a.block_size, self.s
@@ -1290,7 +1290,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         group = self.groups.pop(data.draw(st.sampled_from(sorted(self.groups))))
         self.s.abort(group)
 
-    @rule(rng=st.randoms(use_true_random=False))
+    @rule(rng=st.randoms(use_true_random=False), num_steps=st.integers(1, 3))
+    def steps(self, rng, num_steps):
+        for _ in range(num_steps):
+            self.step(rng)
+
     def step(self, rng):
         a, s = self.a, self.s
         pre = dict(running=list(s.running), waiting=list(s.waiting), swapped=list(s.swapped), free=a.num_free_blocks,
@@ -1450,6 +1454,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             if not self.groups:
                 break
             self.step(random.Random(0))
+            self.blocks_owned_as_the_queues_say()
+            self.queues_keep_arrival_order()
+            self.a_block_is_cached_iff_full_and_computed()
         assert not self.groups and not self.s.has_unfinished()
         assert self.a.num_free_blocks == self.a.num_blocks
         assert len(self.a.cpu_free_block_ids) == len(self.a.cpu_ref_count)
@@ -1457,3 +1464,20 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
 test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+def test_a_request_recomputed_for_lack_of_swap_space_resumes_before_younger_swapped_ones():
+    # Requests 0, 2, 4 run; 4 is swapped out, then 2 is preempted too, but the 3-block swap space
+    # is full, so 2 is recomputed. 2 is older than 4, so it must run again first (4 used to swap
+    # in ahead of it). The machine checks every policy at every step.
+    m = SchedulerMachine()
+    m.setup(block_size=1, num_blocks=10, num_cpu_blocks=3, mode="swap", caching=False, max_num_seqs=4,
+            max_num_batched_tokens=12, watermark=0.01)
+    for prompt, max_tokens in [([0, 1], 7), ([1, 2], 8), ([2, 3], 8)]:
+        m.add(prompt, max_tokens, n=1, stop=False)
+    rng, queues = random.Random(0), []
+    while m.groups:
+        m.step(rng)
+        queues.append(([g.request_id for g in m.s.waiting], [g.request_id for g in m.s.swapped]))
+    assert ([2], [4]) in queues
+    m.teardown()
