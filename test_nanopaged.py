@@ -285,10 +285,34 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.cache = Cache(self.a, num_blocks, num_cpu_blocks, block_size)
         self.on_device, self.on_cpu = [], []  # live sequences, by where their blocks are
         self.next_id = 0
+        # A plain model of the prefix cache: key -> block, from what was computed and handed out
+        self.published = {}
+        self.freed_at, self.clock = {}, 0  # when each free block joined the free list
 
     def new_id(self):
         self.next_id += 1
         return self.next_id
+
+    def model_hits(self, tokens):
+        """Leading full blocks (never the last token's) whose prefix the model says is cached."""
+        bs, key, hits = self.a.block_size, None, 0
+        for i in range((len(tokens) - 1) // bs if self.a.enable_prefix_caching else 0):
+            key = chain_hash(key, tuple(tokens[i * bs:(i + 1) * bs]))
+            if key not in self.published:
+                break
+            hits += 1
+        return hits
+
+    def compute(self, seq, fresh):
+        """The blocks handed out fresh lose what they held; then seq's computed full blocks are
+        published, one block per prefix: a block whose twin is cached is swapped for the twin."""
+        self.published = {k: b for k, b in self.published.items() if b not in fresh}
+        self.cache.compute(seq)
+        bs, key = self.a.block_size, None
+        for i in range(seq.num_computed_tokens // bs if self.a.enable_prefix_caching else 0):
+            key = chain_hash(key, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            self.published.setdefault(key, seq.block_table[i])
+            assert seq.block_table[i] == self.published[key], "two blocks hold one cached prefix"
 
     @rule(data=st.data(), suffix=st.lists(st.integers(0, 2), min_size=0, max_size=9))
     def allocate(self, data, suffix):
@@ -303,9 +327,14 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self.a.allocate(seq)
             assert allocator_state(self.a) == before and not seq.block_table
             return
+        free_before, hit_tokens_before, hits = list(self.a.free_block_ids), self.a.num_hit_tokens, \
+            self.model_hits(tokens)
         self.a.allocate(seq)
-        assert seq.num_computed_tokens % self.a.block_size == 0 and seq.num_computed_tokens < len(seq)
-        self.cache.compute(seq)
+        assert seq.num_computed_tokens == hits * self.a.block_size < len(seq)
+        assert self.a.num_hit_tokens - hit_tokens_before == seq.num_computed_tokens
+        fresh = seq.block_table[hits:]  # taken in eviction order: the front of the free list first
+        assert fresh == [b for b in free_before if b not in seq.block_table[:hits]][:len(fresh)]
+        self.compute(seq, fresh)
         self.on_device.append(seq)
 
     @precondition(lambda self: self.on_device)
@@ -320,11 +349,14 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert allocator_state(self.a) == before
             seq.token_ids.pop()
             return
+        table, free_before = list(seq.block_table), list(self.a.free_block_ids)
         copy = self.a.append_slot(seq)
         if copy:
             assert self.a.blocks[copy[0]].ref_count >= 1, "copy-on-write source must still be owned"
             self.cache.copy([copy], self.cache.device, self.cache.device)
-        self.cache.compute(seq)
+        fresh = [b for b in seq.block_table if b not in table]
+        assert fresh == free_before[:len(fresh)] and len(fresh) <= 1
+        self.compute(seq, fresh)
 
     @precondition(lambda self: self.on_device)
     @rule(data=st.data())
@@ -339,12 +371,19 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data):
         seq = data.draw(st.sampled_from(self.on_device))
+        table, free_before = list(seq.block_table), set(self.a.free_block_ids)
         self.a.free(seq)
         self.on_device.remove(seq)
+        # tail first: of its blocks that keep a cached prefix, the head joins the free list last
+        cached = [b for b in self.a.free_block_ids if b not in free_before and self.a.blocks[b].hash is not None]
+        assert cached == [b for b in reversed(table) if b in cached]
+        assert list(self.a.free_block_ids)[len(self.a.free_block_ids) - len(cached):] == cached
 
     def move(self, data, source, target, can_move, move, src_pool, dst_pool):
         # a group at once (a parent and its forks, say), so blocks they share stay shared
         seqs = data.draw(st.lists(st.sampled_from(source), min_size=1, unique=True))
+        num_free = len(self.a.cpu_free_block_ids) if move == self.a.swap_out else self.a.num_free_blocks
+        assert can_move(seqs) == (len({b for seq in seqs for b in seq.block_table}) <= num_free)  # exact
         if not can_move(seqs):
             before = allocator_state(self.a)
             with pytest.raises(OutOfBlocksError):
@@ -355,6 +394,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         for seq in seqs:
             source.remove(seq)
             target.append(seq)
+        if move == self.a.swap_in:  # blocks taken fresh forgot their prefix; the seqs publish again
+            self.published = {k: b for k, b in self.published.items() if self.a.blocks[b].hash == k}
+            for seq in seqs:
+                self.compute(seq, [])
 
     @precondition(lambda self: self.on_device)
     @rule(data=st.data())
@@ -394,6 +437,20 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self.cache.read(seq, self.cache.device) == seq.token_ids
         for seq in self.on_cpu:
             assert self.cache.read(seq, self.cache.cpu) == seq.token_ids
+
+    @invariant()
+    def the_cache_is_the_plain_model_and_evicts_uncached_then_least_recently_freed(self):
+        if not hasattr(self, "a"):
+            return
+        assert self.a.hash_to_block == self.published
+        for b in self.a.free_block_ids:
+            self.freed_at.setdefault(b, self.clock)
+        self.freed_at = {b: t for b, t in self.freed_at.items() if b in self.a.free_block_ids}
+        self.clock += 1
+        cached = [self.a.blocks[b].hash is not None for b in self.a.free_block_ids]
+        assert cached == sorted(cached), "an uncached free block sits behind a cached one"
+        times = [self.freed_at[b] for b in self.a.free_block_ids if self.a.blocks[b].hash is not None]
+        assert times == sorted(times), "cached free blocks are not in least-recently-freed order"
 
     @invariant()
     def cached_blocks_hold_their_tokens(self):
