@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from fractions import Fraction
 
 import torch
 
@@ -1072,10 +1073,10 @@ class EngineMachine(RuleBasedStateMachine):
     """Random interleavings of add_request, step and abort on a tiny pool."""
 
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(10, 24),
-                mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans())
-    def setup(self, block_size, num_blocks, mode, caching):
+                mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(), max_num_seqs=st.integers(2, 5))
+    def setup(self, block_size, num_blocks, mode, caching, max_num_seqs):
         self.engine = Engine(MODEL, block_size=block_size, num_blocks=num_blocks, preemption_mode=mode,
-                             enable_prefix_caching=caching, max_num_batched_tokens=8)
+                             enable_prefix_caching=caching, max_num_batched_tokens=8, max_num_seqs=max_num_seqs)
         self.unfinished, self.expected = set(), {}
 
     @rule(prompt=st.lists(st.integers(0, 7), min_size=1, max_size=9), max_tokens=st.integers(1, 6),
@@ -1123,6 +1124,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert all(a.cpu_ref_count[b] == cpu[b] for b in range(len(a.cpu_ref_count)))
         assert a.num_free_blocks == sum(1 for b in a.blocks if b.ref_count == 0)
         assert set(self.engine.requests) == self.unfinished
+        assert sum(len(g.seqs) for g in s.running) <= s.max_num_seqs  # sequences, samples and beams included
 
     def teardown(self):
         if not hasattr(self, "engine"):
@@ -1538,3 +1540,116 @@ def test_a_request_recomputed_for_lack_of_swap_space_resumes_before_younger_swap
         queues.append(([g.request_id for g in m.s.waiting], [g.request_id for g in m.s.swapped]))
     assert ([2], [4]) in queues
     m.teardown()
+
+
+# -- sampling: the support of the draw, seeds, stops -------------------------------------------
+
+
+@st.composite
+def probability_rows(draw):
+    """Probabilities in multiples of 1/64, so every partial sum is exact and top_p can sit
+    exactly on a boundary; ties are common, and one token may take a large share."""
+    counts = draw(st.lists(st.integers(1, 5), min_size=1, max_size=11))
+    counts.insert(draw(st.integers(0, len(counts))), 64 - sum(counts))
+    top_k = draw(st.integers(0, len(counts) + 1))
+    top_p = draw(st.one_of(st.integers(1, 64).map(lambda i: i / 64), st.floats(0, 1, exclude_min=True)))
+    return counts, top_k, top_p
+
+
+def reference_support(counts, top_k, top_p):
+    """The top-k set intersected with the smallest set whose probability reaches top_p, both read
+    off the tokens ranked by probability, equal ones by token id."""
+    ranked = sorted(range(len(counts)), key=lambda t: (-counts[t], t))
+    top_k_set = set(ranked[:top_k or len(counts)])
+    top_p_set, mass = set(), Fraction(0)
+    for t in ranked:
+        if mass >= Fraction(top_p):  # the token that crossed top_p is in; the next one is out
+            break
+        top_p_set.add(t)
+        mass += Fraction(counts[t], 64)
+    return top_k_set & top_p_set
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(probability_rows(), min_size=1, max_size=3))
+def test_sampling_support_is_exactly_top_k_and_top_p(rows):
+    probs = torch.tensor([[c / 64 for c in counts] + [0.0] * (12 - len(counts)) for counts, _, _ in rows],
+                         dtype=torch.float64)[:, :max(len(counts) for counts, _, _ in rows)]
+    mask = nanopaged.sampling_support(probs, [k for _, k, _ in rows], [p for _, _, p in rows])
+    for r, (counts, top_k, top_p) in enumerate(rows):
+        assert set(mask[r].nonzero().flatten().tolist()) == reference_support(counts, top_k, top_p)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**31), st.lists(st.tuples(st.sampled_from([0.0, 0.5, 1.0, 2.0]), st.integers(0, 6),
+                                                 st.sampled_from([1.0, 0.9, 0.5, 0.1])), min_size=1, max_size=4))
+def test_sample_draws_only_from_the_support_and_greedy_is_the_argmax(seed, rows):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(rows), 16, generator=g, dtype=torch.float64).round(decimals=1)  # with ties
+    temperatures, top_ks, top_ps = map(list, zip(*rows))
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(len(rows))]
+    probs = (logits.float() / torch.tensor([t or 1.0 for t in temperatures])[:, None]).softmax(-1)
+    support = nanopaged.sampling_support(probs, top_ks, top_ps)
+    for _ in range(20):
+        tokens = nanopaged.sample(logits, temperatures, top_ks, top_ps, gens)
+        for r, t in enumerate(tokens.tolist()):
+            assert t == logits[r].argmax() if temperatures[r] == 0 else support[r, t]
+
+
+def test_sample_sorts_only_to_filter(monkeypatch):
+    logits = torch.randn(3, 50)
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    monkeypatch.setattr(nanopaged, "sampling_support", None)  # no top-k, no top-p: never called
+    assert nanopaged.sample(logits, [1.0, 0.0, 0.7], [0, 0, 0], [1.0, 1.0, 1.0], gens).shape == (3,)
+    with pytest.raises(TypeError):
+        nanopaged.sample(logits, [1.0, 0.0, 0.7], [0, 0, 0], [1.0, 1.0, 0.9], gens)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.one_of(st.integers(0, 5), st.integers(0, 2**64 - 1)), st.integers(0, 7)),
+                min_size=2, max_size=12, unique=True))
+def test_distinct_seed_and_index_pairs_draw_distinct_streams(pairs):
+    streams = {tuple(torch.empty(4).exponential_(generator=nanopaged.sample_generator(seed, i, "cpu")).tolist())
+               for seed, i in pairs}
+    assert len(streams) == len(pairs)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompt=st.lists(st.integers(0, 31), min_size=1, max_size=10), seed=st.integers(0, 2**32),
+       n=st.integers(1, 2), top_k=st.sampled_from([0, 5]), top_p=st.sampled_from([1.0, 0.8]),
+       mates=st.lists(st.lists(st.integers(0, 31), min_size=1, max_size=10), max_size=4),
+       mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans())
+def test_a_seeded_request_ignores_batch_mates_preemption_and_prefix_caching(prompt, seed, n, top_k, top_p, mates,
+                                                                            mode, caching):
+    # bitwise on the CPU torch path: the model runs in float64 here, sampling in float32
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_k=top_k, top_p=top_p, seed=seed, n=n)
+    alone = Engine(MODEL, block_size=2, num_blocks=64).generate([prompt], params)[0]
+    mates = [prompt[:len(m) % len(prompt) + 1] + m for m in mates]  # they share its prefix
+    num_blocks = max(n * -(-(len(prompt) + 8) // 2), 14) + 2  # tight: preemptions are common
+    crowded = Engine(MODEL, block_size=2, num_blocks=num_blocks, preemption_mode=mode, enable_prefix_caching=caching,
+                     max_num_batched_tokens=8)
+    outputs = crowded.generate(mates + [prompt], [SamplingParams(max_tokens=8, temperature=1.0)] * len(mates) + [params])
+    assert [c.token_ids for c in outputs[-1].outputs] == [c.token_ids for c in alone.outputs]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompt=st.lists(st.integers(0, 31), min_size=1, max_size=6), max_tokens=st.integers(1, 10),
+       stops=st.lists(st.integers(0, 31), max_size=6), eos=st.one_of(st.none(), st.integers(0, 31)),
+       ignore_eos=st.booleans(), kind=st.sampled_from(["greedy", "n=2", "beam=2"]), seed=st.integers(0, 99))
+def test_stop_tokens_always_stop_and_max_tokens_is_exact(prompt, max_tokens, stops, eos, ignore_eos, kind, seed):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0 if kind == "greedy" else 1.0, seed=seed,
+                            n=2 if kind == "n=2" else 1, beam_width=2 if kind == "beam=2" else None,
+                            stop_token_ids=stops, ignore_eos=ignore_eos)
+    ends = set(stops) | ({eos} if eos is not None and not ignore_eos else set())  # ignore_eos: the model's eos only
+    MODEL.config.eos_token_id = eos
+    try:
+        out = Engine(MODEL, block_size=4, num_blocks=32).generate([prompt], params)[0]
+    finally:
+        MODEL.config.eos_token_id = None
+    assert len(out.outputs) == params.num_seqs or (kind == "beam=2" and out.outputs)
+    for c in out.outputs:
+        assert 1 <= len(c.token_ids) <= max_tokens and not ends & set(c.token_ids[:-1])
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] in ends
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == max_tokens and c.token_ids[-1] not in ends
