@@ -382,8 +382,8 @@ class BlockAllocator:
                 block.hash, block.token_ids = h, chunk
                 self.hash_to_block[h] = block.block_id
             elif twin != block.block_id and self.blocks[twin].token_ids == chunk:
-                # A twin was computed first (say the same prompt was admitted in the same step): share
-                # it and free this copy, so no full computed block is left out of the cache.
+                # A twin was computed first (say the same prompt was admitted in the same step):
+                # share it and free this copy, so no full computed block is left out of the cache.
                 self._share(twin)
                 self._release(block.block_id)
                 seq.block_table[i] = twin
@@ -407,7 +407,7 @@ class BlockAllocator:
         if not self.can_swap_in(seqs):
             raise OutOfBlocksError("not enough free device blocks to swap these sequences in")
         copies = self._move(seqs, self._take, self._share, self._release_cpu)
-        for seq in seqs:  # its device blocks are fresh: publish them again, or share twins still cached
+        for seq in seqs:  # fresh device blocks: publish them again, or share twins still cached
             seq.block_hashes = []
             self.cache_full_blocks(seq)
         kept = {b for seq in seqs for b in seq.block_table}
@@ -457,7 +457,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 is greedy
     top_k: int = 0  # keep the k likeliest tokens; 0 keeps all
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
-    seed: int | None = None  # sample i of a request draws from its own generator, seeded by (seed, i)
+    seed: int | None = None  # sample i draws from its own generator, seeded by (seed, i)
     n: int = 1  # parallel samples of one prompt, sharing its blocks
     beam_width: int | None = None  # beam search with this many beams; temperature, top_k, top_p unused
     stop_token_ids: list[int] = field(default_factory=list)
@@ -610,12 +610,12 @@ class Scheduler:
                 i += 1
         # 2. Swapped-out groups come back, oldest first, unless this step had to preempt or an older
         #    group waits (one the swap space could not take, recomputed instead).
-        num_seqs = sum(g.params.num_seqs for g in self.running)  # each request holds room for all its samples
-        while self.swapped and not out.preempted and not self._older_waits(self.waiting, self.swapped[0]):
+        num_seqs = sum(g.params.num_seqs for g in self.running)  # room held for all samples of each
+        while self.swapped and not out.preempted and not self._is_older(self.waiting, self.swapped):
             group = self.swapped[0]
             need = len({b for seq in group.seqs for b in seq.block_table}) + len(group.seqs)  # + one per next token
-            if (not self._fits(group, need) or out.num_batched_tokens + len(group.seqs) > self.max_num_batched_tokens
-                    or num_seqs + group.params.num_seqs > self.max_num_seqs):
+            if (not self._fits(group, need) or num_seqs + group.params.num_seqs > self.max_num_seqs
+                    or out.num_batched_tokens + len(group.seqs) > self.max_num_batched_tokens):
                 if not self.running:  # nothing will free blocks for it: recompute instead of waiting forever
                     self.swapped.pop(0)
                     self._recompute(group)
@@ -632,7 +632,7 @@ class Scheduler:
         for group in self.running:
             if not self._is_decoding(group):
                 self._schedule_prefill(group, out)
-        while (self.waiting and not self._older_waits(self.swapped, self.waiting[0]) and not out.preempted
+        while (self.waiting and not out.preempted and not self._is_older(self.swapped, self.waiting)
                and out.num_batched_tokens < self.max_num_batched_tokens):
             group = self.waiting[0]
             need = sum(self.allocator.num_blocks_to_allocate(seq) for seq in group.seqs)
@@ -646,12 +646,13 @@ class Scheduler:
             if not self._is_decoding(group):
                 self._schedule_prefill(group, out)
             elif out.num_batched_tokens + len(group.seqs) <= self.max_num_batched_tokens:
-                self._append_slots(group, out)  # recomputed samples found all but their last tokens cached
+                self._append_slots(group, out)  # recomputed samples, all but the last tokens cached
         return out
 
     @staticmethod
-    def _older_waits(queue, group):
-        return bool(queue) and queue[0].request_id < group.request_id
+    def _is_older(queue, other):
+        """Whether the oldest group of queue arrived before the oldest of the other queue."""
+        return bool(queue) and queue[0].request_id < other[0].request_id
 
     def _fits(self, group, num_blocks):
         # Alone on the device, a group needs no watermark: there is nobody left to preempt.
@@ -697,7 +698,7 @@ class Scheduler:
         for seq in group.seqs:
             if seq.block_table:  # still in the CPU pool
                 self.allocator.free_cpu(seq)
-            seq.num_computed_tokens, seq.block_hashes = 0, []  # its blocks are published again as computed
+            seq.num_computed_tokens, seq.block_hashes = 0, []  # published again once computed
         # To the front: a preempted group arrived before everything still waiting, because
         # admission is FCFS, so the waiting queue stays in arrival order.
         self.waiting.appendleft(group)
@@ -726,33 +727,35 @@ class Scheduler:
 
 
 def sample_generator(seed, index, device):
-    """Sample index's own generator. Its seed hashes the pair (seed, index) to 64 bits, so no two
-    pairs share a stream by construction (seed + index did: seed 0's sample 1 was seed 1's sample 0);
-    a CUDA generator keeps all 64 bits, torch's CPU one the low 32 (equal with odds 2**-32)."""
+    """Sample index's own generator, seeded by a 64-bit hash of the pair (seed, index), so distinct
+    pairs draw distinct streams (seed + index made seed 0's sample 1 replay seed 1's sample 0).
+    A CUDA generator keeps all 64 bits, torch's CPU one the low 32: a clash has odds 2**-32."""
     digest = hashlib.blake2b(f"{seed},{index}".encode(), digest_size=8).digest()
     return torch.Generator(device).manual_seed(int.from_bytes(digest, "little"))
 
 
 def sampling_support(probs, top_ks, top_ps):
     """Mask (R, V) of the tokens each row can draw: its top_k likeliest (0 keeps all), and of those
-    the smallest set whose probability reaches top_p: the token that crosses top_p is in, the next
-    one out. Equal probabilities rank by token id."""
+    the smallest set whose probability reaches top_p (1 keeps all): the token that crosses top_p is
+    in, the next one out. Equal probabilities rank by token id."""
     V = probs.shape[-1]
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)       # (R, V)
     top_k = torch.tensor([k or V for k in top_ks], device=probs.device)
     top_p = torch.tensor(top_ps, dtype=probs.dtype, device=probs.device)
     cumsum = sorted_probs.cumsum(dim=-1)
     mass_before = torch.cat([torch.zeros_like(cumsum[:, :1]), cumsum[:, :-1]], dim=-1)  # (R, V)
-    keep = (torch.arange(V, device=probs.device) < top_k[:, None]) & (mass_before < top_p[:, None])
+    keep = torch.arange(V, device=probs.device) < top_k[:, None]
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)  # at 1 rounding cuts no tail
     return torch.zeros_like(keep).scatter_(-1, order, keep)
 
 
 def sample(logits, temperatures, top_ks, top_ps, generators):
     """Next token per row of logits (S, V). Greedy rows (temperature 0) take the argmax; the
-    others draw with their own generator on the logits' device, so a seeded sample depends only
-    on its own row: bitwise on the CPU, where a row's logits do not depend on its batch-mates
-    either; on a GPU the attention kernel's split count follows the batch, so the logits, and
-    rarely a token, agree with a solo run only within floating-point tolerance."""
+    others draw with their own generator on the logits' device. A row's draw depends only on its
+    logits and its generator, bitwise. Its logits match a solo run only within floating-point
+    tolerance: a matmul may take another kernel for another number of rows, and on a GPU the
+    attention kernel's split count follows the batch; so a token can differ where two
+    candidates are within rounding of each other."""
     tokens = logits.argmax(dim=-1)
     rows = [i for i, t in enumerate(temperatures) if t > 0]
     if not rows:
@@ -774,15 +777,16 @@ def sample(logits, temperatures, top_ks, top_ps, generators):
 # The engine: schedule, copy blocks, run one packed batch, sample, repeat
 
 
-def check_engine_settings(config, dtype, device, attention_backend, preemption_mode, enable_prefix_caching,
-                          num_cpu_blocks, **counts):
+def check_engine_settings(config, dtype, device, attention_backend, preemption_mode,
+                          enable_prefix_caching, **counts):
     """Raise ValueError for engine settings that cannot work, naming the setting and what it takes."""
-    for name, value, least in [*((name, value, 1) for name, value in counts.items()),
-                               ("num_cpu_blocks", num_cpu_blocks, 0)]:  # None: follows from the others
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+    for name, value in counts.items():  # None: it follows from the other settings
+        least = 0 if name == "num_cpu_blocks" else 1  # no swap space is fine
+        if value is not None and (type(value) is not int or value < least):
             raise ValueError(f"Engine: {name} must be an integer >= {least}, got {value!r}")
     if not isinstance(enable_prefix_caching, bool):
-        raise ValueError(f"Engine: enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        raise ValueError(f"Engine: enable_prefix_caching must be True or False, "
+                         f"got {enable_prefix_caching!r}")
     if preemption_mode not in ("recompute", "swap"):
         raise ValueError(f"Engine: preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -804,13 +808,15 @@ class Engine:
         try:
             device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         except (RuntimeError, TypeError):
-            raise ValueError(f"Engine: device must be like 'cpu', 'cuda' or 'cuda:1', got {device!r}") from None
+            raise ValueError(f"Engine: device must be like 'cpu', 'cuda' or 'cuda:1', "
+                             f"got {device!r}") from None
         # The Triton kernel on a GPU; on the CPU the torch path, since the interpreter is ~1000x slower.
         attention_backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
         config, dtype = model.config, next(model.parameters()).dtype
-        check_engine_settings(config, dtype, device, attention_backend, preemption_mode, enable_prefix_caching,
-                              num_cpu_blocks, block_size=block_size, num_blocks=num_blocks,
-                              kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs,
+        check_engine_settings(config, dtype, device, attention_backend, preemption_mode,
+                              enable_prefix_caching, block_size=block_size, num_blocks=num_blocks,
+                              kv_cache_bytes=kv_cache_bytes, num_cpu_blocks=num_cpu_blocks,
+                              max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens)
         self.model, self.config, self.device = model.to(device).eval(), config, device
         self.block_size, self.use_triton = block_size, attention_backend == "triton"
@@ -831,10 +837,10 @@ class Engine:
         if num_cpu_blocks is None:  # swap space as large as the device pool, when swapping
             num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
         self.kv_cache = torch.zeros(2, config.n_layer, num_blocks, *block_shape, dtype=dtype, device=device)
-        # The swap space is block-major and pinned, so each block moves by one direct non_blocking copy
-        # (DMA) that does not stall the host; it runs on the step's stream, before the forward.
-        self.cpu_kv_cache = torch.zeros(num_cpu_blocks, 2, config.n_layer, *block_shape, dtype=dtype,
-                                        pin_memory=device.type == "cuda")
+        # The swap space is block-major and pinned, so each block moves by one direct non_blocking
+        # copy (DMA) that does not stall the host; it runs on the step's stream, before the forward.
+        self.cpu_kv_cache = torch.zeros(num_cpu_blocks, 2, config.n_layer, *block_shape,
+                                        dtype=dtype, pin_memory=device.type == "cuda")
         self.allocator = BlockAllocator(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, preemption_mode)
         self.requests = {}  # request_id -> SequenceGroup, until it finishes or is aborted
@@ -850,8 +856,8 @@ class Engine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, torch.Tensor):
             if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex():
-                raise ValueError(f"a tensor prompt must be 1-D and hold integer token ids, got shape "
-                                 f"{tuple(prompt.shape)} of {prompt.dtype}")
+                raise ValueError(f"a tensor prompt must be 1-D and hold integer token ids, "
+                                 f"got shape {tuple(prompt.shape)} of {prompt.dtype}")
             prompt = prompt.tolist()
         if not isinstance(prompt, (list, tuple)):
             raise ValueError(f"a prompt is a list or tuple of token ids or a 1-D integer tensor, "
@@ -888,7 +894,7 @@ class Engine:
         seq = Sequence(self._new_seq_id(), prompt_token_ids, len(prompt_token_ids), request_id=request_id)
         group = SequenceGroup(request_id, prompt_token_ids, params, seq)
         if params.beam_width is None and params.temperature > 0:
-            # sample i draws from (seed, i); without a seed, from a seed drawn from torch's global RNG
+            # sample i draws from (seed, i); without a seed, a seed drawn from torch's global RNG
             group.seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
             seq.generator = sample_generator(group.seed, 0, self.device)
         self.requests[request_id] = group
@@ -931,12 +937,13 @@ class Engine:
         # copy-on-write may copy a block that was just swapped in.
         if out.blocks_to_swap_out:
             src, dst = zip(*out.blocks_to_swap_out)
-            staged = self.kv_cache[:, :, list(src)].movedim(2, 0).contiguous()  # (n, 2, L, bs, h, d)
+            staged = self.kv_cache[:, :, list(src)].movedim(2, 0).contiguous()  # (n, 2, L, ...)
             for block, cpu_block in zip(staged, dst):
                 self.cpu_kv_cache[cpu_block].copy_(block, non_blocking=True)
         if out.blocks_to_swap_in:
             src, dst = zip(*out.blocks_to_swap_in)
-            staged = torch.stack([self.cpu_kv_cache[b].to(self.device, non_blocking=True) for b in src])
+            staged = torch.stack([self.cpu_kv_cache[b].to(self.device, non_blocking=True)
+                                  for b in src])                              # (n, 2, L, ...)
             self.kv_cache[:, :, list(dst)] = staged.movedim(0, 2)
         if out.blocks_to_copy:  # copy-on-write, every block of the step in one batched copy
             src, dst = zip(*out.blocks_to_copy)
@@ -1092,7 +1099,7 @@ class Engine:
     # -- the whole loop -----------------------------------------------------------------
 
     def generate(self, prompts, params=None, progress=False):
-        """Serve a list of prompts (token id lists or 1-D tensors) to the end; one RequestOutput per prompt,
+        """Serve prompts (token id lists or 1-D tensors) to the end; one RequestOutput per prompt,
         in order. params: one SamplingParams for all, or a list with one per prompt."""
         if not isinstance(params, list):
             params = [params if params is not None else SamplingParams()] * len(prompts)

@@ -1558,12 +1558,12 @@ def probability_rows(draw):
 
 def reference_support(counts, top_k, top_p):
     """The top-k set intersected with the smallest set whose probability reaches top_p, both read
-    off the tokens ranked by probability, equal ones by token id."""
+    off the tokens ranked by probability, equal ones by token id; 0 and 1 switch them off."""
     ranked = sorted(range(len(counts)), key=lambda t: (-counts[t], t))
     top_k_set = set(ranked[:top_k or len(counts)])
     top_p_set, mass = set(), Fraction(0)
     for t in ranked:
-        if mass >= Fraction(top_p):  # the token that crossed top_p is in; the next one is out
+        if mass >= Fraction(top_p) and top_p < 1:  # the token that crossed top_p is in; the next one out
             break
         top_p_set.add(t)
         mass += Fraction(counts[t], 64)
@@ -1576,8 +1576,8 @@ def test_sampling_support_is_exactly_top_k_and_top_p(rows):
     probs = torch.tensor([[c / 64 for c in counts] + [0.0] * (12 - len(counts)) for counts, _, _ in rows],
                          dtype=torch.float64)[:, :max(len(counts) for counts, _, _ in rows)]
     mask = nanopaged.sampling_support(probs, [k for _, k, _ in rows], [p for _, _, p in rows])
-    for r, (counts, top_k, top_p) in enumerate(rows):
-        assert set(mask[r].nonzero().flatten().tolist()) == reference_support(counts, top_k, top_p)
+    for r, (counts, top_k, top_p) in enumerate(rows):  # (padding zeros are not the row's tokens)
+        assert set(mask[r, :len(counts)].nonzero().flatten().tolist()) == reference_support(counts, top_k, top_p)
 
 
 @settings(max_examples=50, deadline=None)
@@ -1594,6 +1594,21 @@ def test_sample_draws_only_from_the_support_and_greedy_is_the_argmax(seed, rows)
         tokens = nanopaged.sample(logits, temperatures, top_ks, top_ps, gens)
         for r, t in enumerate(tokens.tolist()):
             assert t == logits[r].argmax() if temperatures[r] == 0 else support[r, t]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**31), st.lists(st.tuples(st.sampled_from([0.0, 0.7, 1.0]), st.sampled_from([0, 3]),
+                                                 st.sampled_from([1.0, 0.6])), min_size=2, max_size=5))
+def test_a_rows_draw_ignores_the_other_rows(seed, rows):
+    logits = torch.randn(len(rows), 40, generator=torch.Generator().manual_seed(seed))
+    temperatures, top_ks, top_ps = map(list, zip(*rows))
+
+    def generators():
+        return [nanopaged.sample_generator(seed, i, "cpu") for i in range(len(rows))]
+    together = nanopaged.sample(logits, temperatures, top_ks, top_ps, generators()).tolist()
+    alone = [nanopaged.sample(logits[r:r + 1], [temperatures[r]], [top_ks[r]], [top_ps[r]], [g]).item()
+             for r, g in enumerate(generators())]
+    assert together == alone
 
 
 def test_sample_sorts_only_to_filter(monkeypatch):
