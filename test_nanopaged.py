@@ -376,15 +376,17 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.a.free(seq)
         self.on_device.remove(seq)
         # tail first: of its blocks that keep a cached prefix, the head joins the free list last
-        cached = [b for b in self.a.free_block_ids if b not in free_before and self.a.blocks[b].hash is not None]
+        cached = [b for b in self.a.free_block_ids
+                  if b not in free_before and self.a.blocks[b].hash is not None]
         assert cached == [b for b in reversed(table) if b in cached]
         assert list(self.a.free_block_ids)[len(self.a.free_block_ids) - len(cached):] == cached
 
     def move(self, data, source, target, can_move, move, src_pool, dst_pool):
         # a group at once (a parent and its forks, say), so blocks they share stay shared
         seqs = data.draw(st.lists(st.sampled_from(source), min_size=1, unique=True))
-        num_free = len(self.a.cpu_free_block_ids) if move == self.a.swap_out else self.a.num_free_blocks
-        assert can_move(seqs) == (len({b for seq in seqs for b in seq.block_table}) <= num_free)  # exact
+        num_free = self.a.num_free_blocks if move == self.a.swap_in else len(self.a.cpu_free_block_ids)
+        num_blocks = len({b for seq in seqs for b in seq.block_table})
+        assert can_move(seqs) == (num_blocks <= num_free)  # exact, not an estimate
         if not can_move(seqs):
             before = allocator_state(self.a)
             with pytest.raises(OutOfBlocksError):
@@ -450,7 +452,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.clock += 1
         cached = [self.a.blocks[b].hash is not None for b in self.a.free_block_ids]
         assert cached == sorted(cached), "an uncached free block sits behind a cached one"
-        times = [self.freed_at[b] for b in self.a.free_block_ids if self.a.blocks[b].hash is not None]
+        free, blocks = self.a.free_block_ids, self.a.blocks
+        times = [self.freed_at[b] for b in free if blocks[b].hash is not None]
         assert times == sorted(times), "cached free blocks are not in least-recently-freed order"
 
     @invariant()
@@ -792,8 +795,8 @@ def test_parallel_samples_equal_the_same_seeds_run_one_by_one(no_writes_into_sha
     singles = []
     for i in range(4):  # sample i alone: a request of one sample on sample i's generator
         single = Engine(MODEL, block_size=4, num_blocks=64)
-        single_id = single.add_request(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=42))
-        single.requests[single_id].seqs[0].generator = nanopaged.sample_generator(42, i, single.device)
+        only = single.add_request(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=42))
+        single.requests[only].seqs[0].generator = nanopaged.sample_generator(42, i, single.device)
         while single.scheduler.has_unfinished():
             singles += [o.outputs[0].token_ids for o in single.step()]
     assert samples == singles and len(set(map(tuple, samples))) > 1
@@ -1073,10 +1076,12 @@ class EngineMachine(RuleBasedStateMachine):
     """Random interleavings of add_request, step and abort on a tiny pool."""
 
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(10, 24),
-                mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(), max_num_seqs=st.integers(2, 5))
+                mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
+                max_num_seqs=st.integers(2, 5))
     def setup(self, block_size, num_blocks, mode, caching, max_num_seqs):
         self.engine = Engine(MODEL, block_size=block_size, num_blocks=num_blocks, preemption_mode=mode,
-                             enable_prefix_caching=caching, max_num_batched_tokens=8, max_num_seqs=max_num_seqs)
+                             enable_prefix_caching=caching, max_num_batched_tokens=8,
+                             max_num_seqs=max_num_seqs)
         self.unfinished, self.expected = set(), {}
 
     @rule(prompt=st.lists(st.integers(0, 7), min_size=1, max_size=9), max_tokens=st.integers(1, 6),
@@ -1124,7 +1129,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert all(a.cpu_ref_count[b] == cpu[b] for b in range(len(a.cpu_ref_count)))
         assert a.num_free_blocks == sum(1 for b in a.blocks if b.ref_count == 0)
         assert set(self.engine.requests) == self.unfinished
-        assert sum(len(g.seqs) for g in s.running) <= s.max_num_seqs  # sequences, samples and beams included
+        assert sum(len(g.seqs) for g in s.running) <= s.max_num_seqs  # samples and beams count
 
     def teardown(self):
         if not hasattr(self, "engine"):
@@ -1242,8 +1247,9 @@ def test_samples_of_requests_with_nearby_seeds_do_not_replay_each_other():
     # sample 1 of seed 0 drew from seed 0 + 1, the very stream of seed 1's sample 0
     engine = Engine(MODEL, block_size=4, num_blocks=64)
     prompt = [5, 6, 7]
-    first, second = engine.generate([prompt, prompt], [SamplingParams(max_tokens=12, temperature=1.0, n=2, seed=0),
-                                                       SamplingParams(max_tokens=12, temperature=1.0, seed=1)])
+    first, second = engine.generate([prompt, prompt], [
+        SamplingParams(max_tokens=12, temperature=1.0, n=2, seed=0),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=1)])
     assert first.outputs[1].token_ids != second.outputs[0].token_ids
 
 
@@ -1253,11 +1259,12 @@ def test_a_recomputed_sequence_publishes_its_blocks_to_the_prefix_cache_again():
     request_id = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0))
     engine.step()  # prefill: its three full blocks are published
     keys = [chain_hash(None, prompt[:2])]
-    keys += [chain_hash(keys[-1], prompt[2:4]), chain_hash(chain_hash(keys[-1], prompt[2:4]), prompt[4:6])]
+    keys.append(chain_hash(keys[-1], prompt[2:4]))
+    keys.append(chain_hash(keys[-1], prompt[4:6]))
     assert all(k in a.hash_to_block for k in keys)
     group = engine.requests[request_id]
     engine.scheduler.running.remove(group)
-    engine.scheduler._preempt(group, nanopaged.SchedulerOutput())  # recompute: blocks freed, still cached
+    engine.scheduler._preempt(group, nanopaged.SchedulerOutput())  # recompute: freed, still cached
     filler = make_seq(99, [0] * (a.num_free_blocks * 2))
     a.allocate(filler)  # takes every free block: the cached ones are evicted
     a.free(filler)
@@ -1269,7 +1276,8 @@ def test_a_recomputed_sequence_publishes_its_blocks_to_the_prefix_cache_again():
 
 def test_beam_search_ends_when_every_candidate_is_a_stop_token():
     engine = Engine(MODEL, block_size=4, num_blocks=32)
-    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=5, beam_width=2, stop_token_ids=list(range(32))))
+    params = SamplingParams(max_tokens=5, beam_width=2, stop_token_ids=list(range(32)))
+    out = engine.generate([[1, 2, 3]], params)
     assert [len(c.token_ids) for c in out[0].outputs] == [1, 1]
     assert all(c.finish_reason == "stop" for c in out[0].outputs)
     assert_all_blocks_free(engine)
@@ -1285,10 +1293,11 @@ def test_tensor_prompts_work_in_generate_and_add_request_alike():
         while engine.scheduler.has_unfinished():
             outputs = engine.step()
         assert outputs[0].request_id == request_id and outputs[0].outputs[0].token_ids == expected
-    for prompt, message in [(torch.tensor([[1, 2]]), r"tensor prompt must be 1-D .* got shape \(1, 2\)"),
-                            (torch.tensor([1.0, 2.0]), r"integer token ids, got shape \(2,\) of torch.float32"),
-                            ("hello", "a prompt is a list or tuple of token ids or a 1-D integer tensor, got str"),
-                            (torch.tensor([1, 40]), "prompt token 1 is 40, outside the vocabulary")]:
+    for prompt, message in [
+            (torch.tensor([[1, 2]]), r"tensor prompt must be 1-D .* got shape \(1, 2\)"),
+            (torch.tensor([1.0, 2.0]), r"integer token ids, got shape \(2,\) of torch.float32"),
+            ("hello", "a prompt is a list or tuple of token ids or a 1-D integer tensor, got str"),
+            (torch.tensor([1, 40]), "prompt token 1 is 40, outside the vocabulary")]:
         with pytest.raises(ValueError, match=message):
             engine.add_request(prompt, greedy)
         with pytest.raises(ValueError, match="prompt 0: .*" + message):
@@ -1302,12 +1311,14 @@ class SchedulerMachine(RuleBasedStateMachine):
     tokens and samples as Engine._postprocess does (forks the samples, appends a token, stops,
     frees), with tokens from a 4-letter alphabet so that prefixes repeat."""
 
-    @initialize(block_size=st.integers(1, 3), num_blocks=st.integers(4, 12), num_cpu_blocks=st.sampled_from([0, 2, 4, 16]),
-                mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(), max_num_seqs=st.integers(1, 6),
+    @initialize(block_size=st.integers(1, 3), num_blocks=st.integers(4, 12),
+                num_cpu_blocks=st.sampled_from([0, 2, 4, 16]),
+                mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
+                max_num_seqs=st.integers(1, 6),
                 max_num_batched_tokens=st.integers(3, 12), watermark=st.sampled_from([0.01, 0.25]))
-    def setup(self, block_size, num_blocks, num_cpu_blocks, mode, caching, max_num_seqs, max_num_batched_tokens,
-              watermark):
-        self.a = a = BlockAllocator(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching=caching)
+    def setup(self, block_size, num_blocks, num_cpu_blocks, mode, caching, max_num_seqs,
+              max_num_batched_tokens, watermark):
+        self.a = a = BlockAllocator(num_blocks, block_size, num_cpu_blocks, caching)
         self.s = s = nanopaged.Scheduler(a, max_num_seqs, max_num_batched_tokens, mode, watermark)
         self.groups, self.next_id = {}, 0
         # Accounting: what num_blocks_to_allocate / num_blocks_to_append promise is what is taken.
@@ -1316,12 +1327,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         def allocate(seq):
             expected, before = a.num_blocks_to_allocate(seq), a.num_free_blocks
             real_allocate(seq)
-            assert before - a.num_free_blocks == expected, "num_blocks_to_allocate is not what allocate took"
+            assert before - a.num_free_blocks == expected, "num_blocks_to_allocate is wrong"
 
         def append_slots(group, out):
             expected, before = a.num_blocks_to_append(group.seqs), a.num_free_blocks
             real_append_slots(group, out)
-            assert before - a.num_free_blocks == expected, "num_blocks_to_append is not what append_slot took"
+            assert before - a.num_free_blocks == expected, "num_blocks_to_append is wrong"
 
         a.allocate, s._append_slots = allocate, append_slots
 
@@ -1333,13 +1344,13 @@ class SchedulerMachine(RuleBasedStateMachine):
           n=st.integers(1, 3), stop=st.booleans())
     def add(self, prompt, max_tokens, n, stop):
         bs, s = self.a.block_size, self.s
-        if n > min(s.max_num_seqs, s.max_num_batched_tokens) or n * -(-(len(prompt) + max_tokens) // bs) > \
-                self.a.num_blocks:
+        worst = n * -(-(len(prompt) + max_tokens) // bs)
+        if n > min(s.max_num_seqs, s.max_num_batched_tokens) or worst > self.a.num_blocks:
             return  # Engine.check_request refuses it: it could never run
         params = SamplingParams(max_tokens=max_tokens, n=n, stop_token_ids=[3] if stop else [])
         request_id = self.new_id()
-        group = nanopaged.SequenceGroup(request_id, prompt, params,
-                                        Sequence(self.new_id(), prompt, len(prompt), request_id=request_id))
+        seq = Sequence(self.new_id(), prompt, len(prompt), request_id=request_id)
+        group = nanopaged.SequenceGroup(request_id, prompt, params, seq)
         self.groups[request_id] = group
         s.add(group)
 
@@ -1356,11 +1367,11 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def step(self, rng):
         a, s = self.a, self.s
-        pre = dict(running=list(s.running), waiting=list(s.waiting), swapped=list(s.swapped), free=a.num_free_blocks,
-                   refs=[b.ref_count for b in a.blocks],
-                   tables={g.request_id: [list(seq.block_table) for seq in g.seqs] for g in s.running},
+        pre = dict(running=list(s.running), waiting=list(s.waiting), swapped=list(s.swapped),
+                   free=a.num_free_blocks, refs=[b.ref_count for b in a.blocks],
+                   tables={g.request_id: [list(q.block_table) for q in g.seqs] for g in s.running},
                    decoding={g.request_id: s._is_decoding(g) for g in s.running},
-                   need={g.request_id: a.num_blocks_to_append(g.seqs) for g in s.running if s._is_decoding(g)})
+                   need={g.request_id: a.num_blocks_to_append(g.seqs) for g in s.running})
         out = s.schedule()
         self.check_step(pre, out)
         self.fake_model(out, rng)
@@ -1369,10 +1380,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Step 1 of the policy on the state before the step: running groups decode oldest first;
         one whose blocks are not free preempts the youngest, and only then, until its blocks are."""
         running, refs, free, tokens = list(pre["running"]), list(pre["refs"]), pre["free"], 0
-        decoded, victims, i = [], [], 0
+        decoded, victims, i, budget = [], [], 0, self.s.max_num_batched_tokens
         while i < len(running):
             g = running[i]
-            if not pre["decoding"][g.request_id] or tokens + len(g.seqs) > self.s.max_num_batched_tokens:
+            if not pre["decoding"][g.request_id] or len(g.seqs) > budget - tokens:
                 i += 1
                 continue
             while pre["need"][g.request_id] > free:
@@ -1401,16 +1412,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert sum(g.params.num_seqs for g in s.running) <= S
         # preemption: exactly the victims the policy names, youngest first, only when blocks ran out
         decoded, victims = self.expected_decodes_and_victims(pre)
-        assert [g.request_id for g in out.preempted] == [g.request_id for g in victims]
-        assert [g.request_id for g in out.preempted] == [g.request_id for g in pre["running"][::-1]][:len(victims)]
+        assert out.preempted == victims == pre["running"][::-1][:len(victims)]
         assert all(scheduled.get(seq.seq_id) == 1 for g in decoded for seq in g.seqs)
         # FCFS: what starts running is older than everything still waiting or swapped out,
         # admitted and swapped-in groups come off the front of their queues, none after a preemption
         started = [g for g in s.running if g not in pre["running"]]
         admitted = [g for g in started if g in pre["waiting"]]
         swapped_in = [g for g in started if g in pre["swapped"]]
-        assert admitted == pre["waiting"][:len(admitted)] and swapped_in == pre["swapped"][:len(swapped_in)]
-        assert all(g.request_id < h.request_id for g in started for h in list(s.waiting) + s.swapped)
+        assert admitted == pre["waiting"][:len(admitted)]
+        assert swapped_in == pre["swapped"][:len(swapped_in)]
+        assert all(g.request_id < h.request_id for g in started for h in [*s.waiting, *s.swapped])
         assert not (out.preempted and started)
         # watermark: admission leaves blocks spare while anything else runs
         if admitted and (pre["running"] or swapped_in or len(admitted) > 1):
@@ -1419,19 +1430,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         left = M - out.num_batched_tokens
         for g in s.running:
             if s._is_decoding(g):
-                assert all(seq.seq_id in scheduled for seq in g.seqs) or len(g.seqs) > left, "decode left out"
+                assert all(q.seq_id in scheduled for q in g.seqs) or len(g.seqs) > left, "decode"
             else:
                 hold_back = 1 if len(g.seqs) > 1 else 0
                 for seq in g.seqs:
                     rest = len(seq) - hold_back - seq.num_computed_tokens
-                    assert rest <= 0 or scheduled.get(seq.seq_id) == rest or left == 0, "prefill chunk left out"
+                    assert rest <= 0 or scheduled.get(seq.seq_id) == rest or left == 0, "chunk"
         spare = s.watermark_blocks if s.running else 0
         num_seqs = sum(g.params.num_seqs for g in s.running)
-        if s.waiting and not out.preempted and not (s.swapped and s.swapped[0].request_id < s.waiting[0].request_id):
+        if s.waiting and not out.preempted and not s._is_older(s.swapped, s.waiting):
             g = s.waiting[0]
             need = sum(a.num_blocks_to_allocate(seq) for seq in g.seqs)
-            assert left == 0 or need + spare > a.num_free_blocks or num_seqs + g.params.num_seqs > S, "admission"
-        if s.swapped and not out.preempted and not (s.waiting and s.waiting[0].request_id < s.swapped[0].request_id):
+            fits = left > 0 and need + spare <= a.num_free_blocks and num_seqs + g.params.num_seqs <= S
+            assert not fits, "admission left out"
+        if s.swapped and not out.preempted and not s._is_older(s.waiting, s.swapped):
             g = s.swapped[0]  # the budget as it stood before step 3's prefill chunks
             prefill_tokens = sum(n for seq, n in out.scheduled
                                  if not s._is_decoding(self.groups[seq.request_id]))
@@ -1447,7 +1459,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         ready = {seq.request_id: self.groups[seq.request_id] for seq, _ in out.scheduled
                  if seq.num_computed_tokens == len(seq)}
         for group in ready.values():
-            assert all(seq.num_computed_tokens == len(seq) for seq in group.seqs), "a group completes at once"
+            assert all(q.num_computed_tokens == len(q) for q in group.seqs), "completes together"
             if group.params.n > 1 and len(group.seqs) == 1 and group.seqs[0].num_output_tokens == 0:
                 for i in range(1, group.params.n):
                     child = group.seqs[0].fork(self.new_id(), i)
@@ -1455,7 +1467,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                     group.seqs.append(child)
             for seq in list(group.seqs):
                 seq.token_ids.append(rng.randrange(4))
-                if seq.token_ids[-1] in group.params.stop_token_ids or seq.num_output_tokens >= group.params.max_tokens:
+                p = group.params
+                if seq.token_ids[-1] in p.stop_token_ids or seq.num_output_tokens == p.max_tokens:
                     a.free(seq)
                     group.seqs.remove(seq)
             if group.is_finished:
@@ -1485,7 +1498,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for queue in (s.running, list(s.waiting), s.swapped):
             assert [g.request_id for g in queue] == sorted(g.request_id for g in queue)
         # the running requests are the oldest ones: nobody overtook anybody
-        assert all(g.request_id < h.request_id for g in s.running for h in list(s.waiting) + s.swapped)
+        assert all(g.request_id < h.request_id for g in s.running for h in [*s.waiting, *s.swapped])
 
     @invariant()
     def a_block_is_cached_iff_full_and_computed(self):
@@ -1504,7 +1517,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     if a.blocks[block_id].hash is not None:
                         assert computed and a.blocks[block_id].token_ids == chunk
                     if computed and a.enable_prefix_caching:
-                        assert key in a.hash_to_block, f"full computed block {i} of seq {seq.seq_id} is not cached"
+                        assert key in a.hash_to_block, f"block {i} of seq {seq.seq_id} is not cached"
 
     def teardown(self):
         if not hasattr(self, "a"):
@@ -1521,7 +1534,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(self.a.cpu_free_block_ids) == len(self.a.cpu_ref_count)
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40,
+                                              deadline=None)
 test_scheduler_state_machine = SchedulerMachine.TestCase
 
 
@@ -1530,8 +1544,8 @@ def test_a_request_recomputed_for_lack_of_swap_space_resumes_before_younger_swap
     # is full, so 2 is recomputed. 2 is older than 4, so it must run again first (4 used to swap
     # in ahead of it). The machine checks every policy at every step.
     m = SchedulerMachine()
-    m.setup(block_size=1, num_blocks=10, num_cpu_blocks=3, mode="swap", caching=False, max_num_seqs=4,
-            max_num_batched_tokens=12, watermark=0.01)
+    m.setup(block_size=1, num_blocks=10, num_cpu_blocks=3, mode="swap", caching=False,
+            max_num_seqs=4, max_num_batched_tokens=12, watermark=0.01)
     for prompt, max_tokens in [([0, 1], 7), ([1, 2], 8), ([2, 3], 8)]:
         m.add(prompt, max_tokens, n=1, stop=False)
     rng, queues = random.Random(0), []
@@ -1552,7 +1566,8 @@ def probability_rows(draw):
     counts = draw(st.lists(st.integers(1, 5), min_size=1, max_size=11))
     counts.insert(draw(st.integers(0, len(counts))), 64 - sum(counts))
     top_k = draw(st.integers(0, len(counts) + 1))
-    top_p = draw(st.one_of(st.integers(1, 64).map(lambda i: i / 64), st.floats(0, 1, exclude_min=True)))
+    on_a_boundary = st.integers(1, 64).map(lambda i: i / 64)
+    top_p = draw(st.one_of(on_a_boundary, st.floats(0, 1, exclude_min=True)))
     return counts, top_k, top_p
 
 
@@ -1563,7 +1578,7 @@ def reference_support(counts, top_k, top_p):
     top_k_set = set(ranked[:top_k or len(counts)])
     top_p_set, mass = set(), Fraction(0)
     for t in ranked:
-        if mass >= Fraction(top_p) and top_p < 1:  # the token that crossed top_p is in; the next one out
+        if mass >= Fraction(top_p) and top_p < 1:  # the token that crossed top_p is in, the next out
             break
         top_p_set.add(t)
         mass += Fraction(counts[t], 64)
@@ -1573,19 +1588,22 @@ def reference_support(counts, top_k, top_p):
 @settings(max_examples=300, deadline=None)
 @given(st.lists(probability_rows(), min_size=1, max_size=3))
 def test_sampling_support_is_exactly_top_k_and_top_p(rows):
-    probs = torch.tensor([[c / 64 for c in counts] + [0.0] * (12 - len(counts)) for counts, _, _ in rows],
-                         dtype=torch.float64)[:, :max(len(counts) for counts, _, _ in rows)]
+    V = max(len(counts) for counts, _, _ in rows)
+    probs = torch.tensor([[c / 64 for c in counts] + [0.0] * (V - len(counts))
+                          for counts, _, _ in rows], dtype=torch.float64)
     mask = nanopaged.sampling_support(probs, [k for _, k, _ in rows], [p for _, _, p in rows])
     for r, (counts, top_k, top_p) in enumerate(rows):  # (padding zeros are not the row's tokens)
-        assert set(mask[r, :len(counts)].nonzero().flatten().tolist()) == reference_support(counts, top_k, top_p)
+        support = set(mask[r, :len(counts)].nonzero().flatten().tolist())
+        assert support == reference_support(counts, top_k, top_p)
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.integers(0, 2**31), st.lists(st.tuples(st.sampled_from([0.0, 0.5, 1.0, 2.0]), st.integers(0, 6),
-                                                 st.sampled_from([1.0, 0.9, 0.5, 0.1])), min_size=1, max_size=4))
+@given(st.integers(0, 2**31), st.lists(st.tuples(st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+                                                 st.integers(0, 6), st.sampled_from([1.0, 0.9, 0.5, 0.1])),
+                                       min_size=1, max_size=4))
 def test_sample_draws_only_from_the_support_and_greedy_is_the_argmax(seed, rows):
     g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(len(rows), 16, generator=g, dtype=torch.float64).round(decimals=1)  # with ties
+    logits = torch.randn(len(rows), 16, generator=g, dtype=torch.float64).round(decimals=1)  # ties
     temperatures, top_ks, top_ps = map(list, zip(*rows))
     gens = [torch.Generator().manual_seed(seed + i) for i in range(len(rows))]
     probs = (logits.float() / torch.tensor([t or 1.0 for t in temperatures])[:, None]).softmax(-1)
@@ -1597,8 +1615,9 @@ def test_sample_draws_only_from_the_support_and_greedy_is_the_argmax(seed, rows)
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.integers(0, 2**31), st.lists(st.tuples(st.sampled_from([0.0, 0.7, 1.0]), st.sampled_from([0, 3]),
-                                                 st.sampled_from([1.0, 0.6])), min_size=2, max_size=5))
+@given(st.integers(0, 2**31), st.lists(st.tuples(st.sampled_from([0.0, 0.7, 1.0]),
+                                                 st.sampled_from([0, 3]), st.sampled_from([1.0, 0.6])),
+                                       min_size=2, max_size=5))
 def test_a_rows_draw_ignores_the_other_rows(seed, rows):
     logits = torch.randn(len(rows), 40, generator=torch.Generator().manual_seed(seed))
     temperatures, top_ks, top_ps = map(list, zip(*rows))
@@ -1606,8 +1625,8 @@ def test_a_rows_draw_ignores_the_other_rows(seed, rows):
     def generators():
         return [nanopaged.sample_generator(seed, i, "cpu") for i in range(len(rows))]
     together = nanopaged.sample(logits, temperatures, top_ks, top_ps, generators()).tolist()
-    alone = [nanopaged.sample(logits[r:r + 1], [temperatures[r]], [top_ks[r]], [top_ps[r]], [g]).item()
-             for r, g in enumerate(generators())]
+    alone = [nanopaged.sample(logits[r:r + 1], [t], [k], [p], [g]).item()
+             for r, (t, k, p, g) in enumerate(zip(temperatures, top_ks, top_ps, generators()))]
     assert together == alone
 
 
@@ -1624,8 +1643,8 @@ def test_sample_sorts_only_to_filter(monkeypatch):
 @given(st.lists(st.tuples(st.one_of(st.integers(0, 5), st.integers(0, 2**64 - 1)), st.integers(0, 7)),
                 min_size=2, max_size=12, unique=True))
 def test_distinct_seed_and_index_pairs_draw_distinct_streams(pairs):
-    streams = {tuple(torch.empty(4).exponential_(generator=nanopaged.sample_generator(seed, i, "cpu")).tolist())
-               for seed, i in pairs}
+    gens = [nanopaged.sample_generator(seed, i, "cpu") for seed, i in pairs]
+    streams = {tuple(torch.empty(4).exponential_(generator=g).tolist()) for g in gens}
     assert len(streams) == len(pairs)
 
 
@@ -1634,28 +1653,31 @@ def test_distinct_seed_and_index_pairs_draw_distinct_streams(pairs):
        n=st.integers(1, 2), top_k=st.sampled_from([0, 5]), top_p=st.sampled_from([1.0, 0.8]),
        mates=st.lists(st.lists(st.integers(0, 31), min_size=1, max_size=10), max_size=4),
        mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans())
-def test_a_seeded_request_ignores_batch_mates_preemption_and_prefix_caching(prompt, seed, n, top_k, top_p, mates,
-                                                                            mode, caching):
+def test_a_seeded_request_ignores_batch_mates_preemption_and_prefix_caching(
+        prompt, seed, n, top_k, top_p, mates, mode, caching):
     # bitwise on the CPU torch path: the model runs in float64 here, sampling in float32
     params = SamplingParams(max_tokens=8, temperature=1.0, top_k=top_k, top_p=top_p, seed=seed, n=n)
     alone = Engine(MODEL, block_size=2, num_blocks=64).generate([prompt], params)[0]
     mates = [prompt[:len(m) % len(prompt) + 1] + m for m in mates]  # they share its prefix
     num_blocks = max(n * -(-(len(prompt) + 8) // 2), 14) + 2  # tight: preemptions are common
-    crowded = Engine(MODEL, block_size=2, num_blocks=num_blocks, preemption_mode=mode, enable_prefix_caching=caching,
-                     max_num_batched_tokens=8)
-    outputs = crowded.generate(mates + [prompt], [SamplingParams(max_tokens=8, temperature=1.0)] * len(mates) + [params])
+    crowded = Engine(MODEL, block_size=2, num_blocks=num_blocks, preemption_mode=mode,
+                     enable_prefix_caching=caching, max_num_batched_tokens=8)
+    mates_params = [SamplingParams(max_tokens=8, temperature=1.0)] * len(mates)
+    outputs = crowded.generate(mates + [prompt], mates_params + [params])
     assert [c.token_ids for c in outputs[-1].outputs] == [c.token_ids for c in alone.outputs]
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompt=st.lists(st.integers(0, 31), min_size=1, max_size=6), max_tokens=st.integers(1, 10),
        stops=st.lists(st.integers(0, 31), max_size=6), eos=st.one_of(st.none(), st.integers(0, 31)),
-       ignore_eos=st.booleans(), kind=st.sampled_from(["greedy", "n=2", "beam=2"]), seed=st.integers(0, 99))
-def test_stop_tokens_always_stop_and_max_tokens_is_exact(prompt, max_tokens, stops, eos, ignore_eos, kind, seed):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0 if kind == "greedy" else 1.0, seed=seed,
+       ignore_eos=st.booleans(), kind=st.sampled_from(["greedy", "n=2", "beam=2"]),
+       seed=st.integers(0, 99))
+def test_stop_tokens_always_stop_and_max_tokens_is_exact(
+        prompt, max_tokens, stops, eos, ignore_eos, kind, seed):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if kind == "greedy" else 1, seed=seed,
                             n=2 if kind == "n=2" else 1, beam_width=2 if kind == "beam=2" else None,
                             stop_token_ids=stops, ignore_eos=ignore_eos)
-    ends = set(stops) | ({eos} if eos is not None and not ignore_eos else set())  # ignore_eos: the model's eos only
+    ends = set(stops) | ({eos} if eos is not None and not ignore_eos else set())
     MODEL.config.eos_token_id = eos
     try:
         out = Engine(MODEL, block_size=4, num_blocks=32).generate([prompt], params)[0]
@@ -1667,4 +1689,5 @@ def test_stop_tokens_always_stop_and_max_tokens_is_exact(prompt, max_tokens, sto
         if c.finish_reason == "stop":
             assert c.token_ids[-1] in ends
         else:
-            assert c.finish_reason == "length" and len(c.token_ids) == max_tokens and c.token_ids[-1] not in ends
+            assert c.finish_reason == "length" and len(c.token_ids) == max_tokens
+            assert c.token_ids[-1] not in ends
