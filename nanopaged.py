@@ -810,6 +810,9 @@ class Engine:
         except (RuntimeError, TypeError):
             raise ValueError(f"Engine: device must be like 'cpu', 'cuda' or 'cuda:1', "
                              f"got {device!r}") from None
+        if not isinstance(model, nn.Module) or not isinstance(getattr(model, "config", None), GPTConfig):
+            raise ValueError(f"Engine: model must be a GPT (or a module with a GPTConfig as .config), "
+                             f"got {type(model).__name__}")
         # The Triton kernel on a GPU; on the CPU the torch path, since the interpreter is ~1000x slower.
         attention_backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
         config, dtype = model.config, next(model.parameters()).dtype

@@ -1016,6 +1016,11 @@ def test_bad_engine_settings(kwargs, message):
         Engine(MODEL, **{"block_size": 4, "num_blocks": 8, **kwargs})
 
 
+def test_engine_takes_a_gpt_model():
+    with pytest.raises(ValueError, match=r"model must be a GPT .* got Linear"):
+        Engine(torch.nn.Linear(2, 2), block_size=4, num_blocks=8)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a machine without a GPU")
 def test_cuda_without_a_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match="no CUDA GPU is available"):
