@@ -16,6 +16,7 @@ kernel.py. Run `python nanopaged.py`, or `torchrun --nproc-per-node 2 nanopaged.
 --tensor-parallel-size 2` to split the model and its KV cache across two processes.
 """
 
+import hashlib
 import json
 import math
 import os
@@ -607,10 +608,16 @@ class BlockAllocator:
             chunk = tuple(seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(seq.block_hashes[-1] if i else None, chunk)
             seq.block_hashes.append(h)
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is None and h not in self.hash_to_block:  # a twin computed earlier keeps the key
+            block, twin = self.blocks[seq.block_table[i]], self.hash_to_block.get(h)
+            if twin is None:
                 block.hash, block.token_ids = h, chunk
                 self.hash_to_block[h] = block.block_id
+            elif twin != block.block_id and self.blocks[twin].token_ids == chunk:
+                # A twin was computed first (say the same prompt was admitted in the same step):
+                # share it and free this copy, so no full computed block is left out of the cache.
+                self._share(twin)
+                self._release(block.block_id)
+                seq.block_table[i] = twin
 
     # -- swap: moving whole sequences between the device pool and the CPU pool -------------
 
@@ -630,7 +637,12 @@ class BlockAllocator:
         """Bring swapped-out seqs back; returns the (cpu block, device block) copies to perform."""
         if not self.can_swap_in(seqs):
             raise OutOfBlocksError("not enough free device blocks to swap these sequences in")
-        return self._move(seqs, self._take, self._share, self._release_cpu)
+        copies = self._move(seqs, self._take, self._share, self._release_cpu)
+        for seq in seqs:  # fresh device blocks: publish them again, or share twins still cached
+            seq.block_hashes = []
+            self.cache_full_blocks(seq)
+        kept = {b for seq in seqs for b in seq.block_table}
+        return [(cpu, device) for cpu, device in copies if device in kept]
 
     def _move(self, seqs, take, share, release):
         mapping = {}  # a block the sequences share maps to one block on the other side: sharing survives
@@ -676,7 +688,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 is greedy
     top_k: int = 0  # keep the k likeliest tokens; 0 keeps all
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
-    seed: int | None = None  # sample i of a request draws from its own generator seeded seed + i
+    seed: int | None = None  # sample i draws from its own generator, seeded by (seed, i)
     n: int = 1  # parallel samples of one prompt, sharing its blocks
     beam_width: int | None = None  # beam search with this many beams; temperature, top_k, top_p unused
     stop_token_ids: list[int] = field(default_factory=list)
@@ -742,7 +754,7 @@ class SequenceGroup:
         self.finished = []  # finished samples, or finished beam hypotheses (token_ids, logprob, reason)
         self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
         self.num_preemptions = 0
-        self.seed = None  # sample i draws from seed + i
+        self.seed = None  # sample i draws from sample_generator(seed, i)
 
     @property
     def is_finished(self):
@@ -827,28 +839,31 @@ class Scheduler:
             else:
                 self._append_slots(group, out)
                 i += 1
-        # 2. Swapped-out groups come back, oldest first, unless this step had to preempt.
-        while self.swapped and not out.preempted:
+        # 2. Swapped-out groups come back, oldest first, unless this step had to preempt or an older
+        #    group waits (one the swap space could not take, recomputed instead).
+        num_seqs = sum(g.params.num_seqs for g in self.running)  # room held for all samples of each
+        while self.swapped and not out.preempted and not self._is_older(self.waiting, self.swapped):
             group = self.swapped[0]
             need = len({b for seq in group.seqs for b in seq.block_table}) + len(group.seqs)  # + one per next token
-            if not self._fits(group, need) or out.num_batched_tokens + len(group.seqs) > self.max_num_batched_tokens:
+            if (not self._fits(group, need) or num_seqs + group.params.num_seqs > self.max_num_seqs
+                    or out.num_batched_tokens + len(group.seqs) > self.max_num_batched_tokens):
                 if not self.running:  # nothing will free blocks for it: recompute instead of waiting forever
                     self.swapped.pop(0)
                     self._recompute(group)
                 break
             self.swapped.pop(0)
+            num_seqs += group.params.num_seqs
             out.blocks_to_swap_in += self.allocator.swap_in(group.seqs)
             insort(self.running, group, key=lambda g: g.request_id)
             if self._is_decoding(group):
                 self._append_slots(group, out)
         # 3. Prefill chunks of running groups, oldest first, then 4. admit waiting groups while
-        #    blocks, sequence slots and token budget allow; none while any group is swapped out,
-        #    and none in a step that had to preempt, which would only preempt it again.
+        #    blocks, sequence slots and token budget allow; none while an older group is swapped
+        #    out, and none in a step that had to preempt, which would only preempt it again.
         for group in self.running:
             if not self._is_decoding(group):
                 self._schedule_prefill(group, out)
-        num_seqs = sum(g.params.num_seqs for g in self.running)  # each request holds room for all its samples
-        while (self.waiting and not self.swapped and not out.preempted
+        while (self.waiting and not out.preempted and not self._is_older(self.swapped, self.waiting)
                and out.num_batched_tokens < self.max_num_batched_tokens):
             group = self.waiting[0]
             need = sum(self.allocator.num_blocks_to_allocate(seq) for seq in group.seqs)
@@ -859,8 +874,16 @@ class Scheduler:
             for seq in group.seqs:
                 self.allocator.allocate(seq)
             insort(self.running, group, key=lambda g: g.request_id)
-            self._schedule_prefill(group, out)
+            if not self._is_decoding(group):
+                self._schedule_prefill(group, out)
+            elif out.num_batched_tokens + len(group.seqs) <= self.max_num_batched_tokens:
+                self._append_slots(group, out)  # recomputed samples, all but the last tokens cached
         return out
+
+    @staticmethod
+    def _is_older(queue, other):
+        """Whether the oldest group of queue arrived before the oldest of the other queue."""
+        return bool(queue) and queue[0].request_id < other[0].request_id
 
     def _fits(self, group, num_blocks):
         # Alone on the device, a group needs no watermark: there is nobody left to preempt.
@@ -906,7 +929,7 @@ class Scheduler:
         for seq in group.seqs:
             if seq.block_table:  # still in the CPU pool
                 self.allocator.free_cpu(seq)
-            seq.num_computed_tokens = 0
+            seq.num_computed_tokens, seq.block_hashes = 0, []  # published again once computed
         # To the front: a preempted group arrived before everything still waiting, because
         # admission is FCFS, so the waiting queue stays in arrival order.
         self.waiting.appendleft(group)
@@ -934,26 +957,50 @@ class Scheduler:
 # Sampling
 
 
+def sample_generator(seed, index, device):
+    """Sample index's own generator, seeded by a 64-bit hash of the pair (seed, index), so distinct
+    pairs draw distinct streams (seed + index made seed 0's sample 1 replay seed 1's sample 0).
+    A CUDA generator keeps all 64 bits, torch's CPU one the low 32: a clash has odds 2**-32."""
+    digest = hashlib.blake2b(f"{seed},{index}".encode(), digest_size=8).digest()
+    return torch.Generator(device).manual_seed(int.from_bytes(digest, "little"))
+
+
+def sampling_support(probs, top_ks, top_ps):
+    """Mask (R, V) of the tokens each row can draw: its top_k likeliest (0 keeps all), and of those
+    the smallest set whose probability reaches top_p (1 keeps all): the token that crosses top_p is
+    in, the next one out. Equal probabilities rank by token id."""
+    V = probs.shape[-1]
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)       # (R, V)
+    top_k = torch.tensor([k or V for k in top_ks], device=probs.device)
+    top_p = torch.tensor(top_ps, dtype=probs.dtype, device=probs.device)
+    cumsum = sorted_probs.cumsum(dim=-1)
+    mass_before = torch.cat([torch.zeros_like(cumsum[:, :1]), cumsum[:, :-1]], dim=-1)  # (R, V)
+    keep = torch.arange(V, device=probs.device) < top_k[:, None]
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)  # at 1 rounding cuts no tail
+    return torch.zeros_like(keep).scatter_(-1, order, keep)
+
+
 def sample(logits, temperatures, top_ks, top_ps, generators):
     """Next token per row of logits (S, V). Greedy rows (temperature 0) take the argmax; the
-    others draw with their own generator, so a seeded sample does not depend on its batch-mates."""
+    others draw with their own generator on the logits' device. A row's draw depends only on its
+    logits and its generator, bitwise. Its logits match a solo run only within floating-point
+    tolerance: a matmul may take another kernel for another number of rows, and on a GPU the
+    attention kernel's split count follows the batch; so a token can differ where two
+    candidates are within rounding of each other."""
     tokens = logits.argmax(dim=-1)
     rows = [i for i, t in enumerate(temperatures) if t > 0]
     if not rows:
         return tokens
-    V = logits.shape[-1]
-    scaled = logits[rows].float() / torch.tensor([temperatures[i] for i in rows], device=logits.device)[:, None]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)                  # (R, V)
-    probs = sorted_logits.softmax(dim=-1)
-    top_k = torch.tensor([top_ks[i] or V for i in rows], device=logits.device)
-    top_p = torch.tensor([top_ps[i] for i in rows], device=logits.device)
-    keep = torch.arange(V, device=logits.device)[None, :] < top_k[:, None]    # top-k: the k likeliest
-    keep &= probs.cumsum(dim=-1) - probs < top_p[:, None]                       # top-p: until the mass reaches p
+    temperature = torch.tensor([temperatures[i] for i in rows], device=logits.device)
+    probs = (logits[rows].float() / temperature[:, None]).softmax(dim=-1)          # (R, V)
+    if any(top_ks[i] or top_ps[i] < 1 for i in rows):  # only filtering needs the sort
+        probs *= sampling_support(probs, [top_ks[i] for i in rows], [top_ps[i] for i in rows])
     # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i,
-    # and the draw comes from the row's own generator.
-    noise = torch.stack([torch.empty(V).exponential_(generator=generators[i]) for i in rows]).to(logits.device)
-    choice = (probs * keep / noise).argmax(dim=-1)                               # (R,)
-    tokens[rows] = order.gather(-1, choice[:, None]).squeeze(-1)
+    # and each row draws its E from its own generator.
+    noise = torch.empty_like(probs)
+    for r, i in enumerate(rows):
+        noise[r].exponential_(generator=generators[i])
+    tokens[rows] = (probs / noise).argmax(dim=-1)
     return tokens
 
 
@@ -961,11 +1008,16 @@ def sample(logits, temperatures, top_ks, top_ps, generators):
 # The engine: schedule, copy blocks, run one packed batch, sample, repeat
 
 
-def check_engine_settings(config, dtype, device, attention_backend, preemption_mode, **counts):
+def check_engine_settings(config, dtype, device, attention_backend, preemption_mode,
+                          enable_prefix_caching, **counts):
     """Raise ValueError for engine settings that cannot work, naming the setting and what it takes."""
-    for name, value in counts.items():  # None: num_blocks follows from the byte budget
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise ValueError(f"Engine: {name} must be an integer >= 1, got {value!r}")
+    for name, value in counts.items():  # None: it follows from the other settings
+        least = 0 if name == "num_cpu_blocks" else 1  # no swap space is fine
+        if value is not None and (type(value) is not int or value < least):
+            raise ValueError(f"Engine: {name} must be an integer >= {least}, got {value!r}")
+    if not isinstance(enable_prefix_caching, bool):
+        raise ValueError(f"Engine: enable_prefix_caching must be True or False, "
+                         f"got {enable_prefix_caching!r}")
     if preemption_mode not in ("recompute", "swap"):
         raise ValueError(f"Engine: preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -984,12 +1036,21 @@ class Engine:
     def __init__(self, model, block_size=16, num_blocks=None, kv_cache_bytes=None, num_cpu_blocks=None,
                  preemption_mode="recompute", enable_prefix_caching=True, max_num_seqs=256,
                  max_num_batched_tokens=2048, device=None, attention_backend=None):
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        try:
+            device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        except (RuntimeError, TypeError):
+            raise ValueError(f"Engine: device must be like 'cpu', 'cuda' or 'cuda:1', "
+                             f"got {device!r}") from None
+        if not isinstance(model, nn.Module) or not isinstance(getattr(model, "config", None), GPTConfig):
+            raise ValueError(f"Engine: model must be a GPT (or a module with a GPTConfig as .config), "
+                             f"got {type(model).__name__}")
         # The Triton kernel on a GPU; on the CPU the torch path, since the interpreter is ~1000x slower.
         attention_backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
         config, dtype = model.config, next(model.parameters()).dtype
-        check_engine_settings(config, dtype, device, attention_backend, preemption_mode, block_size=block_size,
-                              num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+        check_engine_settings(config, dtype, device, attention_backend, preemption_mode,
+                              enable_prefix_caching, block_size=block_size, num_blocks=num_blocks,
+                              kv_cache_bytes=kv_cache_bytes, num_cpu_blocks=num_cpu_blocks,
+                              max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens)
         self.model, self.config, self.device = model.to(device).eval(), config, device
         self.block_size, self.use_triton = block_size, attention_backend == "triton"
@@ -1011,8 +1072,10 @@ class Engine:
         if num_cpu_blocks is None:  # swap space as large as the device pool, when swapping
             num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
         self.kv_cache = torch.zeros(2, config.n_layer, num_blocks, *block_shape, dtype=dtype, device=device)
-        self.cpu_kv_cache = torch.zeros(2, config.n_layer, num_cpu_blocks, *block_shape, dtype=dtype,
-                                        pin_memory=device.type == "cuda")  # pinned: copies overlap compute
+        # The swap space is block-major and pinned, so each block moves by one direct non_blocking
+        # copy (DMA) that does not stall the host; it runs on the step's stream, before the forward.
+        self.cpu_kv_cache = torch.zeros(num_cpu_blocks, 2, config.n_layer, *block_shape,
+                                        dtype=dtype, pin_memory=device.type == "cuda")
         self.allocator = BlockAllocator(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, preemption_mode)
         self.requests = {}  # request_id -> SequenceGroup, until it finishes or is aborted
@@ -1021,10 +1084,20 @@ class Engine:
 
     # -- requests -----------------------------------------------------------------------
 
-    def check_request(self, prompt_token_ids, params):
-        """Raise ValueError saying what is wrong with a request, before it takes any block."""
+    def check_request(self, prompt, params):
+        """Raise ValueError saying what is wrong with a request, before it takes any block. A prompt
+        is a list or tuple of token ids, or a 1-D integer tensor; returns it as a list."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, torch.Tensor):
+            if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex():
+                raise ValueError(f"a tensor prompt must be 1-D and hold integer token ids, "
+                                 f"got shape {tuple(prompt.shape)} of {prompt.dtype}")
+            prompt = prompt.tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt is a list or tuple of token ids or a 1-D integer tensor, "
+                             f"got {type(prompt).__name__}")
+        prompt_token_ids = list(prompt)
         if len(prompt_token_ids) == 0:
             raise ValueError("the prompt is empty: give at least one token id")
         for i, t in enumerate(prompt_token_ids):
@@ -1044,22 +1117,21 @@ class Engine:
             raise ValueError(f"the request may need {worst} KV blocks ({params.num_seqs} x {total} tokens at "
                              f"block_size {self.block_size}) but the pool has {self.allocator.num_blocks}: "
                              f"it could never run; use more num_blocks or shorter requests")
+        return prompt_token_ids
 
     def add_request(self, prompt_token_ids, params=None):
         """Queue a request; returns its id. step() advances it, abort() drops it."""
         params = params if params is not None else SamplingParams()
-        prompt_token_ids = [t.item() if isinstance(t, torch.Tensor) else t for t in prompt_token_ids]
-        self.check_request(prompt_token_ids, params)
-        return self._enqueue(prompt_token_ids, params)
+        return self._enqueue(self.check_request(prompt_token_ids, params), params)
 
     def _enqueue(self, prompt_token_ids, params):
         request_id, self._next_request_id = self._next_request_id, self._next_request_id + 1
         seq = Sequence(self._new_seq_id(), prompt_token_ids, len(prompt_token_ids), request_id=request_id)
         group = SequenceGroup(request_id, prompt_token_ids, params, seq)
         if params.beam_width is None and params.temperature > 0:
-            # sample i draws from seed + i; without a seed, from a base drawn from torch's global RNG
+            # sample i draws from (seed, i); without a seed, a seed drawn from torch's global RNG
             group.seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
-            seq.generator = torch.Generator().manual_seed(group.seed)
+            seq.generator = sample_generator(group.seed, 0, self.device)
         self.requests[request_id] = group
         self.scheduler.add(group)
         return request_id
@@ -1100,10 +1172,14 @@ class Engine:
         # copy-on-write may copy a block that was just swapped in.
         if out.blocks_to_swap_out:
             src, dst = zip(*out.blocks_to_swap_out)
-            self.cpu_kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)].cpu()
+            staged = self.kv_cache[:, :, list(src)].movedim(2, 0).contiguous()  # (n, 2, L, ...)
+            for block, cpu_block in zip(staged, dst):
+                self.cpu_kv_cache[cpu_block].copy_(block, non_blocking=True)
         if out.blocks_to_swap_in:
             src, dst = zip(*out.blocks_to_swap_in)
-            self.kv_cache[:, :, list(dst)] = self.cpu_kv_cache[:, :, list(src)].to(self.device)
+            staged = torch.stack([self.cpu_kv_cache[b].to(self.device, non_blocking=True)
+                                  for b in src])                              # (n, 2, L, ...)
+            self.kv_cache[:, :, list(dst)] = staged.movedim(0, 2)
         if out.blocks_to_copy:  # copy-on-write, every block of the step in one batched copy
             src, dst = zip(*out.blocks_to_copy)
             self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
@@ -1197,7 +1273,7 @@ class Engine:
         for i in range(1, group.params.n):
             child = self._fork(parent, index=i)
             if parent.generator is not None:
-                child.generator = torch.Generator().manual_seed(group.seed + i)
+                child.generator = sample_generator(group.seed, i, self.device)
             group.seqs.append(child)
 
     def _beam_search_step(self, group, logits):
@@ -1235,7 +1311,8 @@ class Engine:
             seq.token_ids.append(token)
             seq.cumulative_logprob = score
             group.seqs.append(seq)
-        out_of_tokens = group.seqs[0].num_output_tokens >= params.max_tokens
+        # no survivor when every candidate ended in a stop token: then the group is done as it is
+        out_of_tokens = bool(group.seqs) and group.seqs[0].num_output_tokens >= params.max_tokens
         if out_of_tokens or len(group.finished) >= width:  # done: width finished hypotheses, or no more room
             for seq in group.seqs:
                 if out_of_tokens:
@@ -1261,7 +1338,7 @@ class Engine:
     # -- the whole loop -----------------------------------------------------------------
 
     def generate(self, prompts, params=None, progress=False):
-        """Serve a list of prompts (lists of token ids) to the end; one RequestOutput per prompt,
+        """Serve prompts (token id lists or 1-D tensors) to the end; one RequestOutput per prompt,
         in order. params: one SamplingParams for all, or a list with one per prompt."""
         if not isinstance(params, list):
             params = [params if params is not None else SamplingParams()] * len(prompts)
@@ -1270,12 +1347,13 @@ class Engine:
         if self.requests:  # their outputs would come out of step() here, with nobody to hand them to
             raise ValueError(f"generate() needs an idle engine, but {len(self.requests)} requests added with "
                              "add_request() are unfinished: step() them to the end or abort() them first")
+        checked = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):  # reject a bad batch whole, before any of it runs
             try:
-                self.check_request(prompt, p)
+                checked.append(self.check_request(prompt, p))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self._enqueue(list(prompt), p) for prompt, p in zip(prompts, params)]  # checked above
+        ids = [self._enqueue(prompt, p) for prompt, p in zip(checked, params)]
         outputs, start, last_print = {}, time.perf_counter(), 0.0
         while any(i not in outputs for i in ids):
             for output in self.step():

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 from collections import Counter
+from fractions import Fraction
 
 import torch
 
@@ -365,10 +366,34 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.cache = Cache(self.a, num_blocks, num_cpu_blocks, block_size)
         self.on_device, self.on_cpu = [], []  # live sequences, by where their blocks are
         self.next_id = 0
+        # A plain model of the prefix cache: key -> block, from what was computed and handed out
+        self.published = {}
+        self.freed_at, self.clock = {}, 0  # when each free block joined the free list
 
     def new_id(self):
         self.next_id += 1
         return self.next_id
+
+    def model_hits(self, tokens):
+        """Leading full blocks (never the last token's) whose prefix the model says is cached."""
+        bs, key, hits = self.a.block_size, None, 0
+        for i in range((len(tokens) - 1) // bs if self.a.enable_prefix_caching else 0):
+            key = chain_hash(key, tuple(tokens[i * bs:(i + 1) * bs]))
+            if key not in self.published:
+                break
+            hits += 1
+        return hits
+
+    def compute(self, seq, fresh):
+        """The blocks handed out fresh lose what they held; then seq's computed full blocks are
+        published, one block per prefix: a block whose twin is cached is swapped for the twin."""
+        self.published = {k: b for k, b in self.published.items() if b not in fresh}
+        self.cache.compute(seq)
+        bs, key = self.a.block_size, None
+        for i in range(seq.num_computed_tokens // bs if self.a.enable_prefix_caching else 0):
+            key = chain_hash(key, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+            self.published.setdefault(key, seq.block_table[i])
+            assert seq.block_table[i] == self.published[key], "two blocks hold one cached prefix"
 
     @rule(data=st.data(), suffix=st.lists(st.integers(0, 2), min_size=0, max_size=9))
     def allocate(self, data, suffix):
@@ -383,9 +408,14 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self.a.allocate(seq)
             assert allocator_state(self.a) == before and not seq.block_table
             return
+        free_before, hit_tokens_before, hits = list(self.a.free_block_ids), self.a.num_hit_tokens, \
+            self.model_hits(tokens)
         self.a.allocate(seq)
-        assert seq.num_computed_tokens % self.a.block_size == 0 and seq.num_computed_tokens < len(seq)
-        self.cache.compute(seq)
+        assert seq.num_computed_tokens == hits * self.a.block_size < len(seq)
+        assert self.a.num_hit_tokens - hit_tokens_before == seq.num_computed_tokens
+        fresh = seq.block_table[hits:]  # taken in eviction order: the front of the free list first
+        assert fresh == [b for b in free_before if b not in seq.block_table[:hits]][:len(fresh)]
+        self.compute(seq, fresh)
         self.on_device.append(seq)
 
     @precondition(lambda self: self.on_device)
@@ -400,11 +430,14 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert allocator_state(self.a) == before
             seq.token_ids.pop()
             return
+        table, free_before = list(seq.block_table), list(self.a.free_block_ids)
         copy = self.a.append_slot(seq)
         if copy:
             assert self.a.blocks[copy[0]].ref_count >= 1, "copy-on-write source must still be owned"
             self.cache.copy([copy], self.cache.device, self.cache.device)
-        self.cache.compute(seq)
+        fresh = [b for b in seq.block_table if b not in table]
+        assert fresh == free_before[:len(fresh)] and len(fresh) <= 1
+        self.compute(seq, fresh)
 
     @precondition(lambda self: self.on_device)
     @rule(data=st.data())
@@ -419,12 +452,21 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data):
         seq = data.draw(st.sampled_from(self.on_device))
+        table, free_before = list(seq.block_table), set(self.a.free_block_ids)
         self.a.free(seq)
         self.on_device.remove(seq)
+        # tail first: of its blocks that keep a cached prefix, the head joins the free list last
+        cached = [b for b in self.a.free_block_ids
+                  if b not in free_before and self.a.blocks[b].hash is not None]
+        assert cached == [b for b in reversed(table) if b in cached]
+        assert list(self.a.free_block_ids)[len(self.a.free_block_ids) - len(cached):] == cached
 
     def move(self, data, source, target, can_move, move, src_pool, dst_pool):
         # a group at once (a parent and its forks, say), so blocks they share stay shared
         seqs = data.draw(st.lists(st.sampled_from(source), min_size=1, unique=True))
+        num_free = self.a.num_free_blocks if move == self.a.swap_in else len(self.a.cpu_free_block_ids)
+        num_blocks = len({b for seq in seqs for b in seq.block_table})
+        assert can_move(seqs) == (num_blocks <= num_free)  # exact, not an estimate
         if not can_move(seqs):
             before = allocator_state(self.a)
             with pytest.raises(OutOfBlocksError):
@@ -435,6 +477,10 @@ class AllocatorMachine(RuleBasedStateMachine):
         for seq in seqs:
             source.remove(seq)
             target.append(seq)
+        if move == self.a.swap_in:  # blocks taken fresh forgot their prefix; the seqs publish again
+            self.published = {k: b for k, b in self.published.items() if self.a.blocks[b].hash == k}
+            for seq in seqs:
+                self.compute(seq, [])
 
     @precondition(lambda self: self.on_device)
     @rule(data=st.data())
@@ -474,6 +520,21 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self.cache.read(seq, self.cache.device) == seq.token_ids
         for seq in self.on_cpu:
             assert self.cache.read(seq, self.cache.cpu) == seq.token_ids
+
+    @invariant()
+    def the_cache_is_the_plain_model_and_evicts_uncached_then_least_recently_freed(self):
+        if not hasattr(self, "a"):
+            return
+        assert self.a.hash_to_block == self.published
+        for b in self.a.free_block_ids:
+            self.freed_at.setdefault(b, self.clock)
+        self.freed_at = {b: t for b, t in self.freed_at.items() if b in self.a.free_block_ids}
+        self.clock += 1
+        cached = [self.a.blocks[b].hash is not None for b in self.a.free_block_ids]
+        assert cached == sorted(cached), "an uncached free block sits behind a cached one"
+        free, blocks = self.a.free_block_ids, self.a.blocks
+        times = [self.freed_at[b] for b in free if blocks[b].hash is not None]
+        assert times == sorted(times), "cached free blocks are not in least-recently-freed order"
 
     @invariant()
     def cached_blocks_hold_their_tokens(self):
@@ -819,9 +880,13 @@ def test_parallel_samples_equal_the_same_seeds_run_one_by_one(model, no_writes_i
     while engine.scheduler.has_unfinished():
         outputs.update({o.request_id: o for o in engine.step()})
     samples = [c.token_ids for c in outputs[request_id].outputs]
-    singles = [Engine(model, block_size=4, num_blocks=64).generate(
-        [prompt], SamplingParams(max_tokens=12, temperature=1.0, seed=42 + i))[0].outputs[0].token_ids
-        for i in range(4)]
+    singles = []
+    for i in range(4):  # sample i alone: a request of one sample on sample i's generator
+        single = Engine(model, block_size=4, num_blocks=64)
+        only = single.add_request(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=42))
+        single.requests[only].seqs[0].generator = nanopaged.sample_generator(42, i, single.device)
+        while single.scheduler.has_unfinished():
+            singles += [o.outputs[0].token_ids for o in single.step()]
     assert samples == singles and len(set(map(tuple, samples))) > 1
     assert_all_blocks_free(engine)
 
@@ -1172,10 +1237,22 @@ def test_a_batch_with_one_bad_prompt_is_rejected_whole():
     (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
     (dict(attention_backend="flash"), "attention_backend must be 'triton' or 'torch'"),
     (dict(attention_backend="triton"), r"Triton kernel takes head sizes .* model has head size 8 in torch.float64"),
+    (dict(num_cpu_blocks=-1), "num_cpu_blocks must be an integer >= 0, got -1"),
+    (dict(num_cpu_blocks=2.0), "num_cpu_blocks must be an integer >= 0, got 2.0"),
+    (dict(num_blocks=None, kv_cache_bytes=-1), "kv_cache_bytes must be an integer >= 1, got -1"),
+    (dict(block_size=True), "block_size must be an integer >= 1, got True"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an integer >= 1, got 0"),
+    (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False, got 'no'"),
+    (dict(device="gpu"), "device must be like 'cpu', 'cuda' or 'cuda:1', got 'gpu'"),
 ])
 def test_bad_engine_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Engine(MODEL, **{"block_size": 4, "num_blocks": 8, **kwargs})
+
+
+def test_engine_takes_a_gpt_model():
+    with pytest.raises(ValueError, match=r"model must be a GPT .* got Linear"):
+        Engine(torch.nn.Linear(2, 2), block_size=4, num_blocks=8)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a machine without a GPU")
@@ -1238,10 +1315,12 @@ class EngineMachine(RuleBasedStateMachine):
     """Random interleavings of add_request, step and abort on a tiny pool."""
 
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(10, 24),
-                mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans())
-    def setup(self, block_size, num_blocks, mode, caching):
+                mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
+                max_num_seqs=st.integers(2, 5))
+    def setup(self, block_size, num_blocks, mode, caching, max_num_seqs):
         self.engine = Engine(MODEL, block_size=block_size, num_blocks=num_blocks, preemption_mode=mode,
-                             enable_prefix_caching=caching, max_num_batched_tokens=8)
+                             enable_prefix_caching=caching, max_num_batched_tokens=8,
+                             max_num_seqs=max_num_seqs)
         self.unfinished, self.expected = set(), {}
 
     @rule(prompt=st.lists(st.integers(0, 7), min_size=1, max_size=9), max_tokens=st.integers(1, 6),
@@ -1289,6 +1368,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert all(a.cpu_ref_count[b] == cpu[b] for b in range(len(a.cpu_ref_count)))
         assert a.num_free_blocks == sum(1 for b in a.blocks if b.ref_count == 0)
         assert set(self.engine.requests) == self.unfinished
+        assert sum(len(g.seqs) for g in s.running) <= s.max_num_seqs  # samples and beams count
 
     def teardown(self):
         if not hasattr(self, "engine"):
@@ -1397,6 +1477,462 @@ def test_hundreds_of_requests_in_a_pool_a_few_sequences_deep(mode):
     assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in ample]
     assert_all_blocks_free(engine)
 
+
+# -----------------------------------------------------------------------------
+# Policies: what the scheduler, the allocator and the sampler promise, not only their outputs
+#
+# First the defects a close read found, each with the test that failed on it; then the
+# policies as Hypothesis properties over random workloads, in both preemption modes.
+
+
+def test_samples_of_requests_with_nearby_seeds_do_not_replay_each_other():
+    # sample 1 of seed 0 drew from seed 0 + 1, the very stream of seed 1's sample 0
+    engine = Engine(MODEL, block_size=4, num_blocks=64)
+    prompt = [5, 6, 7]
+    first, second = engine.generate([prompt, prompt], [
+        SamplingParams(max_tokens=12, temperature=1.0, n=2, seed=0),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=1)])
+    assert first.outputs[1].token_ids != second.outputs[0].token_ids
+
+
+def test_a_recomputed_sequence_publishes_its_blocks_to_the_prefix_cache_again():
+    engine = Engine(MODEL, block_size=2, num_blocks=16)
+    a, prompt = engine.allocator, [3, 1, 4, 1, 5, 9, 2]
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=4, temperature=0))
+    engine.step()  # prefill: its three full blocks are published
+    keys = [chain_hash(None, prompt[:2])]
+    keys.append(chain_hash(keys[-1], prompt[2:4]))
+    keys.append(chain_hash(keys[-1], prompt[4:6]))
+    assert all(k in a.hash_to_block for k in keys)
+    group = engine.requests[request_id]
+    engine.scheduler.running.remove(group)
+    engine.scheduler._preempt(group, nanopaged.SchedulerOutput())  # recompute: freed, still cached
+    filler = make_seq(99, [0] * (a.num_free_blocks * 2))
+    a.allocate(filler)  # takes every free block: the cached ones are evicted
+    a.free(filler)
+    assert not any(k in a.hash_to_block for k in keys)
+    while engine.scheduler.has_unfinished():
+        engine.step()
+    assert all(k in a.hash_to_block for k in keys), "the recomputed prompt is shareable again"
+
+
+def test_beam_search_ends_when_every_candidate_is_a_stop_token():
+    engine = Engine(MODEL, block_size=4, num_blocks=32)
+    params = SamplingParams(max_tokens=5, beam_width=2, stop_token_ids=list(range(32)))
+    out = engine.generate([[1, 2, 3]], params)
+    assert [len(c.token_ids) for c in out[0].outputs] == [1, 1]
+    assert all(c.finish_reason == "stop" for c in out[0].outputs)
+    assert_all_blocks_free(engine)
+
+
+def test_tensor_prompts_work_in_generate_and_add_request_alike():
+    engine = Engine(MODEL, block_size=4, num_blocks=32)
+    greedy = SamplingParams(max_tokens=5, temperature=0)
+    expected = naive_greedy(MODEL, [1, 2, 3], 5)
+    for prompt in (torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3], dtype=torch.int32), (1, 2, 3)):
+        assert engine.generate([prompt], greedy)[0].outputs[0].token_ids == expected
+        request_id = engine.add_request(prompt, greedy)
+        while engine.scheduler.has_unfinished():
+            outputs = engine.step()
+        assert outputs[0].request_id == request_id and outputs[0].outputs[0].token_ids == expected
+    for prompt, message in [
+            (torch.tensor([[1, 2]]), r"tensor prompt must be 1-D .* got shape \(1, 2\)"),
+            (torch.tensor([1.0, 2.0]), r"integer token ids, got shape \(2,\) of torch.float32"),
+            ("hello", "a prompt is a list or tuple of token ids or a 1-D integer tensor, got str"),
+            (torch.tensor([1, 40]), "prompt token 1 is 40, outside the vocabulary")]:
+        with pytest.raises(ValueError, match=message):
+            engine.add_request(prompt, greedy)
+        with pytest.raises(ValueError, match="prompt 0: .*" + message):
+            engine.generate([prompt], greedy)
+    assert serves_normally(engine)
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """The scheduler and the allocator without a model. Each SchedulerOutput is checked against
+    the policies, given the state before the step; then a fake model computes the scheduled
+    tokens and samples as Engine._postprocess does (forks the samples, appends a token, stops,
+    frees), with tokens from a 4-letter alphabet so that prefixes repeat."""
+
+    @initialize(block_size=st.integers(1, 3), num_blocks=st.integers(4, 12),
+                num_cpu_blocks=st.sampled_from([0, 2, 4, 16]),
+                mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
+                max_num_seqs=st.integers(1, 6),
+                max_num_batched_tokens=st.integers(3, 12), watermark=st.sampled_from([0.01, 0.25]))
+    def setup(self, block_size, num_blocks, num_cpu_blocks, mode, caching, max_num_seqs,
+              max_num_batched_tokens, watermark):
+        self.a = a = BlockAllocator(num_blocks, block_size, num_cpu_blocks, caching)
+        self.s = s = nanopaged.Scheduler(a, max_num_seqs, max_num_batched_tokens, mode, watermark)
+        self.groups, self.next_id = {}, 0
+        # Accounting: what num_blocks_to_allocate / num_blocks_to_append promise is what is taken.
+        real_allocate, real_append_slots = a.allocate, s._append_slots
+
+        def allocate(seq):
+            expected, before = a.num_blocks_to_allocate(seq), a.num_free_blocks
+            real_allocate(seq)
+            assert before - a.num_free_blocks == expected, "num_blocks_to_allocate is wrong"
+
+        def append_slots(group, out):
+            expected, before = a.num_blocks_to_append(group.seqs), a.num_free_blocks
+            real_append_slots(group, out)
+            assert before - a.num_free_blocks == expected, "num_blocks_to_append is wrong"
+
+        a.allocate, s._append_slots = allocate, append_slots
+
+    def new_id(self):
+        self.next_id += 1
+        return self.next_id - 1
+
+    @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=6), max_tokens=st.integers(1, 10),
+          n=st.integers(1, 3), stop=st.booleans())
+    def add(self, prompt, max_tokens, n, stop):
+        bs, s = self.a.block_size, self.s
+        worst = n * -(-(len(prompt) + max_tokens) // bs)
+        if n > min(s.max_num_seqs, s.max_num_batched_tokens) or worst > self.a.num_blocks:
+            return  # Engine.check_request refuses it: it could never run
+        params = SamplingParams(max_tokens=max_tokens, n=n, stop_token_ids=[3] if stop else [])
+        request_id = self.new_id()
+        seq = Sequence(self.new_id(), prompt, len(prompt), request_id=request_id)
+        group = nanopaged.SequenceGroup(request_id, prompt, params, seq)
+        self.groups[request_id] = group
+        s.add(group)
+
+    @precondition(lambda self: self.groups)
+    @rule(data=st.data())
+    def abort(self, data):
+        group = self.groups.pop(data.draw(st.sampled_from(sorted(self.groups))))
+        self.s.abort(group)
+
+    @rule(rng=st.randoms(use_true_random=False), num_steps=st.integers(1, 3))
+    def steps(self, rng, num_steps):
+        for _ in range(num_steps):
+            self.step(rng)
+
+    def step(self, rng):
+        a, s = self.a, self.s
+        pre = dict(running=list(s.running), waiting=list(s.waiting), swapped=list(s.swapped),
+                   free=a.num_free_blocks, refs=[b.ref_count for b in a.blocks],
+                   tables={g.request_id: [list(q.block_table) for q in g.seqs] for g in s.running},
+                   decoding={g.request_id: s._is_decoding(g) for g in s.running},
+                   need={g.request_id: a.num_blocks_to_append(g.seqs) for g in s.running})
+        out = s.schedule()
+        self.check_step(pre, out)
+        self.fake_model(out, rng)
+
+    def expected_decodes_and_victims(self, pre):
+        """Step 1 of the policy on the state before the step: running groups decode oldest first;
+        one whose blocks are not free preempts the youngest, and only then, until its blocks are."""
+        running, refs, free, tokens = list(pre["running"]), list(pre["refs"]), pre["free"], 0
+        decoded, victims, i, budget = [], [], 0, self.s.max_num_batched_tokens
+        while i < len(running):
+            g = running[i]
+            if not pre["decoding"][g.request_id] or len(g.seqs) > budget - tokens:
+                i += 1
+                continue
+            while pre["need"][g.request_id] > free:
+                victim = running.pop()
+                victims.append(victim)
+                for table in pre["tables"][victim.request_id]:
+                    for b in table:
+                        refs[b] -= 1
+                        free += refs[b] == 0
+                if victim is g:
+                    break
+            else:
+                free -= pre["need"][g.request_id]
+                tokens += len(g.seqs)
+                decoded.append(g)
+                i += 1
+        return decoded, victims
+
+    def check_step(self, pre, out):
+        a, s = self.a, self.s
+        M, S = s.max_num_batched_tokens, s.max_num_seqs
+        scheduled = {seq.seq_id: n for seq, n in out.scheduled}
+        # budgets
+        assert len(scheduled) == len(out.scheduled) and all(n >= 1 for n in scheduled.values())
+        assert out.num_batched_tokens == sum(scheduled.values()) <= M
+        assert sum(g.params.num_seqs for g in s.running) <= S
+        # preemption: exactly the victims the policy names, youngest first, only when blocks ran out
+        decoded, victims = self.expected_decodes_and_victims(pre)
+        assert out.preempted == victims == pre["running"][::-1][:len(victims)]
+        assert all(scheduled.get(seq.seq_id) == 1 for g in decoded for seq in g.seqs)
+        # FCFS: what starts running is older than everything still waiting or swapped out,
+        # admitted and swapped-in groups come off the front of their queues, none after a preemption
+        started = [g for g in s.running if g not in pre["running"]]
+        admitted = [g for g in started if g in pre["waiting"]]
+        swapped_in = [g for g in started if g in pre["swapped"]]
+        assert admitted == pre["waiting"][:len(admitted)]
+        assert swapped_in == pre["swapped"][:len(swapped_in)]
+        assert all(g.request_id < h.request_id for g in started for h in [*s.waiting, *s.swapped])
+        assert not (out.preempted and started)
+        # watermark: admission leaves blocks spare while anything else runs
+        if admitted and (pre["running"] or swapped_in or len(admitted) > 1):
+            assert a.num_free_blocks >= s.watermark_blocks >= 1
+        # work conservation: nothing that fits both budgets and the free blocks is left out
+        left = M - out.num_batched_tokens
+        for g in s.running:
+            if s._is_decoding(g):
+                assert all(q.seq_id in scheduled for q in g.seqs) or len(g.seqs) > left, "decode"
+            else:
+                hold_back = 1 if len(g.seqs) > 1 else 0
+                for seq in g.seqs:
+                    rest = len(seq) - hold_back - seq.num_computed_tokens
+                    assert rest <= 0 or scheduled.get(seq.seq_id) == rest or left == 0, "chunk"
+        spare = s.watermark_blocks if s.running else 0
+        num_seqs = sum(g.params.num_seqs for g in s.running)
+        if s.waiting and not out.preempted and not s._is_older(s.swapped, s.waiting):
+            g = s.waiting[0]
+            need = sum(a.num_blocks_to_allocate(seq) for seq in g.seqs)
+            fits = left > 0 and need + spare <= a.num_free_blocks and num_seqs + g.params.num_seqs <= S
+            assert not fits, "admission left out"
+        if s.swapped and not out.preempted and not s._is_older(s.waiting, s.swapped):
+            g = s.swapped[0]  # the budget as it stood before step 3's prefill chunks
+            prefill_tokens = sum(n for seq, n in out.scheduled
+                                 if not s._is_decoding(self.groups[seq.request_id]))
+            need = len({b for seq in g.seqs for b in seq.block_table}) + len(g.seqs)
+            assert (need + spare > a.num_free_blocks or len(g.seqs) > left + prefill_tokens
+                    or num_seqs + g.params.num_seqs > S), "swap-in left out"
+
+    def fake_model(self, out, rng):
+        a = self.a
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            a.cache_full_blocks(seq)
+        ready = {seq.request_id: self.groups[seq.request_id] for seq, _ in out.scheduled
+                 if seq.num_computed_tokens == len(seq)}
+        for group in ready.values():
+            assert all(q.num_computed_tokens == len(q) for q in group.seqs), "completes together"
+            if group.params.n > 1 and len(group.seqs) == 1 and group.seqs[0].num_output_tokens == 0:
+                for i in range(1, group.params.n):
+                    child = group.seqs[0].fork(self.new_id(), i)
+                    a.fork(group.seqs[0], child)
+                    group.seqs.append(child)
+            for seq in list(group.seqs):
+                seq.token_ids.append(rng.randrange(4))
+                p = group.params
+                if seq.token_ids[-1] in p.stop_token_ids or seq.num_output_tokens == p.max_tokens:
+                    a.free(seq)
+                    group.seqs.remove(seq)
+            if group.is_finished:
+                del self.groups[group.request_id]
+        self.s.remove_finished()
+
+    @invariant()
+    def blocks_owned_as_the_queues_say(self):
+        if not hasattr(self, "a"):
+            return
+        a, s = self.a, self.s
+        device, cpu = Counter(), Counter()
+        for g in s.running:
+            device.update(b for seq in g.seqs for b in seq.block_table)
+        for g in s.swapped:
+            cpu.update(b for seq in g.seqs for b in seq.block_table)
+        assert all(not seq.block_table for g in s.waiting for seq in g.seqs)
+        assert [b.ref_count for b in a.blocks] == [device[i] for i in range(a.num_blocks)]
+        assert a.cpu_ref_count == [cpu[i] for i in range(len(a.cpu_ref_count))]
+        assert sum(len(g.seqs) for g in s.running) <= s.max_num_seqs  # sequences, samples included
+
+    @invariant()
+    def queues_keep_arrival_order(self):
+        if not hasattr(self, "a"):
+            return
+        s = self.s
+        for queue in (s.running, list(s.waiting), s.swapped):
+            assert [g.request_id for g in queue] == sorted(g.request_id for g in queue)
+        # the running requests are the oldest ones: nobody overtook anybody
+        assert all(g.request_id < h.request_id for g in s.running for h in [*s.waiting, *s.swapped])
+
+    @invariant()
+    def a_block_is_cached_iff_full_and_computed(self):
+        if not hasattr(self, "a"):
+            return
+        a, bs = self.a, self.a.block_size
+        for h, block_id in a.hash_to_block.items():
+            assert a.blocks[block_id].hash == h and len(a.blocks[block_id].token_ids) == bs
+        for g in self.s.running:
+            for seq in g.seqs:
+                key = None
+                for i, block_id in enumerate(seq.block_table):
+                    chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                    key = chain_hash(key, chunk)
+                    computed = seq.num_computed_tokens >= (i + 1) * bs
+                    if a.blocks[block_id].hash is not None:
+                        assert computed and a.blocks[block_id].token_ids == chunk
+                    if computed and a.enable_prefix_caching:
+                        assert key in a.hash_to_block, f"block {i} of seq {seq.seq_id} is not cached"
+
+    def teardown(self):
+        if not hasattr(self, "a"):
+            return
+        for _ in range(400):  # every request finishes: nobody starves, nothing deadlocks
+            if not self.groups:
+                break
+            self.step(random.Random(0))
+            self.blocks_owned_as_the_queues_say()
+            self.queues_keep_arrival_order()
+            self.a_block_is_cached_iff_full_and_computed()
+        assert not self.groups and not self.s.has_unfinished()
+        assert self.a.num_free_blocks == self.a.num_blocks
+        assert len(self.a.cpu_free_block_ids) == len(self.a.cpu_ref_count)
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40,
+                                              deadline=None)
+test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+def test_a_request_recomputed_for_lack_of_swap_space_resumes_before_younger_swapped_ones():
+    # Requests 0, 2, 4 run; 4 is swapped out, then 2 is preempted too, but the 3-block swap space
+    # is full, so 2 is recomputed. 2 is older than 4, so it must run again first (4 used to swap
+    # in ahead of it). The machine checks every policy at every step.
+    m = SchedulerMachine()
+    m.setup(block_size=1, num_blocks=10, num_cpu_blocks=3, mode="swap", caching=False,
+            max_num_seqs=4, max_num_batched_tokens=12, watermark=0.01)
+    for prompt, max_tokens in [([0, 1], 7), ([1, 2], 8), ([2, 3], 8)]:
+        m.add(prompt, max_tokens, n=1, stop=False)
+    rng, queues = random.Random(0), []
+    while m.groups:
+        m.step(rng)
+        queues.append(([g.request_id for g in m.s.waiting], [g.request_id for g in m.s.swapped]))
+    assert ([2], [4]) in queues
+    m.teardown()
+
+
+# -- sampling: the support of the draw, seeds, stops -------------------------------------------
+
+
+@st.composite
+def probability_rows(draw):
+    """Probabilities in multiples of 1/64, so every partial sum is exact and top_p can sit
+    exactly on a boundary; ties are common, and one token may take a large share."""
+    counts = draw(st.lists(st.integers(1, 5), min_size=1, max_size=11))
+    counts.insert(draw(st.integers(0, len(counts))), 64 - sum(counts))
+    top_k = draw(st.integers(0, len(counts) + 1))
+    on_a_boundary = st.integers(1, 64).map(lambda i: i / 64)
+    top_p = draw(st.one_of(on_a_boundary, st.floats(0, 1, exclude_min=True)))
+    return counts, top_k, top_p
+
+
+def reference_support(counts, top_k, top_p):
+    """The top-k set intersected with the smallest set whose probability reaches top_p, both read
+    off the tokens ranked by probability, equal ones by token id; 0 and 1 switch them off."""
+    ranked = sorted(range(len(counts)), key=lambda t: (-counts[t], t))
+    top_k_set = set(ranked[:top_k or len(counts)])
+    top_p_set, mass = set(), Fraction(0)
+    for t in ranked:
+        if mass >= Fraction(top_p) and top_p < 1:  # the token that crossed top_p is in, the next out
+            break
+        top_p_set.add(t)
+        mass += Fraction(counts[t], 64)
+    return top_k_set & top_p_set
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(probability_rows(), min_size=1, max_size=3))
+def test_sampling_support_is_exactly_top_k_and_top_p(rows):
+    V = max(len(counts) for counts, _, _ in rows)
+    probs = torch.tensor([[c / 64 for c in counts] + [0.0] * (V - len(counts))
+                          for counts, _, _ in rows], dtype=torch.float64)
+    mask = nanopaged.sampling_support(probs, [k for _, k, _ in rows], [p for _, _, p in rows])
+    for r, (counts, top_k, top_p) in enumerate(rows):  # (padding zeros are not the row's tokens)
+        support = set(mask[r, :len(counts)].nonzero().flatten().tolist())
+        assert support == reference_support(counts, top_k, top_p)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**31), st.lists(st.tuples(st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+                                                 st.integers(0, 6), st.sampled_from([1.0, 0.9, 0.5, 0.1])),
+                                       min_size=1, max_size=4))
+def test_sample_draws_only_from_the_support_and_greedy_is_the_argmax(seed, rows):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(rows), 16, generator=g, dtype=torch.float64).round(decimals=1)  # ties
+    temperatures, top_ks, top_ps = map(list, zip(*rows))
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(len(rows))]
+    probs = (logits.float() / torch.tensor([t or 1.0 for t in temperatures])[:, None]).softmax(-1)
+    support = nanopaged.sampling_support(probs, top_ks, top_ps)
+    for _ in range(20):
+        tokens = nanopaged.sample(logits, temperatures, top_ks, top_ps, gens)
+        for r, t in enumerate(tokens.tolist()):
+            assert t == logits[r].argmax() if temperatures[r] == 0 else support[r, t]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(0, 2**31), st.lists(st.tuples(st.sampled_from([0.0, 0.7, 1.0]),
+                                                 st.sampled_from([0, 3]), st.sampled_from([1.0, 0.6])),
+                                       min_size=2, max_size=5))
+def test_a_rows_draw_ignores_the_other_rows(seed, rows):
+    logits = torch.randn(len(rows), 40, generator=torch.Generator().manual_seed(seed))
+    temperatures, top_ks, top_ps = map(list, zip(*rows))
+
+    def generators():
+        return [nanopaged.sample_generator(seed, i, "cpu") for i in range(len(rows))]
+    together = nanopaged.sample(logits, temperatures, top_ks, top_ps, generators()).tolist()
+    alone = [nanopaged.sample(logits[r:r + 1], [t], [k], [p], [g]).item()
+             for r, (t, k, p, g) in enumerate(zip(temperatures, top_ks, top_ps, generators()))]
+    assert together == alone
+
+
+def test_sample_sorts_only_to_filter(monkeypatch):
+    logits = torch.randn(3, 50)
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    monkeypatch.setattr(nanopaged, "sampling_support", None)  # no top-k, no top-p: never called
+    assert nanopaged.sample(logits, [1.0, 0.0, 0.7], [0, 0, 0], [1.0, 1.0, 1.0], gens).shape == (3,)
+    with pytest.raises(TypeError):
+        nanopaged.sample(logits, [1.0, 0.0, 0.7], [0, 0, 0], [1.0, 1.0, 0.9], gens)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.one_of(st.integers(0, 5), st.integers(0, 2**64 - 1)), st.integers(0, 7)),
+                min_size=2, max_size=12, unique=True))
+def test_distinct_seed_and_index_pairs_draw_distinct_streams(pairs):
+    gens = [nanopaged.sample_generator(seed, i, "cpu") for seed, i in pairs]
+    streams = {tuple(torch.empty(4).exponential_(generator=g).tolist()) for g in gens}
+    assert len(streams) == len(pairs)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompt=st.lists(st.integers(0, 31), min_size=1, max_size=10), seed=st.integers(0, 2**32),
+       n=st.integers(1, 2), top_k=st.sampled_from([0, 5]), top_p=st.sampled_from([1.0, 0.8]),
+       mates=st.lists(st.lists(st.integers(0, 31), min_size=1, max_size=10), max_size=4),
+       mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans())
+def test_a_seeded_request_ignores_batch_mates_preemption_and_prefix_caching(
+        prompt, seed, n, top_k, top_p, mates, mode, caching):
+    # bitwise on the CPU torch path: the model runs in float64 here, sampling in float32
+    params = SamplingParams(max_tokens=8, temperature=1.0, top_k=top_k, top_p=top_p, seed=seed, n=n)
+    alone = Engine(MODEL, block_size=2, num_blocks=64).generate([prompt], params)[0]
+    mates = [prompt[:len(m) % len(prompt) + 1] + m for m in mates]  # they share its prefix
+    num_blocks = max(n * -(-(len(prompt) + 8) // 2), 14) + 2  # tight: preemptions are common
+    crowded = Engine(MODEL, block_size=2, num_blocks=num_blocks, preemption_mode=mode,
+                     enable_prefix_caching=caching, max_num_batched_tokens=8)
+    mates_params = [SamplingParams(max_tokens=8, temperature=1.0)] * len(mates)
+    outputs = crowded.generate(mates + [prompt], mates_params + [params])
+    assert [c.token_ids for c in outputs[-1].outputs] == [c.token_ids for c in alone.outputs]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompt=st.lists(st.integers(0, 31), min_size=1, max_size=6), max_tokens=st.integers(1, 10),
+       stops=st.lists(st.integers(0, 31), max_size=6), eos=st.one_of(st.none(), st.integers(0, 31)),
+       ignore_eos=st.booleans(), kind=st.sampled_from(["greedy", "n=2", "beam=2"]),
+       seed=st.integers(0, 99))
+def test_stop_tokens_always_stop_and_max_tokens_is_exact(
+        prompt, max_tokens, stops, eos, ignore_eos, kind, seed):
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if kind == "greedy" else 1, seed=seed,
+                            n=2 if kind == "n=2" else 1, beam_width=2 if kind == "beam=2" else None,
+                            stop_token_ids=stops, ignore_eos=ignore_eos)
+    ends = set(stops) | ({eos} if eos is not None and not ignore_eos else set())
+    MODEL.config.eos_token_id = eos
+    try:
+        out = Engine(MODEL, block_size=4, num_blocks=32).generate([prompt], params)[0]
+    finally:
+        MODEL.config.eos_token_id = None
+    assert len(out.outputs) == params.num_seqs or (kind == "beam=2" and out.outputs)
+    for c in out.outputs:
+        assert 1 <= len(c.token_ids) <= max_tokens and not ends & set(c.token_ids[:-1])
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] in ends
+        else:
+            assert c.finish_reason == "length" and len(c.token_ids) == max_tokens
+            assert c.token_ids[-1] not in ends
 
 
 # -----------------------------------------------------------------------------
