@@ -1542,7 +1542,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(self.a.cpu_free_block_ids) == len(self.a.cpu_ref_count)
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40,
+SchedulerMachine.TestCase.settings = settings(max_examples=600, stateful_step_count=50,
                                               deadline=None)
 test_scheduler_state_machine = SchedulerMachine.TestCase
 
