@@ -1685,7 +1685,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             need = sum(a.num_blocks_to_allocate(seq) for seq in g.seqs)
             fits = left > 0 and need + spare <= a.num_free_blocks and num_seqs + g.params.num_seqs <= S
             assert not fits, "admission left out"
-        if s.swapped and not out.preempted and not s._is_older(s.waiting, s.swapped):
+        # (as step 2 saw it: an older request waiting then, even if admitted since, holds it back)
+        recomputed = any(g in pre["swapped"] for g in [*s.waiting, *admitted])  # no room even alone
+        if (s.swapped and not out.preempted and not recomputed and not s._is_older(pre["waiting"], s.swapped)
+                and not s._is_older(s.waiting, s.swapped)):
             g = s.swapped[0]  # the budget as it stood before step 3's prefill chunks
             prefill_tokens = sum(n for seq, n in out.scheduled
                                  if not s._is_decoding(self.groups[seq.request_id]))
@@ -1776,7 +1779,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(self.a.cpu_free_block_ids) == len(self.a.cpu_ref_count)
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40,
+SchedulerMachine.TestCase.settings = settings(max_examples=600, stateful_step_count=50,
                                               deadline=None)
 test_scheduler_state_machine = SchedulerMachine.TestCase
 
