@@ -65,7 +65,7 @@ def block_map(engine):
     return cells, letters
 
 
-def render_block_map(cells, letters, engine, width=64):
+def render_block_map(cells, letters, width=64):
     lines = ["".join(cells[i:i + width]) for i in range(0, len(cells), width)]
     by_letter = [f"{letter}={request_id}" for request_id, letter in letters.items()]
     lines += ["legend: a-z one sequence's block, A-Z shared by the sequences of one request (fork / beams),",
@@ -102,7 +102,7 @@ def run_demo(engine, prompts, params, arrivals_per_step=2, progress=True):
                              utilization=s["kv_utilization"], shared=num_shared))
         if num_shared and (snapshot is None or num_shared > snapshot["shared"]):
             snapshot = dict(step=len(timeline), shared=num_shared, map=block_map(engine),
-                            text=render_block_map(*block_map(engine), engine))
+                            text=render_block_map(*block_map(engine)))
         if progress and (len(timeline) % 10 == 0 or not engine.scheduler.has_unfinished()):
             print("\r" + engine.progress_line(len(outputs), len(ids), time.perf_counter() - start) + "\x1b[K",
                   end="", file=sys.stderr, flush=True)

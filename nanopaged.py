@@ -535,7 +535,7 @@ class BlockAllocator:
 
     def _num_free_blocks_taken(self, seq, hits):
         # cache misses, plus cache hits now sitting in the free list
-        num_needed = -(-len(seq.token_ids) // self.block_size)
+        num_needed = cdiv(len(seq.token_ids), self.block_size)
         return num_needed - len(hits) + sum(self.blocks[b].ref_count == 0 for b in hits)
 
     def num_blocks_to_allocate(self, seq):
@@ -552,7 +552,7 @@ class BlockAllocator:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {num_taken} blocks, {self.num_free_blocks} are free")
         for block_id in hits:  # share before taking, so _take cannot evict a hit
             self._share(block_id)
-        num_needed = -(-len(seq.token_ids) // self.block_size)
+        num_needed = cdiv(len(seq.token_ids), self.block_size)
         seq.block_table = hits + [self._take() for _ in range(num_needed - len(hits))]
         seq.num_computed_tokens = len(hits) * self.block_size
         self.num_queried_tokens += len(seq.token_ids)
@@ -622,10 +622,10 @@ class BlockAllocator:
     # -- swap: moving whole sequences between the device pool and the CPU pool -------------
 
     def can_swap_out(self, seqs):
-        return len({b for seq in seqs for b in seq.block_table}) <= len(self.cpu_free_block_ids)
+        return len(blocks_held(seqs)) <= len(self.cpu_free_block_ids)
 
     def can_swap_in(self, seqs):
-        return len({b for seq in seqs for b in seq.block_table}) <= self.num_free_blocks
+        return len(blocks_held(seqs)) <= self.num_free_blocks
 
     def swap_out(self, seqs):
         """Move seqs' blocks to the CPU pool; returns the (device block, cpu block) copies to perform."""
@@ -641,7 +641,7 @@ class BlockAllocator:
         for seq in seqs:  # fresh device blocks: publish them again, or share twins still cached
             seq.block_hashes = []
             self.cache_full_blocks(seq)
-        kept = {b for seq in seqs for b in seq.block_table}
+        kept = blocks_held(seqs)
         return [(cpu, device) for cpu, device in copies if device in kept]
 
     def _move(self, seqs, take, share, release):
@@ -844,8 +844,8 @@ class Scheduler:
         num_seqs = sum(g.params.num_seqs for g in self.running)  # room held for all samples of each
         while self.swapped and not out.preempted and not self._is_older(self.waiting, self.swapped):
             group = self.swapped[0]
-            need = len({b for seq in group.seqs for b in seq.block_table}) + len(group.seqs)  # + one per next token
-            if (not self._fits(group, need) or num_seqs + group.params.num_seqs > self.max_num_seqs
+            need = len(blocks_held(group.seqs)) + len(group.seqs)  # + one per next token
+            if (not self._fits(need) or num_seqs + group.params.num_seqs > self.max_num_seqs
                     or out.num_batched_tokens + len(group.seqs) > self.max_num_batched_tokens):
                 if not self.running:  # nothing will free blocks for it: recompute instead of waiting forever
                     self.swapped.pop(0)
@@ -867,7 +867,7 @@ class Scheduler:
                and out.num_batched_tokens < self.max_num_batched_tokens):
             group = self.waiting[0]
             need = sum(self.allocator.num_blocks_to_allocate(seq) for seq in group.seqs)
-            if not self._fits(group, need) or num_seqs + group.params.num_seqs > self.max_num_seqs:
+            if not self._fits(need) or num_seqs + group.params.num_seqs > self.max_num_seqs:
                 break  # strict FCFS: nobody overtakes the oldest waiting request
             num_seqs += group.params.num_seqs
             self.waiting.popleft()
@@ -885,7 +885,7 @@ class Scheduler:
         """Whether the oldest group of queue arrived before the oldest of the other queue."""
         return bool(queue) and queue[0].request_id < other[0].request_id
 
-    def _fits(self, group, num_blocks):
+    def _fits(self, num_blocks):
         # Alone on the device, a group needs no watermark: there is nobody left to preempt.
         spare = self.watermark_blocks if self.running else 0
         return num_blocks + spare <= self.allocator.num_free_blocks
@@ -1063,7 +1063,7 @@ class Engine:
         if num_blocks is None:
             if kv_cache_bytes is None:  # but no more than max_num_seqs full-length sequences can use
                 free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 30
-                most = bytes_per_block * max_num_seqs * -(-config.max_seq_len // block_size)
+                most = bytes_per_block * max_num_seqs * cdiv(config.max_seq_len, block_size)
                 kv_cache_bytes = min(int(0.9 * free), most)
             num_blocks = kv_cache_bytes // bytes_per_block
             if num_blocks < 1:
@@ -1112,7 +1112,7 @@ class Engine:
             raise ValueError(f"n/beam_width ({params.num_seqs}) exceeds max_num_seqs and max_num_batched_tokens "
                              f"(at most {limit} sequences of one request)")
         # Worst case: every sample ends up with private blocks for all its tokens.
-        worst = params.num_seqs * -(-total // self.block_size)
+        worst = params.num_seqs * cdiv(total, self.block_size)
         if worst > self.allocator.num_blocks:
             raise ValueError(f"the request may need {worst} KV blocks ({params.num_seqs} x {total} tokens at "
                              f"block_size {self.block_size}) but the pool has {self.allocator.num_blocks}: "
@@ -1400,6 +1400,9 @@ class Engine:
 
 
 def main(argv=None):
+    # Run as a script, this module is __main__: register it as nanopaged too, so demo's
+    # `import nanopaged` finds it instead of loading a second copy of every class.
+    sys.modules.setdefault("nanopaged", sys.modules[__name__])
     import demo
     return demo.main(argv)
 
