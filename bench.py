@@ -727,12 +727,12 @@ def timed_step(engine):
     t0 = time.perf_counter()
     out = engine.scheduler.schedule()
     t1 = time.perf_counter()
-    engine._copy_blocks(out)
-    batch = engine._prepare(out.scheduled)
+    engine.model_runner.copy_blocks(out)
+    batch = engine.model_runner.prepare(out.scheduled)
     t2 = time.perf_counter()
     logits = engine.model(batch.input_ids, batch, engine.kv_cache)
     t3 = time.perf_counter()
-    engine._postprocess(out.scheduled, logits)
+    engine.output_processor.process(out.scheduled, logits)
     t4 = time.perf_counter()
     return t1 - t0, t2 - t1, t3 - t2, t4 - t3
 

@@ -17,6 +17,7 @@ kernel.py. Run `python nanopaged.py`, or `torchrun --nproc-per-node 2 nanopaged.
 """
 
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -36,404 +37,138 @@ import torch.nn.functional as F
 import kernel
 from kernel import paged_attention, paged_attention_torch, store_kv
 
+
 # -----------------------------------------------------------------------------
-# Tensor parallelism (paper, section 4.6): Megatron-LM's split of each layer across ranks
+# Sequences and requests, and the lifecycle of a request (paper, sections 4.3 to 4.5)
 #
-# Under torchrun, each of tensor_parallel_size ranks holds a slice of every attention and MLP
-# layer. A column-parallel layer (c_attn, c_fc, c_gate) keeps its rows of the weight: its query
-# heads, K/V heads or MLP columns. The row-parallel c_proj after it keeps the matching input
-# columns, so its output is a partial sum that one all-reduce completes. Embeddings, norms and
-# the LM head are replicated, and each rank caches the K/V of its own heads only.
-# (Shoeybi et al., "Megatron-LM", 2019, section 3; as vLLM runs it, paper section 4.6.)
-
-tp = SimpleNamespace(rank=0, world_size=1)  # this process's place in the group; 1 without torchrun
-# The weight dim each layer splits along: 0, output rows (column-parallel); 1, input columns
-# (row-parallel). c_attn is fused [q | k | v]: each of the three splits on its own.
-TP_SPLIT_DIM = {"attn.c_attn": 0, "mlp.c_fc": 0, "mlp.c_gate": 0, "attn.c_proj": 1, "mlp.c_proj": 1}
-
-
-def init_tensor_parallel(tensor_parallel_size, timeout_s=300):
-    """Join the group torchrun launched: gloo on CPUs, NCCL on GPUs. Models built after this
-    hold this rank's slice of each layer, and Engines the K/V of its heads."""
-    size, launched = tensor_parallel_size, os.environ.get("WORLD_SIZE")
-    if not isinstance(size, int) or size < 1:
-        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
-    if launched is None and size > 1:
-        raise ValueError(f"tensor_parallel_size={size} needs one process per rank: launch with "
-                         f"torchrun --nproc-per-node {size} (RANK and WORLD_SIZE are not set)")
-    if int(launched or 1) != size:
-        raise ValueError(f"tensor_parallel_size={size} but torchrun launched {launched} "
-                         f"processes: give torchrun --nproc-per-node {size}, or "
-                         f"tensor_parallel_size={launched}")
-    if size == 1:
-        return
-    if not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        # The timeout bounds every collective: when a rank dies, the others raise, not hang.
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
-                                timeout=timedelta(seconds=timeout_s))
-    tp.rank, tp.world_size = dist.get_rank(), dist.get_world_size()
+# A request is a SequenceGroup of Sequences: one while its prompt is prefilled, then n
+# parallel samples or beam_width beams. Every sequence keeps one invariant: its tokens
+# [0, num_computed_tokens) have their K/V in the cache, and [num_computed_tokens, len) are
+# the ones to compute next. A step computes some of them; only a step that computes the
+# last one yields logits, and so a next token. Where a request is, is which queue holds it:
+#
+#   waiting  (scheduler.waiting)  new, or preempted by recompute; holds no blocks
+#   running  (scheduler.running)  holds device blocks: prefilling while more than one token
+#                                 is uncomputed (maybe over several steps, in chunks),
+#                                 decoding when one is (the token sampled last step)
+#   swapped  (scheduler.swapped)  preempted by swap; its blocks are in the CPU pool
+#   finished                      no live sequences left; out of every queue
+#
+# waiting -> running on admission, running -> waiting or swapped on preemption, swapped ->
+# running on swap-in, running -> finished when every sequence stops; abort() leaves anywhere.
+# Recompute frees the blocks and sets num_computed_tokens to 0: the prompt and the tokens
+# generated so far are prefilled again (less what the prefix cache still holds). Swap keeps
+# num_computed_tokens and moves the blocks to CPU memory and back. A recomputed group of
+# several sequences holds back the last token of each: the group advances in lockstep (its
+# beams are compared, its samples were forked together), so all its sequences must reach
+# their last tokens in the same step, which the scheduler makes one decode step for all.
 
 
-def all_reduce(x):
-    """Complete a row-parallel layer's partial sums; every rank gets the same bits."""
-    if tp.world_size > 1:
-        dist.all_reduce(x)
-    return x
+def cdiv(n, d):
+    """n / d rounded up: the blocks that n tokens fill."""
+    return -(-n // d)
 
 
-def broadcast(x):
-    """Rank 0's x on every rank: rank 0 decides, the others follow."""
-    if tp.world_size > 1:
-        dist.broadcast(x, src=0)
-    return x
-
-
-def tp_split_dim(name):
-    """The dim along which the whole-model tensor `name` splits; None: each rank holds it all."""
-    layer, kind = name.rsplit(".", 1)
-    dim = TP_SPLIT_DIM.get(".".join(layer.split(".")[-2:]))  # h.3.attn.c_attn -> attn.c_attn
-    return None if tp.world_size == 1 or kind == "bias" and dim == 1 else dim
-
-
-def tp_shard(name, tensor, config):
-    """This rank's slice of one whole-model tensor. Loading calls it as it reads each tensor,
-    so no rank ever holds the whole model on its device."""
-    dim = tp_split_dim(name)
-    if dim is None:  # replicated; but a row-parallel bias must enter the all-reduce's sum once
-        row_bias = tp.world_size > 1 and name.endswith("c_proj.bias")
-        return tensor * (tp.rank == 0) if row_bias else tensor
-    qkv = [n * config.head_dim for n in (config.n_head, config.n_kv_head, config.n_kv_head)]
-    parts = tensor.split(qkv) if ".c_attn." in name else [tensor]
-    return torch.cat([part.chunk(tp.world_size, dim)[tp.rank] for part in parts], dim)
-
-
-# -----------------------------------------------------------------------------
-# The model: one GPT for GPT-2 and the Llama family (Llama, Mistral, Qwen2), told apart by a
-# few config switches as in litgpt; its attention reads and writes K/V through block tables
+def blocks_held(seqs):
+    """The physical blocks the sequences point at, each once however many share it."""
+    return {b for seq in seqs for b in seq.block_table}
 
 
 @dataclass
-class GPTConfig:
-    vocab_size: int = 50257  # GPT-2's BPE vocabulary; 256 for the byte-level demo model
-    max_seq_len: int = 1024  # learned positions make this a hard context limit (HF: n_positions)
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-    n_kv_head: int | None = None  # fewer K/V heads than query heads is GQA; None means n_head (GPT-2)
-    head_dim: int | None = None  # None: n_embd // n_head; some checkpoints choose their own
-    layer_norm_epsilon: float = 1e-5  # the eps of either norm (HF Llama: rms_norm_eps)
-    eos_token_id: int | None = None  # GPT-2's <|endoftext|> is 50256; the byte model has none
-    rope_theta: float | None = None  # None: GPT-2's learned positions; else rotary, of this base
-    rope_scaling: dict | None = None  # Llama 3.1's "llama3" slowing of the slow rotary frequencies
-    norm: str = "layernorm"  # Llama's "rmsnorm" divides by the root mean square: no mean, no bias
-    mlp: str = "gelu"  # Llama's "swiglu" gates the MLP: down(silu(gate(x)) * up(x))
-    intermediate_size: int | None = None  # the MLP's hidden width; None: GPT-2's 4 * n_embd
-    bias: bool = True  # GPT-2 has biases in every linear layer and norm; Llama has none
-    qkv_bias: bool | None = None  # Qwen2 keeps biases on q, k and v alone; None follows bias
-    tie_word_embeddings: bool = True  # the output head is wte (GPT-2, the small Qwen2 models)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 is greedy
+    top_k: int = 0  # keep the k likeliest tokens; 0 keeps all
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+    seed: int | None = None  # sample i draws from its own generator, seeded by (seed, i)
+    n: int = 1  # parallel samples of one prompt, sharing its blocks
+    beam_width: int | None = None  # beam search with this many beams; temperature, top_k, top_p unused
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False  # keep going past the model's end-of-text token
 
     def __post_init__(self):
-        self.n_kv_head = self.n_kv_head or self.n_head
-        if self.n_head % self.n_kv_head or self.head_dim is None and self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must divide by n_head ({self.n_head}) "
-                             f"and n_head by n_kv_head ({self.n_kv_head})")
-        if self.norm not in ("layernorm", "rmsnorm") or self.mlp not in ("gelu", "swiglu"):
-            raise ValueError(f"norm must be 'layernorm' or 'rmsnorm' (got {self.norm!r}), "
-                             f"mlp 'gelu' or 'swiglu' (got {self.mlp!r})")
-        self.head_dim = self.head_dim or self.n_embd // self.n_head
-        self.intermediate_size = self.intermediate_size or 4 * self.n_embd
-        self.qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
+        checks = [("max_tokens", self.max_tokens >= 1, ">= 1"), ("temperature", self.temperature >= 0, ">= 0"),
+                  ("top_k", self.top_k >= 0, ">= 0 (0 disables it)"), ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+                  ("n", self.n >= 1, ">= 1"), ("beam_width", self.beam_width is None or self.beam_width >= 1, ">= 1")]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} must be {allowed}, got {getattr(self, name)!r}")
+        if self.n > 1 and self.beam_width is not None:
+            raise ValueError("SamplingParams: choose n > 1 (parallel sampling) or beam_width (beam search), not both")
+
+    @property
+    def num_seqs(self):
+        """How many sequences this request can run at once."""
+        return self.beam_width or self.n
+
+
+class Sequence:
+    """One token stream: a prompt and what has been generated after it, with its block table."""
+
+    def __init__(self, seq_id, token_ids, num_prompt_tokens, index=0, request_id=None):
+        self.seq_id, self.request_id, self.index = seq_id, request_id, index  # index: which sample it is
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache; the rest are computed next
+        self.block_table = []  # physical block ids; device blocks, or CPU blocks while swapped out
+        self.block_hashes = []  # prefix-cache keys of its full computed blocks
+        self.cumulative_logprob = 0.0
+        self.generator = None  # per-sample torch.Generator, so seeded output ignores batch-mates
+        self.finish_reason = None
+
+    def __len__(self):
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self):
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self):
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def fork(self, seq_id, index):
+        """A copy that shares everything generated so far; the allocator shares its blocks."""
+        child = Sequence(seq_id, self.token_ids, self.num_prompt_tokens, index, self.request_id)
+        child.num_computed_tokens, child.block_hashes = self.num_computed_tokens, list(self.block_hashes)
+        child.cumulative_logprob = self.cumulative_logprob
+        return child
+
+
+class SequenceGroup:
+    """The sequences of one request, scheduled and preempted together: one while the prompt is
+    prefilled, then n parallel samples or beam_width beams (vLLM's sequence group)."""
+
+    def __init__(self, request_id, prompt_token_ids, params, seq):
+        self.request_id, self.params = request_id, params
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.seqs = [seq]  # the live ones
+        self.finished = []  # finished samples, or finished beam hypotheses (token_ids, logprob, reason)
+        self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
+        self.num_preemptions = 0
+        self.seed = None  # sample i draws from sample_generator(seed, i)
+
+    @property
+    def is_finished(self):
+        return not self.seqs
 
 
 @dataclass
-class Batch:
-    """One engine step, packed: the new tokens of every scheduled sequence, back to back."""
-    input_ids: torch.Tensor       # (T,) int64, T = total new tokens this step
-    positions: torch.Tensor       # (T,) int64, position of each token in its sequence
-    slot_mapping: torch.Tensor    # (T,) int64, physical KV slot each new token is written to
-    block_tables: torch.Tensor    # (S, max_blocks) int32, -1 past each sequence's last block
-    seq_lens: torch.Tensor        # (S,) int32, context length including the new tokens
-    cu_seqlens_q: torch.Tensor    # (S+1,) int32, sequence i's new tokens are [cu[i], cu[i+1])
-    max_q_len: int                # longest run of new tokens, so the kernel needs no host sync
-    logits_indices: torch.Tensor  # (R,) int64, rows whose next-token logits we need
-    use_triton: bool = False      # the Triton kernel, or the plain-torch paged path
+class CompletionOutput:
+    index: int
+    token_ids: list[int]
+    finish_reason: str  # "length" or "stop"
+    cumulative_logprob: float
 
 
-def rope_cos_sin(config, positions, dtype):
-    """RoPE (Su et al., 2021): dims i and i + hs/2 of every head turn by position * inv_freq[i].
-    The angles are computed in fp32, as transformers does, whatever the model's dtype."""
-    hs, device = config.head_dim, positions.device
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, hs, 2, device=device).float() / hs)
-    if config.rope_scaling:  # llama3: frequencies slower than the original context turn factor
-        s = config.rope_scaling  # times slower still, fast ones stay, a linear ramp between
-        wavelen = 2 * math.pi / inv_freq
-        ramp = ((s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"])
-                / (s["high_freq_factor"] - s["low_freq_factor"])).clamp(0, 1)
-        inv_freq = (1 - ramp) * inv_freq / s["factor"] + ramp * inv_freq
-    angles = positions.float()[:, None] * inv_freq                            # (T, hs/2)
-    angles = torch.cat((angles, angles), dim=-1)[:, None, :]                   # (T, 1, hs)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x, cos, sin):
-    """x (..., T, heads, hs): each pair (x1, x2) turns to (x1 cos - x2 sin, x2 cos + x1 sin)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
-class CausalSelfAttention(nn.Module):
-
-    def __init__(self, config):
-        super().__init__()
-        # this rank's heads (all of them without tensor parallelism): see TP_SPLIT_DIM
-        self.n_head = config.n_head // tp.world_size
-        self.n_kv_head = config.n_kv_head // tp.world_size
-        self.head_dim = config.head_dim
-        qkv_dim = (self.n_head + 2 * self.n_kv_head) * self.head_dim  # q, k, v: one matmul
-        self.c_attn = nn.Linear(config.n_embd, qkv_dim, bias=config.qkv_bias)
-        self.c_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=config.bias)
-
-    def forward(self, x, batch=None, kv_cache=None, rope=None):
-        q, k, v = self.c_attn(x).split([self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
-                                        self.n_kv_head * self.head_dim], dim=-1)
-        q = q.unflatten(-1, (self.n_head, self.head_dim))     # (B, T, nh, hs), paged (T, nh, hs)
-        k = k.unflatten(-1, (self.n_kv_head, self.head_dim))  # (B, T, nkv, hs), paged (T, nkv, hs)
-        v = v.unflatten(-1, (self.n_kv_head, self.head_dim))
-        if rope is not None:  # before the cache: it holds rotated keys, kernels need no positions
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if batch is None:
-            # contiguous (B, T, C): training and the reference path, no cache involved
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hs)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            return all_reduce(self.c_proj(y.transpose(1, 2).flatten(2)))
-        # paged (T, C): first write the new K/V into their slots, then every new token attends
-        # to its sequence's whole context, gathered block by block through the block table
-        k_cache, v_cache = kv_cache                                          # (num_blocks, block_size, nkv, hs)
-        store_kv(k, v, k_cache, v_cache, batch.slot_mapping, use_triton=batch.use_triton)
-        attention = paged_attention if batch.use_triton else paged_attention_torch
-        y = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
-                      1.0 / math.sqrt(self.head_dim), max_q_len=batch.max_q_len)  # (T, nh, hs)
-        return all_reduce(self.c_proj(y.flatten(1)))
-
-
-class MLP(nn.Module):
-
-    def __init__(self, config):
-        super().__init__()
-        n, hidden, bias = config.n_embd, config.intermediate_size // tp.world_size, config.bias
-        self.c_fc = nn.Linear(n, hidden, bias=bias)  # HF Llama: up_proj
-        self.c_gate = nn.Linear(n, hidden, bias=bias) if config.mlp == "swiglu" else None  # Llama
-        self.c_proj = nn.Linear(hidden, n, bias=bias)  # HF Llama: down_proj
-
-    def forward(self, x):
-        if self.c_gate is None:
-            h = F.gelu(self.c_fc(x), approximate="tanh")  # GPT-2's "gelu_new"
-        else:
-            h = F.silu(self.c_gate(x)) * self.c_fc(x)
-        return all_reduce(self.c_proj(h))
-
-
-def norm(config):
-    return (nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon) if config.norm == "rmsnorm"
-            else nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias))
-
-
-class Block(nn.Module):
-
-    def __init__(self, config):
-        super().__init__()
-        self.ln_1 = norm(config)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = norm(config)
-        self.mlp = MLP(config)
-
-    def forward(self, x, batch=None, kv_cache=None, rope=None):
-        x = x + self.attn(self.ln_1(x), batch, kv_cache, rope)
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT(nn.Module):
-
-    def __init__(self, config):
-        super().__init__()
-        for name in ("n_head", "n_kv_head", "intermediate_size"):
-            if (n := getattr(config, name)) % tp.world_size:
-                raise ValueError(f"{name}={n} does not divide by tensor_parallel_size="
-                                 f"{tp.world_size}: each rank holds whole heads, equal MLP slices")
-        self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=None if config.rope_theta else nn.Embedding(config.max_seq_len, config.n_embd),
-            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
-            ln_f=norm(config),
-        ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.transformer.wte.weight
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)  # GPT-2's initializer_range
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
-
-    def forward(self, idx, batch=None, kv_cache=None):
-        """Contiguous: idx (B, T) -> logits (B, T, V). Paged: idx (T,) packed, batch and
-        kv_cache (2, n_layer, num_blocks, block_size, nkv, hs) given -> logits (R, V) at batch.logits_indices."""
-        pos = torch.arange(idx.shape[-1], device=idx.device) if batch is None else batch.positions
-        x, rope = self.transformer.wte(idx), None
-        if self.transformer.wpe is not None:
-            x = x + self.transformer.wpe(pos)
-        else:  # the angles of each token's position, for every layer
-            rope = rope_cos_sin(self.config, pos, x.dtype)
-        for i, block in enumerate(self.transformer.h):
-            x = block(x, batch, None if batch is None else (kv_cache[0, i], kv_cache[1, i]), rope)
-        if batch is not None:
-            x = x[batch.logits_indices]  # the LM head is the widest matmul: run it only where we sample
-        return self.lm_head(self.transformer.ln_f(x))
-
-    @torch.no_grad()
-    def load_full_state_dict(self, state_dict):
-        """Copy in a whole model's state dict, keeping this rank's slice of each tensor."""
-        for name, param in self.named_parameters():
-            param.copy_(tp_shard(name, state_dict[name], self.config))
-        return self
-
-    @classmethod
-    def from_pretrained(cls, path, dtype=torch.float32):
-        """Load a local Hugging Face folder whose config.json says model_type gpt2, llama, mistral
-        or qwen2, from disk. Needs no network and no transformers."""
-        hf = read_hf_config(path)
-        config = gpt2_config(hf, path) if hf["model_type"] == "gpt2" else llama_config(hf, path)
-        model, sd = cls(config), read_hf_weights(path)
-        qkv = [n * config.head_dim for n in (config.n_head, config.n_kv_head, config.n_kv_head)]
-        with torch.no_grad():
-            for name, param in model.named_parameters():  # a tied lm_head is wte, listed once
-                keys = hf_names(name, hf["model_type"])
-                # GPT-2 stores linear layers as Conv1D, weight (in, out): nn.Linear's transposed
-                transpose = hf["model_type"] == "gpt2" and name.endswith(GPT2_CONV1D)
-                whole = list(param.shape)  # the whole model's: all ranks' slices together
-                if (dim := tp_split_dim(name)) is not None:
-                    whole[dim] *= tp.world_size
-                shapes = [(n, *whole[1:]) for n in qkv] if len(keys) == 3 else [whole]
-                for key, shape in zip(keys, shapes):
-                    expected = tuple(shape[::-1] if transpose else shape)
-                    if key not in sd:
-                        raise ValueError(f"{path}: tensor {key!r} is missing from the checkpoint")
-                    if sd[key].shape != expected:
-                        raise ValueError(f"{path}: tensor {key!r} has shape {tuple(sd[key].shape)},"
-                                         f" config.json implies {tuple(expected)}")
-                tensors = [sd[key].t() if transpose else sd[key] for key in keys]
-                tensor = torch.cat(tensors) if len(keys) == 3 else tensors[0]  # q, k, v stacked
-                param.copy_(tp_shard(name, tensor, config))
-        return model.to(dtype).eval()
-
-
-# Checkpoints: GPT-2's names are ours less "transformer."; the Llama family's are below, per layer
-# "transformer.h.N." -> "model.layers.N."; three names are q, k, v, stacked in that order in c_attn.
-GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-HF_LLAMA_NAMES = {
-    "transformer.wte.weight": ["model.embed_tokens.weight"],
-    "ln_1.weight": ["input_layernorm.weight"],
-    "attn.c_attn.weight": [f"self_attn.{x}_proj.weight" for x in "qkv"],
-    "attn.c_attn.bias": [f"self_attn.{x}_proj.bias" for x in "qkv"],  # Qwen2
-    "attn.c_proj.weight": ["self_attn.o_proj.weight"],
-    "ln_2.weight": ["post_attention_layernorm.weight"],
-    "mlp.c_fc.weight": ["mlp.up_proj.weight"],
-    "mlp.c_gate.weight": ["mlp.gate_proj.weight"],
-    "mlp.c_proj.weight": ["mlp.down_proj.weight"],
-    "transformer.ln_f.weight": ["model.norm.weight"],
-    "lm_head.weight": ["lm_head.weight"],  # untied heads only
-}
-
-
-def hf_names(name, model_type):
-    if model_type == "gpt2":
-        return [name.removeprefix("transformer.")]
-    if name.startswith("transformer.h."):
-        layer, _, rest = name.removeprefix("transformer.h.").partition(".")
-        return [f"model.layers.{layer}.{key}" for key in HF_LLAMA_NAMES[rest]]
-    return HF_LLAMA_NAMES[name]
-
-
-def read_hf_config(path):
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"no checkpoint at {path!r}: config.json not found")
-    with open(os.path.join(path, "config.json")) as f:
-        hf = json.load(f)
-    if hf.get("model_type") not in ("gpt2", "llama", "mistral", "qwen2"):
-        raise ValueError(f"{path}: config.json has model_type={hf.get('model_type')!r}; "
-                         "this GPT loads 'gpt2', 'llama', 'mistral' and 'qwen2'")
-    eos = hf.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos  # Llama 3 instruct lists several
-    hf["eos_token_id"] = eos if isinstance(eos, int) and 0 <= eos < hf["vocab_size"] else None
-    return hf
-
-
-def reject(path, hf, key, default, supported, where=""):
-    if hf.get(key, default) not in supported:
-        raise ValueError(f"{path}: config.json sets {where}{key}={hf[key]!r}; this model takes "
-                         "only " + " or ".join(map(repr, supported)))
-
-
-def gpt2_config(hf, path):
-    reject(path, hf, "activation_function", "gelu_new", ("gelu_new", "gelu_pytorch_tanh"))
-    reject(path, hf, "n_inner", None, (None, 4 * hf["n_embd"]))
-    reject(path, hf, "scale_attn_by_inverse_layer_idx", False, (False,))
-    return GPTConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
-                     n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
-                     layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-                     eos_token_id=hf["eos_token_id"])
-
-
-def llama_config(hf, path):
-    # Published folders have rope_theta and rope_scaling; transformers 5 writes rope_parameters.
-    rope = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {}),
-            **(hf.get("rope_parameters") or {})}
-    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
-    for key, supported in [("rope_type", ("default", "llama3")), ("partial_rotary_factor", (1.0,))]:
-        reject(path, rope, key, supported[0], supported, where="rope_scaling / rope_parameters ")
-    for key, default in [("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                         ("use_sliding_window", False)]:  # Qwen2's window is off unless this is on
-        reject(path, hf, key, default, (default,))
-    max_seq_len = hf.get("max_position_embeddings", 2048)
-    if hf["model_type"] == "mistral" and (hf.get("sliding_window") or max_seq_len) < max_seq_len:
-        raise ValueError(f"{path}: config.json sets sliding_window={hf['sliding_window']}, below "
-                         f"max_position_embeddings={max_seq_len}; this model sees all the context")
-    rope.setdefault("original_max_position_embeddings", max_seq_len)  # as transformers, for llama3
-    return GPTConfig(
-        vocab_size=hf["vocab_size"], max_seq_len=max_seq_len, n_layer=hf["num_hidden_layers"],
-        n_head=hf["num_attention_heads"], n_kv_head=hf.get("num_key_value_heads"),
-        n_embd=hf["hidden_size"], head_dim=hf.get("head_dim"), eos_token_id=hf["eos_token_id"],
-        layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), rope_theta=rope["rope_theta"],
-        rope_scaling=rope if rope["rope_type"] == "llama3" else None, norm="rmsnorm", mlp="swiglu",
-        intermediate_size=hf["intermediate_size"], bias=False, qkv_bias=hf["model_type"] == "qwen2",
-        tie_word_embeddings=hf.get("tie_word_embeddings", False))
-
-
-def read_hf_weights(path):
-    """Every tensor of model.safetensors, of the shards its index lists, or of pytorch_model.bin,
-    memory-mapped: each is read as it is copied (or sliced, under tensor parallelism)."""
-    from safetensors.torch import load_file
-    sd, index = {}, os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            for shard in sorted(set(json.load(f)["weight_map"].values())):
-                if not os.path.isfile(os.path.join(path, shard)):
-                    raise ValueError(f"{path}: {shard!r}, a shard the index lists, is missing")
-                sd.update(load_file(os.path.join(path, shard)))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        sd = load_file(os.path.join(path, "model.safetensors"))
-    elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
-        sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu",
-                        weights_only=True, mmap=True)
-    else:
-        raise ValueError(f"{path}: no weights (model.safetensors, its shards or pytorch_model.bin)")
-    return {k.removeprefix("transformer."): v for k, v in sd.items()}  # GPT-2 saves both ways
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]  # n samples in order, or the beams best first
+    time_to_first_token: float  # seconds from add_request to the first sampled token
+    latency: float  # seconds from add_request to the last
+    num_preemptions: int
 
 
 # -----------------------------------------------------------------------------
@@ -679,107 +414,6 @@ class BlockAllocator:
 
 
 # -----------------------------------------------------------------------------
-# Sequences: what a request asks for, and the token streams that serve it
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 is greedy
-    top_k: int = 0  # keep the k likeliest tokens; 0 keeps all
-    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
-    seed: int | None = None  # sample i draws from its own generator, seeded by (seed, i)
-    n: int = 1  # parallel samples of one prompt, sharing its blocks
-    beam_width: int | None = None  # beam search with this many beams; temperature, top_k, top_p unused
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False  # keep going past the model's end-of-text token
-
-    def __post_init__(self):
-        checks = [("max_tokens", self.max_tokens >= 1, ">= 1"), ("temperature", self.temperature >= 0, ">= 0"),
-                  ("top_k", self.top_k >= 0, ">= 0 (0 disables it)"), ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-                  ("n", self.n >= 1, ">= 1"), ("beam_width", self.beam_width is None or self.beam_width >= 1, ">= 1")]
-        for name, ok, allowed in checks:
-            if not ok:
-                raise ValueError(f"SamplingParams.{name} must be {allowed}, got {getattr(self, name)!r}")
-        if self.n > 1 and self.beam_width is not None:
-            raise ValueError("SamplingParams: choose n > 1 (parallel sampling) or beam_width (beam search), not both")
-
-    @property
-    def num_seqs(self):
-        """How many sequences this request can run at once."""
-        return self.beam_width or self.n
-
-
-class Sequence:
-    """One token stream: a prompt and what has been generated after it, with its block table."""
-
-    def __init__(self, seq_id, token_ids, num_prompt_tokens, index=0, request_id=None):
-        self.seq_id, self.request_id, self.index = seq_id, request_id, index  # index: which sample it is
-        self.token_ids = list(token_ids)
-        self.num_prompt_tokens = num_prompt_tokens
-        self.num_computed_tokens = 0  # tokens whose K/V are in the cache; the rest are computed next
-        self.block_table = []  # physical block ids; device blocks, or CPU blocks while swapped out
-        self.block_hashes = []  # prefix-cache keys of its full computed blocks
-        self.cumulative_logprob = 0.0
-        self.generator = None  # per-sample torch.Generator, so seeded output ignores batch-mates
-        self.finish_reason = None
-
-    def __len__(self):
-        return len(self.token_ids)
-
-    @property
-    def output_token_ids(self):
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self):
-        return len(self.token_ids) - self.num_prompt_tokens
-
-    def fork(self, seq_id, index):
-        """A copy that shares everything generated so far; the allocator shares its blocks."""
-        child = Sequence(seq_id, self.token_ids, self.num_prompt_tokens, index, self.request_id)
-        child.num_computed_tokens, child.block_hashes = self.num_computed_tokens, list(self.block_hashes)
-        child.cumulative_logprob = self.cumulative_logprob
-        return child
-
-
-class SequenceGroup:
-    """The sequences of one request, scheduled and preempted together: one while the prompt is
-    prefilled, then n parallel samples or beam_width beams (vLLM's sequence group)."""
-
-    def __init__(self, request_id, prompt_token_ids, params, seq):
-        self.request_id, self.params = request_id, params
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.seqs = [seq]  # the live ones
-        self.finished = []  # finished samples, or finished beam hypotheses (token_ids, logprob, reason)
-        self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
-        self.num_preemptions = 0
-        self.seed = None  # sample i draws from sample_generator(seed, i)
-
-    @property
-    def is_finished(self):
-        return not self.seqs
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    token_ids: list[int]
-    finish_reason: str  # "length" or "stop"
-    cumulative_logprob: float
-
-
-@dataclass
-class RequestOutput:
-    request_id: int
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]  # n samples in order, or the beams best first
-    time_to_first_token: float  # seconds from add_request to the first sampled token
-    latency: float  # seconds from add_request to the last
-    num_preemptions: int
-
-
-# -----------------------------------------------------------------------------
 # The scheduler: first-come-first-served continuous batching, one step at a time
 #
 # Every step re-decides which sequences run (Orca's iteration-level scheduling): finished
@@ -954,13 +588,397 @@ class Scheduler:
 
 
 # -----------------------------------------------------------------------------
-# Sampling
+# The model: one GPT for GPT-2 and the Llama family (Llama, Mistral, Qwen2), told apart by a
+# few config switches as in litgpt; its attention reads and writes K/V through block tables
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50257  # GPT-2's BPE vocabulary; 256 for the byte-level demo model
+    max_seq_len: int = 1024  # learned positions make this a hard context limit (HF: n_positions)
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    n_kv_head: int | None = None  # fewer K/V heads than query heads is GQA; None means n_head (GPT-2)
+    head_dim: int | None = None  # None: n_embd // n_head; some checkpoints choose their own
+    layer_norm_epsilon: float = 1e-5  # the eps of either norm (HF Llama: rms_norm_eps)
+    eos_token_id: int | None = None  # GPT-2's <|endoftext|> is 50256; the byte model has none
+    rope_theta: float | None = None  # None: GPT-2's learned positions; else rotary, of this base
+    rope_scaling: dict | None = None  # Llama 3.1's "llama3" slowing of the slow rotary frequencies
+    norm: str = "layernorm"  # Llama's "rmsnorm" divides by the root mean square: no mean, no bias
+    mlp: str = "gelu"  # Llama's "swiglu" gates the MLP: down(silu(gate(x)) * up(x))
+    intermediate_size: int | None = None  # the MLP's hidden width; None: GPT-2's 4 * n_embd
+    bias: bool = True  # GPT-2 has biases in every linear layer and norm; Llama has none
+    qkv_bias: bool | None = None  # Qwen2 keeps biases on q, k and v alone; None follows bias
+    tie_word_embeddings: bool = True  # the output head is wte (GPT-2, the small Qwen2 models)
+
+    def __post_init__(self):
+        self.n_kv_head = self.n_kv_head or self.n_head
+        if self.n_head % self.n_kv_head or self.head_dim is None and self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must divide by n_head ({self.n_head}) "
+                             f"and n_head by n_kv_head ({self.n_kv_head})")
+        if self.norm not in ("layernorm", "rmsnorm") or self.mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"norm must be 'layernorm' or 'rmsnorm' (got {self.norm!r}), "
+                             f"mlp 'gelu' or 'swiglu' (got {self.mlp!r})")
+        self.head_dim = self.head_dim or self.n_embd // self.n_head
+        self.intermediate_size = self.intermediate_size or 4 * self.n_embd
+        self.qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
+
+
+@dataclass
+class Batch:
+    """One engine step, packed: the new tokens of every scheduled sequence, back to back."""
+    input_ids: torch.Tensor       # (T,) int64, T = total new tokens this step
+    positions: torch.Tensor       # (T,) int64, position of each token in its sequence
+    slot_mapping: torch.Tensor    # (T,) int64, physical KV slot each new token is written to
+    block_tables: torch.Tensor    # (S, max_blocks) int32, -1 past each sequence's last block
+    seq_lens: torch.Tensor        # (S,) int32, context length including the new tokens
+    cu_seqlens_q: torch.Tensor    # (S+1,) int32, sequence i's new tokens are [cu[i], cu[i+1])
+    max_q_len: int                # longest run of new tokens, so the kernel needs no host sync
+    logits_indices: torch.Tensor  # (R,) int64, rows whose next-token logits we need
+    use_triton: bool = False      # the Triton kernel, or the plain-torch paged path
+
+
+def rope_cos_sin(config, positions, dtype):
+    """RoPE (Su et al., 2021): dims i and i + hs/2 of every head turn by position * inv_freq[i].
+    The angles are computed in fp32, as transformers does, whatever the model's dtype."""
+    hs, device = config.head_dim, positions.device
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, hs, 2, device=device).float() / hs)
+    if config.rope_scaling:  # llama3: frequencies slower than the original context turn factor
+        s = config.rope_scaling  # times slower still, fast ones stay, a linear ramp between
+        wavelen = 2 * math.pi / inv_freq
+        ramp = ((s["original_max_position_embeddings"] / wavelen - s["low_freq_factor"])
+                / (s["high_freq_factor"] - s["low_freq_factor"])).clamp(0, 1)
+        inv_freq = (1 - ramp) * inv_freq / s["factor"] + ramp * inv_freq
+    angles = positions.float()[:, None] * inv_freq                            # (T, hs/2)
+    angles = torch.cat((angles, angles), dim=-1)[:, None, :]                   # (T, 1, hs)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x (..., T, heads, hs): each pair (x1, x2) turns to (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class CausalSelfAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        # this rank's heads (all of them without tensor parallelism): see TP_SPLIT_DIM
+        self.n_head = config.n_head // tp.world_size
+        self.n_kv_head = config.n_kv_head // tp.world_size
+        self.head_dim = config.head_dim
+        qkv_dim = (self.n_head + 2 * self.n_kv_head) * self.head_dim  # q, k, v: one matmul
+        self.c_attn = nn.Linear(config.n_embd, qkv_dim, bias=config.qkv_bias)
+        self.c_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=config.bias)
+
+    def forward(self, x, batch=None, kv_cache=None, rope=None):
+        q, k, v = self.c_attn(x).split([self.n_head * self.head_dim, self.n_kv_head * self.head_dim,
+                                        self.n_kv_head * self.head_dim], dim=-1)
+        q = q.unflatten(-1, (self.n_head, self.head_dim))     # (B, T, nh, hs), paged (T, nh, hs)
+        k = k.unflatten(-1, (self.n_kv_head, self.head_dim))  # (B, T, nkv, hs), paged (T, nkv, hs)
+        v = v.unflatten(-1, (self.n_kv_head, self.head_dim))
+        if rope is not None:  # before the cache: it holds rotated keys, kernels need no positions
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if batch is None:
+            # contiguous (B, T, C): training and the reference path, no cache involved
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hs)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            return all_reduce(self.c_proj(y.transpose(1, 2).flatten(2)))
+        # paged (T, C): first write the new K/V into their slots, then every new token attends
+        # to its sequence's whole context, gathered block by block through the block table
+        k_cache, v_cache = kv_cache                                          # (num_blocks, block_size, nkv, hs)
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping, use_triton=batch.use_triton)
+        attention = paged_attention if batch.use_triton else paged_attention_torch
+        y = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
+                      1.0 / math.sqrt(self.head_dim), max_q_len=batch.max_q_len)  # (T, nh, hs)
+        return all_reduce(self.c_proj(y.flatten(1)))
+
+
+class MLP(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        n, hidden, bias = config.n_embd, config.intermediate_size // tp.world_size, config.bias
+        self.c_fc = nn.Linear(n, hidden, bias=bias)  # HF Llama: up_proj
+        self.c_gate = nn.Linear(n, hidden, bias=bias) if config.mlp == "swiglu" else None  # Llama
+        self.c_proj = nn.Linear(hidden, n, bias=bias)  # HF Llama: down_proj
+
+    def forward(self, x):
+        if self.c_gate is None:
+            h = F.gelu(self.c_fc(x), approximate="tanh")  # GPT-2's "gelu_new"
+        else:
+            h = F.silu(self.c_gate(x)) * self.c_fc(x)
+        return all_reduce(self.c_proj(h))
+
+
+def norm(config):
+    return (nn.RMSNorm(config.n_embd, eps=config.layer_norm_epsilon) if config.norm == "rmsnorm"
+            else nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias))
+
+
+class Block(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = norm(config)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = norm(config)
+        self.mlp = MLP(config)
+
+    def forward(self, x, batch=None, kv_cache=None, rope=None):
+        x = x + self.attn(self.ln_1(x), batch, kv_cache, rope)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        for name in ("n_head", "n_kv_head", "intermediate_size"):
+            if (n := getattr(config, name)) % tp.world_size:
+                raise ValueError(f"{name}={n} does not divide by tensor_parallel_size="
+                                 f"{tp.world_size}: each rank holds whole heads, equal MLP slices")
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            wpe=None if config.rope_theta else nn.Embedding(config.max_seq_len, config.n_embd),
+            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+            ln_f=norm(config),
+        ))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)  # GPT-2's initializer_range
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx, batch=None, kv_cache=None):
+        """Contiguous: idx (B, T) -> logits (B, T, V). Paged: idx (T,) packed, batch and
+        kv_cache (2, n_layer, num_blocks, block_size, nkv, hs) given -> logits (R, V) at batch.logits_indices."""
+        pos = torch.arange(idx.shape[-1], device=idx.device) if batch is None else batch.positions
+        x, rope = self.transformer.wte(idx), None
+        if self.transformer.wpe is not None:
+            x = x + self.transformer.wpe(pos)
+        else:  # the angles of each token's position, for every layer
+            rope = rope_cos_sin(self.config, pos, x.dtype)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, batch, None if batch is None else (kv_cache[0, i], kv_cache[1, i]), rope)
+        if batch is not None:
+            x = x[batch.logits_indices]  # the LM head is the widest matmul: run it only where we sample
+        return self.lm_head(self.transformer.ln_f(x))
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict):
+        """Copy in a whole model's state dict, keeping this rank's slice of each tensor."""
+        for name, param in self.named_parameters():
+            param.copy_(tp_shard(name, state_dict[name], self.config))
+        return self
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=torch.float32):
+        """Load a local Hugging Face folder whose config.json says model_type gpt2, llama, mistral
+        or qwen2, from disk. Needs no network and no transformers."""
+        hf = read_hf_config(path)
+        config = gpt2_config(hf, path) if hf["model_type"] == "gpt2" else llama_config(hf, path)
+        model, sd = cls(config), read_hf_weights(path)
+        qkv = [n * config.head_dim for n in (config.n_head, config.n_kv_head, config.n_kv_head)]
+        with torch.no_grad():
+            for name, param in model.named_parameters():  # a tied lm_head is wte, listed once
+                keys = hf_names(name, hf["model_type"])
+                # GPT-2 stores linear layers as Conv1D, weight (in, out): nn.Linear's transposed
+                transpose = hf["model_type"] == "gpt2" and name.endswith(GPT2_CONV1D)
+                whole = list(param.shape)  # the whole model's: all ranks' slices together
+                if (dim := tp_split_dim(name)) is not None:
+                    whole[dim] *= tp.world_size
+                shapes = [(n, *whole[1:]) for n in qkv] if len(keys) == 3 else [whole]
+                for key, shape in zip(keys, shapes):
+                    expected = tuple(shape[::-1] if transpose else shape)
+                    if key not in sd:
+                        raise ValueError(f"{path}: tensor {key!r} is missing from the checkpoint")
+                    if sd[key].shape != expected:
+                        raise ValueError(f"{path}: tensor {key!r} has shape {tuple(sd[key].shape)},"
+                                         f" config.json implies {tuple(expected)}")
+                tensors = [sd[key].t() if transpose else sd[key] for key in keys]
+                tensor = torch.cat(tensors) if len(keys) == 3 else tensors[0]  # q, k, v stacked
+                param.copy_(tp_shard(name, tensor, config))
+        return model.to(dtype).eval()
+
+
+# -----------------------------------------------------------------------------
+# Tensor parallelism (paper, section 4.6): Megatron-LM's split of each layer across ranks
+#
+# Under torchrun, each of tensor_parallel_size ranks holds a slice of every attention and MLP
+# layer. A column-parallel layer (c_attn, c_fc, c_gate) keeps its rows of the weight: its query
+# heads, K/V heads or MLP columns. The row-parallel c_proj after it keeps the matching input
+# columns, so its output is a partial sum that one all-reduce completes. Embeddings, norms and
+# the LM head are replicated, and each rank caches the K/V of its own heads only.
+# (Shoeybi et al., "Megatron-LM", 2019, section 3; as vLLM runs it, paper section 4.6.)
+
+tp = SimpleNamespace(rank=0, world_size=1)  # this process's place in the group; 1 without torchrun
+# The weight dim each layer splits along: 0, output rows (column-parallel); 1, input columns
+# (row-parallel). c_attn is fused [q | k | v]: each of the three splits on its own.
+TP_SPLIT_DIM = {"attn.c_attn": 0, "mlp.c_fc": 0, "mlp.c_gate": 0, "attn.c_proj": 1, "mlp.c_proj": 1}
+
+
+def init_tensor_parallel(tensor_parallel_size, timeout_s=300):
+    """Join the group torchrun launched: gloo on CPUs, NCCL on GPUs. Models built after this
+    hold this rank's slice of each layer, and Engines the K/V of its heads."""
+    size, launched = tensor_parallel_size, os.environ.get("WORLD_SIZE")
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
+    if launched is None and size > 1:
+        raise ValueError(f"tensor_parallel_size={size} needs one process per rank: launch with "
+                         f"torchrun --nproc-per-node {size} (RANK and WORLD_SIZE are not set)")
+    if int(launched or 1) != size:
+        raise ValueError(f"tensor_parallel_size={size} but torchrun launched {launched} "
+                         f"processes: give torchrun --nproc-per-node {size}, or "
+                         f"tensor_parallel_size={launched}")
+    if size == 1:
+        return
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        # The timeout bounds every collective: when a rank dies, the others raise, not hang.
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                timeout=timedelta(seconds=timeout_s))
+    tp.rank, tp.world_size = dist.get_rank(), dist.get_world_size()
+
+
+def all_reduce(x):
+    """Complete a row-parallel layer's partial sums; every rank gets the same bits."""
+    if tp.world_size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def broadcast(x):
+    """Rank 0's x on every rank: rank 0 decides, the others follow."""
+    if tp.world_size > 1:
+        dist.broadcast(x, src=0)
+    return x
+
+
+def tp_split_dim(name):
+    """The dim along which the whole-model tensor `name` splits; None: each rank holds it all."""
+    layer, kind = name.rsplit(".", 1)
+    dim = TP_SPLIT_DIM.get(".".join(layer.split(".")[-2:]))  # h.3.attn.c_attn -> attn.c_attn
+    return None if tp.world_size == 1 or kind == "bias" and dim == 1 else dim
+
+
+def tp_shard(name, tensor, config):
+    """This rank's slice of one whole-model tensor. Loading calls it as it reads each tensor,
+    so no rank ever holds the whole model on its device."""
+    dim = tp_split_dim(name)
+    if dim is None:  # replicated; but a row-parallel bias must enter the all-reduce's sum once
+        row_bias = tp.world_size > 1 and name.endswith("c_proj.bias")
+        return tensor * (tp.rank == 0) if row_bias else tensor
+    qkv = [n * config.head_dim for n in (config.n_head, config.n_kv_head, config.n_kv_head)]
+    parts = tensor.split(qkv) if ".c_attn." in name else [tensor]
+    return torch.cat([part.chunk(tp.world_size, dim)[tp.rank] for part in parts], dim)
+
+
+# -----------------------------------------------------------------------------
+# The model runner: the scheduler's decision becomes block copies and one packed batch
+#
+# The worker of the paper's system overview (section 4.3): it owns the model and the KV
+# cache, performs the swaps and copy-on-write copies the scheduler ordered, then runs every
+# scheduled token of every sequence as one varlen batch through the paged attention kernel.
+
+
+class ModelRunner:
+
+    def __init__(self, model, num_blocks, num_cpu_blocks, block_size, use_triton, device):
+        config, dtype = model.config, next(model.parameters()).dtype
+        self.model, self.block_size, self.use_triton, self.device = model, block_size, use_triton, device
+        # Each rank holds its own K/V heads (see tensor parallelism above).
+        block_shape = (block_size, config.n_kv_head // tp.world_size, config.head_dim)
+        # The KV cache is one tensor, so a block copy (copy-on-write, swap) is one indexing op
+        # for all layers.
+        self.kv_cache = torch.zeros(2, config.n_layer, num_blocks, *block_shape,
+                                    dtype=dtype, device=device)
+        # The swap space is block-major and pinned, so each block moves by one direct
+        # non_blocking copy (DMA) that does not stall the host; it runs on the step's stream,
+        # before the forward.
+        self.cpu_kv_cache = torch.zeros(num_cpu_blocks, 2, config.n_layer, *block_shape,
+                                        dtype=dtype, pin_memory=device.type == "cuda")
+
+    def execute(self, out):
+        """Copy the blocks out orders, then run its scheduled tokens. Returns the logits (R, V)
+        after each sequence whose last token is now computed, or None if nothing runs."""
+        self.copy_blocks(out)
+        if not out.scheduled:
+            return None
+        batch = self.prepare(out.scheduled)
+        with torch.inference_mode():
+            return self.model(batch.input_ids, batch, self.kv_cache)  # (R, V)
+
+    def copy_blocks(self, out):
+        # Order matters: blocks swapped out may be handed to others this very step, and
+        # copy-on-write may copy a block that was just swapped in.
+        if out.blocks_to_swap_out:
+            src, dst = zip(*out.blocks_to_swap_out)
+            staged = self.kv_cache[:, :, list(src)].movedim(2, 0).contiguous()  # (n, 2, L, ...)
+            for block, cpu_block in zip(staged, dst):
+                self.cpu_kv_cache[cpu_block].copy_(block, non_blocking=True)
+        if out.blocks_to_swap_in:
+            src, dst = zip(*out.blocks_to_swap_in)
+            staged = torch.stack([self.cpu_kv_cache[b].to(self.device, non_blocking=True)
+                                  for b in src])                              # (n, 2, L, ...)
+            self.kv_cache[:, :, list(dst)] = staged.movedim(0, 2)
+        if out.blocks_to_copy:  # copy-on-write, every block of the step in one batched copy
+            src, dst = zip(*out.blocks_to_copy)
+            self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
+
+    def prepare(self, scheduled):
+        """Pack the scheduled tokens of all sequences into one varlen batch: the tokens
+        [num_computed_tokens, num_computed_tokens + num_new) of each."""
+        bs = self.block_size
+        max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
+        padding = [[-1] * i for i in range(max_blocks + 1)]  # block table rows end in -1s
+        input_ids, positions, slot_mapping, block_tables, seq_lens = [], [], [], [], []
+        cu_seqlens_q, logits_indices = [0], []
+        for seq, num_new in scheduled:
+            table = seq.block_table
+            start = seq.num_computed_tokens
+            end = start + num_new
+            input_ids += seq.token_ids[start:end]
+            positions += range(start, end)
+            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            block_tables += table
+            block_tables += padding[max_blocks - len(table)]
+            seq_lens.append(end)
+            cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
+            if end == len(seq):  # its last token is in: we need the logits that follow it
+                logits_indices.append(cu_seqlens_q[-1] - 1)
+
+        def tensor(x, dtype=torch.int64):
+            return torch.tensor(x, dtype=dtype, device=self.device)
+        block_tables = tensor(block_tables, torch.int32).view(len(scheduled), max_blocks)
+        return Batch(tensor(input_ids), tensor(positions), tensor(slot_mapping), block_tables,
+                     tensor(seq_lens, torch.int32), tensor(cu_seqlens_q, torch.int32),
+                     max(n for _, n in scheduled), tensor(logits_indices), self.use_triton)
+
+
+# -----------------------------------------------------------------------------
+# Output processing: sampling, parallel samples, beam search, stop rules
+#
+# Each group whose sequences got logits this step moves on by one token: sampled, or chosen
+# by beam search (paper, section 4.4). Parallel samples fork from the prompt here, sharing
+# its blocks; a finished sequence frees its blocks at once.
 
 
 def sample_generator(seed, index, device):
-    """Sample index's own generator, seeded by a 64-bit hash of the pair (seed, index), so distinct
-    pairs draw distinct streams (seed + index made seed 0's sample 1 replay seed 1's sample 0).
-    A CUDA generator keeps all 64 bits, torch's CPU one the low 32: a clash has odds 2**-32."""
+    """Sample index's own generator, seeded by a 64-bit hash of the pair (seed, index), so
+    distinct pairs draw distinct streams (seed + index made seed 0's sample 1 replay seed 1's
+    sample 0). A CUDA generator keeps all 64 bits, torch's CPU one the low 32: a clash has
+    odds 2**-32."""
     digest = hashlib.blake2b(f"{seed},{index}".encode(), digest_size=8).digest()
     return torch.Generator(device).manual_seed(int.from_bytes(digest, "little"))
 
@@ -1004,8 +1022,414 @@ def sample(logits, temperatures, top_ks, top_ps, generators):
     return tokens
 
 
+class OutputProcessor:
+
+    def __init__(self, config, allocator, scheduler, requests, seq_ids, device):
+        self.config, self.allocator, self.scheduler = config, allocator, scheduler
+        self.requests = requests  # the engine's: request_id -> SequenceGroup
+        self.seq_ids = seq_ids  # the engine's counter of sequence ids, shared with forks
+        self.device = device
+        self.num_generated_tokens = 0
+
+    def process(self, scheduled, logits):
+        """Advance the scheduled sequences past their new tokens, then give each group whose
+        sequences got logits its next token. Returns the RequestOutputs of groups now done."""
+        row_of = {}  # seq_id -> its row of logits, for sequences whose last token is now in
+        for seq, num_new in scheduled:
+            seq.num_computed_tokens += num_new
+            self.allocator.cache_full_blocks(seq)
+            if seq.num_computed_tokens == len(seq):
+                row_of[seq.seq_id] = len(row_of)
+        # The scheduler completes all sequences of a group in the same step.
+        ready = list({seq.request_id: self.requests[seq.request_id] for seq, _ in scheduled
+                      if seq.seq_id in row_of}.values())
+        to_sample = []  # (group, seq, row)
+        for group in ready:
+            if group.first_token_time is None:
+                group.first_token_time = time.perf_counter()
+            if group.params.beam_width is not None:
+                self.beam_search_step(group, logits[[row_of[seq.seq_id] for seq in group.seqs]])
+                continue
+            prompt_row = row_of.get(group.seqs[0].seq_id)
+            if group.params.n > 1 and len(group.seqs) == 1 and group.seqs[0].num_output_tokens == 0:
+                self.fork_samples(group)  # they draw their first tokens from the prompt's logits
+            to_sample += [(group, seq, row_of.get(seq.seq_id, prompt_row)) for seq in group.seqs]
+        if to_sample:
+            self.sample_tokens(to_sample, logits)
+        self.scheduler.remove_finished()
+        return [self.output(g) for g in ready if g.is_finished]
+
+    def sample_tokens(self, to_sample, logits):
+        """Draw one token for each (group, seq, row of logits); finish the seqs that stop."""
+        params = [g.params for g, _, _ in to_sample]
+        rows = [r for _, _, r in to_sample]
+        logits = logits if rows == list(range(len(logits))) else logits[rows]           # (S, V)
+        tokens = sample(logits, [p.temperature for p in params], [p.top_k for p in params],
+                        [p.top_p for p in params], [seq.generator for _, seq, _ in to_sample])
+        # Tensor parallel ranks run this same scheduler on bit-identical logits (the all-reduce
+        # gives each the same sum), so greedy picks, beams and stops agree; a random draw may
+        # not (unseeded, each rank has its own seed), so all take rank 0's tokens.
+        tokens = broadcast(tokens)
+        logprobs = logits.float().log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+        for (group, seq, _), token, logprob in zip(to_sample, tokens.tolist(), logprobs.tolist()):
+            seq.token_ids.append(token)
+            seq.cumulative_logprob += logprob
+            reason = self.stop_reason(seq, group.params)
+            if reason:
+                seq.finish_reason = reason
+                self.allocator.free(seq)
+                group.seqs.remove(seq)
+                group.finished.append(seq)
+        self.num_generated_tokens += len(to_sample)
+
+    def is_stop(self, token, params):
+        eos = token == self.config.eos_token_id and not params.ignore_eos
+        return token in params.stop_token_ids or eos
+
+    def stop_reason(self, seq, params):
+        if self.is_stop(seq.token_ids[-1], params):
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens:
+            return "length"
+        return None
+
+    def fork(self, seq, index=0):
+        child = seq.fork(next(self.seq_ids), index)
+        self.allocator.fork(seq, child)
+        return child
+
+    def fork_samples(self, group):
+        """Parallel sampling: the prompt was prefilled once; n - 1 forks share all its blocks,
+        and the shared partial last block is copied on the first write (paper, section 4.4)."""
+        parent = group.seqs[0]
+        for i in range(1, group.params.n):
+            child = self.fork(parent, index=i)
+            if parent.generator is not None:
+                child.generator = sample_generator(group.seed, i, self.device)
+            group.seqs.append(child)
+
+    def beam_search_step(self, group, logits):
+        """Keep the beam_width best one-token extensions of the live beams, by cumulative
+        log-probability. A beam chosen twice forks, so both continuations share its blocks;
+        a beam not chosen is freed, and what it shared lives on in the survivors."""
+        params, width, beams = group.params, group.params.beam_width, group.seqs
+        logprobs = logits.double().log_softmax(-1)                                       # (k, V)
+        cumulative = torch.tensor([seq.cumulative_logprob for seq in beams],
+                                  dtype=torch.float64, device=logprobs.device)
+        scores = logprobs + cumulative[:, None]                                          # (k, V)
+        V = scores.shape[1]
+        # Enough candidates that width of them survive even if the best ones all end in a stop.
+        num_candidates = min(scores.numel(), width * (2 + len(params.stop_token_ids)))
+        top = scores.flatten().topk(num_candidates)
+        # (parent, token, score), best first; ties go to the earlier beam, then the smaller token
+        picks = []
+        candidates = sorted(zip(top.values.tolist(), top.indices.tolist()),
+                            key=lambda c: (-c[0], c[1]))
+        for score, flat in candidates:
+            parent, token = divmod(flat, V)
+            if self.is_stop(token, params):
+                hypothesis = beams[parent].output_token_ids + [token]
+                group.finished.append((hypothesis, score, "stop"))
+            else:
+                picks.append((parent, token, score))
+            if len(picks) == width:
+                break
+        survivors, chosen = [], set()
+        for parent, token, score in picks:
+            seq = self.fork(beams[parent]) if parent in chosen else beams[parent]
+            chosen.add(parent)
+            survivors.append((seq, token, score))
+        for i, seq in enumerate(beams):
+            if i not in chosen:
+                self.allocator.free(seq)
+        group.seqs = []
+        for seq, token, score in survivors:
+            seq.token_ids.append(token)
+            seq.cumulative_logprob = score
+            group.seqs.append(seq)
+        # no survivor when every candidate ended in a stop token: then the group is done as it is
+        out_of_tokens = bool(group.seqs) and group.seqs[0].num_output_tokens >= params.max_tokens
+        if out_of_tokens or len(group.finished) >= width:  # width hypotheses, or no more room
+            for seq in group.seqs:
+                if out_of_tokens:
+                    group.finished.append((seq.output_token_ids, seq.cumulative_logprob, "length"))
+                self.allocator.free(seq)
+            group.seqs = []
+        self.num_generated_tokens += len(survivors)
+
+    def output(self, group):
+        self.requests.pop(group.request_id)
+        group.finish_time = time.perf_counter()
+        if group.params.beam_width is not None:
+            # rank by length-normalised log-probability, so short hypotheses are not favoured
+            best = sorted(group.finished, key=lambda h: -h[1] / len(h[0]))
+            outputs = [CompletionOutput(i, tokens, reason, logprob)
+                       for i, (tokens, logprob, reason) in enumerate(best[:group.params.beam_width])]
+        else:
+            outputs = [CompletionOutput(seq.index, seq.output_token_ids, seq.finish_reason,
+                                        seq.cumulative_logprob)
+                       for seq in sorted(group.finished, key=lambda s: s.index)]
+        return RequestOutput(group.request_id, group.prompt_token_ids, outputs,
+                             group.first_token_time - group.arrival_time,
+                             group.finish_time - group.arrival_time, group.num_preemptions)
+
+
 # -----------------------------------------------------------------------------
-# The engine: schedule, copy blocks, run one packed batch, sample, repeat
+# The engine: the step loop and the public API
+#
+# One step (Orca's iteration-level scheduling): the scheduler decides which tokens run and
+# which blocks move; the model runner copies the blocks and runs one packed batch; the output
+# processor samples the next tokens and retires finished requests.
+
+
+class Engine:
+
+    def __init__(self, model, block_size=16, num_blocks=None, kv_cache_bytes=None,
+                 num_cpu_blocks=None, preemption_mode="recompute", enable_prefix_caching=True,
+                 max_num_seqs=256, max_num_batched_tokens=2048, device=None,
+                 attention_backend=None):
+        try:
+            device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        except (RuntimeError, TypeError):
+            raise ValueError(f"Engine: device must be like 'cpu', 'cuda' or 'cuda:1', "
+                             f"got {device!r}") from None
+        if not isinstance(model, nn.Module) or not isinstance(getattr(model, "config", None),
+                                                              GPTConfig):
+            raise ValueError(f"Engine: model must be a GPT (or a module with a GPTConfig as "
+                             f".config), got {type(model).__name__}")
+        # The Triton kernel on a GPU; on the CPU the torch path (the interpreter is ~1000x slower).
+        attention_backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
+        config, dtype = model.config, next(model.parameters()).dtype
+        check_engine_settings(config, dtype, device, attention_backend, preemption_mode,
+                              enable_prefix_caching, block_size=block_size, num_blocks=num_blocks,
+                              kv_cache_bytes=kv_cache_bytes, num_cpu_blocks=num_cpu_blocks,
+                              max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens)
+        self.model = model.to(device).eval()
+        self.config = config
+        self.device = device
+        self.block_size = block_size
+        # The KV cache is sized like vLLM's: by a byte budget, by default 90% of free GPU
+        # memory. Each rank holds its own K/V heads: the same budget makes tp times the blocks.
+        kv_heads = config.n_kv_head // tp.world_size
+        bytes_per_block = 2 * config.n_layer * block_size * kv_heads * config.head_dim
+        bytes_per_block *= dtype.itemsize
+        if num_blocks is None:
+            if kv_cache_bytes is None:  # but no more than max_num_seqs full-length sequences use
+                free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 30
+                most = bytes_per_block * max_num_seqs * cdiv(config.max_seq_len, block_size)
+                kv_cache_bytes = min(int(0.9 * free), most)
+            num_blocks = kv_cache_bytes // bytes_per_block
+            if num_blocks < 1:
+                raise ValueError(f"Engine: kv_cache_bytes={kv_cache_bytes} is smaller than one KV "
+                                 f"block ({bytes_per_block} bytes at block_size={block_size})")
+        if num_cpu_blocks is None:  # swap space as large as the device pool, when swapping
+            num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
+        self.allocator = BlockAllocator(num_blocks, block_size, num_cpu_blocks,
+                                        enable_prefix_caching)
+        self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens,
+                                   preemption_mode)
+        self.model_runner = ModelRunner(self.model, num_blocks, num_cpu_blocks, block_size,
+                                        attention_backend == "triton", device)
+        self.kv_cache = self.model_runner.kv_cache  # (2, n_layer, num_blocks, block_size, nkv, hs)
+        self.requests = {}  # request_id -> SequenceGroup, until it finishes or is aborted
+        self.request_ids = itertools.count()
+        self.seq_ids = itertools.count()
+        self.output_processor = OutputProcessor(config, self.allocator, self.scheduler,
+                                                self.requests, self.seq_ids, device)
+
+    def step(self):
+        """Run one scheduling step; returns the RequestOutputs of requests that finished in it.
+        If the model raises, no sequence has advanced: the engine stays consistent, stats() is
+        true, and the next step computes the same tokens again."""
+        out = self.scheduler.schedule()
+        logits = self.model_runner.execute(out)
+        if logits is None:
+            return []
+        return self.output_processor.process(out.scheduled, logits)
+
+    # -- requests -----------------------------------------------------------------------
+
+    def add_request(self, prompt_token_ids, params=None):
+        """Queue a request; returns its id. step() advances it, abort() drops it."""
+        params = params if params is not None else SamplingParams()
+        return self._enqueue(self.check_request(prompt_token_ids, params), params)
+
+    def _enqueue(self, prompt_token_ids, params):
+        request_id = next(self.request_ids)
+        seq = Sequence(next(self.seq_ids), prompt_token_ids, len(prompt_token_ids),
+                       request_id=request_id)
+        group = SequenceGroup(request_id, prompt_token_ids, params, seq)
+        if params.beam_width is None and params.temperature > 0:
+            # sample i draws from (seed, i); without a seed, a seed drawn from torch's global RNG
+            group.seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
+            seq.generator = sample_generator(group.seed, 0, self.device)
+        self.requests[request_id] = group
+        self.scheduler.add(group)
+        return request_id
+
+    def abort(self, request_id):
+        """Stop a request wherever it is (waiting, running, swapped, mid-prefill); frees its
+        blocks."""
+        group = self.requests.pop(request_id, None)
+        if group is None:
+            raise ValueError(f"no unfinished request with id {request_id}")
+        self.scheduler.abort(group)
+
+    def check_request(self, prompt, params):
+        """Raise ValueError saying what is wrong with a request, before it takes any block. A
+        prompt is a list or tuple of token ids, or a 1-D integer tensor; returns it as a list."""
+        return check_request(prompt, params, self.config, self.scheduler, self.allocator)
+
+    def generate(self, prompts, params=None, progress=False):
+        """Serve prompts (token id lists or 1-D tensors) to the end; one RequestOutput per
+        prompt, in order. params: one SamplingParams for all, or a list with one per prompt."""
+        if not isinstance(params, list):
+            params = [params if params is not None else SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        if self.requests:  # their outputs would come out of step() here, with nobody to take them
+            raise ValueError(f"generate() needs an idle engine, but {len(self.requests)} requests "
+                             "added with add_request() are unfinished: step() them to the end or "
+                             "abort() them first")
+        checked = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):  # reject a bad batch whole, first
+            try:
+                checked.append(self.check_request(prompt, p))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = [self._enqueue(prompt, p) for prompt, p in zip(checked, params)]
+        outputs, start, last_print = {}, time.perf_counter(), 0.0
+        while any(i not in outputs for i in ids):
+            for output in self.step():
+                outputs[output.request_id] = output
+            if progress and (time.perf_counter() - last_print > 0.1 or len(outputs) == len(ids)):
+                last_print = time.perf_counter()
+                line = self.progress_line(len(outputs), len(ids), last_print - start)
+                print("\r" + line + "\x1b[K", end="", file=sys.stderr, flush=True)
+        if progress:
+            print(file=sys.stderr)
+        return [outputs[i] for i in ids]
+
+    def stats(self):
+        return engine_stats(self)
+
+    def progress_line(self, done, total, elapsed):
+        s = self.stats()
+        return (f"[{done}/{total} requests] running {s['num_running']} waiting {s['num_waiting']} "
+                f"swapped {s['num_swapped']} preempted {s['num_preemptions']} | "
+                f"{s['num_generated_tokens'] / max(elapsed, 1e-9):.0f} tok/s | "
+                f"KV blocks {s['num_blocks'] - s['num_free_blocks']}/{s['num_blocks']}")
+
+
+# -----------------------------------------------------------------------------
+# Appendix: loading checkpoints
+
+# Checkpoints: GPT-2's names are ours less "transformer."; the Llama family's are below, per layer
+# "transformer.h.N." -> "model.layers.N."; three names are q, k, v, stacked in that order in c_attn.
+GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+HF_LLAMA_NAMES = {
+    "transformer.wte.weight": ["model.embed_tokens.weight"],
+    "ln_1.weight": ["input_layernorm.weight"],
+    "attn.c_attn.weight": [f"self_attn.{x}_proj.weight" for x in "qkv"],
+    "attn.c_attn.bias": [f"self_attn.{x}_proj.bias" for x in "qkv"],  # Qwen2
+    "attn.c_proj.weight": ["self_attn.o_proj.weight"],
+    "ln_2.weight": ["post_attention_layernorm.weight"],
+    "mlp.c_fc.weight": ["mlp.up_proj.weight"],
+    "mlp.c_gate.weight": ["mlp.gate_proj.weight"],
+    "mlp.c_proj.weight": ["mlp.down_proj.weight"],
+    "transformer.ln_f.weight": ["model.norm.weight"],
+    "lm_head.weight": ["lm_head.weight"],  # untied heads only
+}
+
+
+def hf_names(name, model_type):
+    if model_type == "gpt2":
+        return [name.removeprefix("transformer.")]
+    if name.startswith("transformer.h."):
+        layer, _, rest = name.removeprefix("transformer.h.").partition(".")
+        return [f"model.layers.{layer}.{key}" for key in HF_LLAMA_NAMES[rest]]
+    return HF_LLAMA_NAMES[name]
+
+
+def read_hf_config(path):
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"no checkpoint at {path!r}: config.json not found")
+    with open(os.path.join(path, "config.json")) as f:
+        hf = json.load(f)
+    if hf.get("model_type") not in ("gpt2", "llama", "mistral", "qwen2"):
+        raise ValueError(f"{path}: config.json has model_type={hf.get('model_type')!r}; "
+                         "this GPT loads 'gpt2', 'llama', 'mistral' and 'qwen2'")
+    eos = hf.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos  # Llama 3 instruct lists several
+    hf["eos_token_id"] = eos if isinstance(eos, int) and 0 <= eos < hf["vocab_size"] else None
+    return hf
+
+
+def reject(path, hf, key, default, supported, where=""):
+    if hf.get(key, default) not in supported:
+        raise ValueError(f"{path}: config.json sets {where}{key}={hf[key]!r}; this model takes "
+                         "only " + " or ".join(map(repr, supported)))
+
+
+def gpt2_config(hf, path):
+    reject(path, hf, "activation_function", "gelu_new", ("gelu_new", "gelu_pytorch_tanh"))
+    reject(path, hf, "n_inner", None, (None, 4 * hf["n_embd"]))
+    reject(path, hf, "scale_attn_by_inverse_layer_idx", False, (False,))
+    return GPTConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
+                     n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
+                     layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+                     eos_token_id=hf["eos_token_id"])
+
+
+def llama_config(hf, path):
+    # Published folders have rope_theta and rope_scaling; transformers 5 writes rope_parameters.
+    rope = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {}),
+            **(hf.get("rope_parameters") or {})}
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    for key, supported in [("rope_type", ("default", "llama3")), ("partial_rotary_factor", (1.0,))]:
+        reject(path, rope, key, supported[0], supported, where="rope_scaling / rope_parameters ")
+    for key, default in [("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
+                         ("use_sliding_window", False)]:  # Qwen2's window is off unless this is on
+        reject(path, hf, key, default, (default,))
+    max_seq_len = hf.get("max_position_embeddings", 2048)
+    if hf["model_type"] == "mistral" and (hf.get("sliding_window") or max_seq_len) < max_seq_len:
+        raise ValueError(f"{path}: config.json sets sliding_window={hf['sliding_window']}, below "
+                         f"max_position_embeddings={max_seq_len}; this model sees all the context")
+    rope.setdefault("original_max_position_embeddings", max_seq_len)  # as transformers, for llama3
+    return GPTConfig(
+        vocab_size=hf["vocab_size"], max_seq_len=max_seq_len, n_layer=hf["num_hidden_layers"],
+        n_head=hf["num_attention_heads"], n_kv_head=hf.get("num_key_value_heads"),
+        n_embd=hf["hidden_size"], head_dim=hf.get("head_dim"), eos_token_id=hf["eos_token_id"],
+        layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), rope_theta=rope["rope_theta"],
+        rope_scaling=rope if rope["rope_type"] == "llama3" else None, norm="rmsnorm", mlp="swiglu",
+        intermediate_size=hf["intermediate_size"], bias=False, qkv_bias=hf["model_type"] == "qwen2",
+        tie_word_embeddings=hf.get("tie_word_embeddings", False))
+
+
+def read_hf_weights(path):
+    """Every tensor of model.safetensors, of the shards its index lists, or of pytorch_model.bin,
+    memory-mapped: each is read as it is copied (or sliced, under tensor parallelism)."""
+    from safetensors.torch import load_file
+    sd, index = {}, os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            for shard in sorted(set(json.load(f)["weight_map"].values())):
+                if not os.path.isfile(os.path.join(path, shard)):
+                    raise ValueError(f"{path}: {shard!r}, a shard the index lists, is missing")
+                sd.update(load_file(os.path.join(path, shard)))
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        sd = load_file(os.path.join(path, "model.safetensors"))
+    elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
+        sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu",
+                        weights_only=True, mmap=True)
+    else:
+        raise ValueError(f"{path}: no weights (model.safetensors, its shards or pytorch_model.bin)")
+    return {k.removeprefix("transformer."): v for k, v in sd.items()}  # GPT-2 saves both ways
+
+
+# -----------------------------------------------------------------------------
+# Appendix: settings validation
 
 
 def check_engine_settings(config, dtype, device, attention_backend, preemption_mode,
@@ -1031,367 +1455,72 @@ def check_engine_settings(config, dtype, device, attention_backend, preemption_m
                          f"model has head size {config.head_dim} in {dtype} (attention_backend='torch' takes any)")
 
 
-class Engine:
+def check_request(prompt, params, config, scheduler, allocator):
+    """Engine.check_request: a prompt as a list of token ids, or a ValueError."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt, torch.Tensor):
+        if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex():
+            raise ValueError(f"a tensor prompt must be 1-D and hold integer token ids, "
+                             f"got shape {tuple(prompt.shape)} of {prompt.dtype}")
+        prompt = prompt.tolist()
+    if not isinstance(prompt, (list, tuple)):
+        raise ValueError(f"a prompt is a list or tuple of token ids or a 1-D integer tensor, "
+                         f"got {type(prompt).__name__}")
+    prompt_token_ids = list(prompt)
+    if len(prompt_token_ids) == 0:
+        raise ValueError("the prompt is empty: give at least one token id")
+    for i, t in enumerate(prompt_token_ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < config.vocab_size:
+            raise ValueError(f"prompt token {i} is {t!r}, outside the vocabulary "
+                             f"[0, {config.vocab_size})")
+    total = len(prompt_token_ids) + params.max_tokens
+    if total > config.max_seq_len:
+        raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                         f"({params.max_tokens}) = {total} exceeds the model's max_seq_len "
+                         f"({config.max_seq_len})")
+    # a request's sequences decode together, so they must fit in one step
+    limit = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+    if params.num_seqs > limit:
+        raise ValueError(f"n/beam_width ({params.num_seqs}) exceeds max_num_seqs and "
+                         f"max_num_batched_tokens (at most {limit} sequences of one request)")
+    # Worst case: every sample ends up with private blocks for all its tokens.
+    worst = params.num_seqs * cdiv(total, allocator.block_size)
+    if worst > allocator.num_blocks:
+        raise ValueError(f"the request may need {worst} KV blocks ({params.num_seqs} x {total} "
+                         f"tokens at block_size {allocator.block_size}) but the pool has "
+                         f"{allocator.num_blocks}: it could never run; use more num_blocks or "
+                         f"shorter requests")
+    return prompt_token_ids
 
-    def __init__(self, model, block_size=16, num_blocks=None, kv_cache_bytes=None, num_cpu_blocks=None,
-                 preemption_mode="recompute", enable_prefix_caching=True, max_num_seqs=256,
-                 max_num_batched_tokens=2048, device=None, attention_backend=None):
-        try:
-            device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        except (RuntimeError, TypeError):
-            raise ValueError(f"Engine: device must be like 'cpu', 'cuda' or 'cuda:1', "
-                             f"got {device!r}") from None
-        if not isinstance(model, nn.Module) or not isinstance(getattr(model, "config", None), GPTConfig):
-            raise ValueError(f"Engine: model must be a GPT (or a module with a GPTConfig as .config), "
-                             f"got {type(model).__name__}")
-        # The Triton kernel on a GPU; on the CPU the torch path, since the interpreter is ~1000x slower.
-        attention_backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
-        config, dtype = model.config, next(model.parameters()).dtype
-        check_engine_settings(config, dtype, device, attention_backend, preemption_mode,
-                              enable_prefix_caching, block_size=block_size, num_blocks=num_blocks,
-                              kv_cache_bytes=kv_cache_bytes, num_cpu_blocks=num_cpu_blocks,
-                              max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens)
-        self.model, self.config, self.device = model.to(device).eval(), config, device
-        self.block_size, self.use_triton = block_size, attention_backend == "triton"
 
-        # The KV cache is one tensor, so a block copy (copy-on-write, swap) is one indexing op for
-        # all layers. Sized like vLLM's: by a byte budget, by default 90% of free GPU memory.
-        # Each rank holds its own K/V heads: the same byte budget makes tp times the blocks.
-        block_shape = (block_size, config.n_kv_head // tp.world_size, config.head_dim)
-        bytes_per_block = 2 * config.n_layer * math.prod(block_shape) * dtype.itemsize
-        if num_blocks is None:
-            if kv_cache_bytes is None:  # but no more than max_num_seqs full-length sequences can use
-                free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 30
-                most = bytes_per_block * max_num_seqs * cdiv(config.max_seq_len, block_size)
-                kv_cache_bytes = min(int(0.9 * free), most)
-            num_blocks = kv_cache_bytes // bytes_per_block
-            if num_blocks < 1:
-                raise ValueError(f"Engine: kv_cache_bytes={kv_cache_bytes} is smaller than one KV block "
-                                 f"({bytes_per_block} bytes at block_size={block_size})")
-        if num_cpu_blocks is None:  # swap space as large as the device pool, when swapping
-            num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
-        self.kv_cache = torch.zeros(2, config.n_layer, num_blocks, *block_shape, dtype=dtype, device=device)
-        # The swap space is block-major and pinned, so each block moves by one direct non_blocking
-        # copy (DMA) that does not stall the host; it runs on the step's stream, before the forward.
-        self.cpu_kv_cache = torch.zeros(num_cpu_blocks, 2, config.n_layer, *block_shape,
-                                        dtype=dtype, pin_memory=device.type == "cuda")
-        self.allocator = BlockAllocator(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching)
-        self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens, preemption_mode)
-        self.requests = {}  # request_id -> SequenceGroup, until it finishes or is aborted
-        self._next_request_id = self._next_seq_id = 0
-        self.num_generated_tokens = 0
+# -----------------------------------------------------------------------------
+# Appendix: metrics
 
-    # -- requests -----------------------------------------------------------------------
 
-    def check_request(self, prompt, params):
-        """Raise ValueError saying what is wrong with a request, before it takes any block. A prompt
-        is a list or tuple of token ids, or a 1-D integer tensor; returns it as a list."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, torch.Tensor):
-            if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex():
-                raise ValueError(f"a tensor prompt must be 1-D and hold integer token ids, "
-                                 f"got shape {tuple(prompt.shape)} of {prompt.dtype}")
-            prompt = prompt.tolist()
-        if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"a prompt is a list or tuple of token ids or a 1-D integer tensor, "
-                             f"got {type(prompt).__name__}")
-        prompt_token_ids = list(prompt)
-        if len(prompt_token_ids) == 0:
-            raise ValueError("the prompt is empty: give at least one token id")
-        for i, t in enumerate(prompt_token_ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.config.vocab_size:
-                raise ValueError(f"prompt token {i} is {t!r}, outside the vocabulary [0, {self.config.vocab_size})")
-        total = len(prompt_token_ids) + params.max_tokens
-        if total > self.config.max_seq_len:
-            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds the model's max_seq_len ({self.config.max_seq_len})")
-        limit = min(self.scheduler.max_num_seqs, self.scheduler.max_num_batched_tokens)  # its seqs decode together
-        if params.num_seqs > limit:
-            raise ValueError(f"n/beam_width ({params.num_seqs}) exceeds max_num_seqs and max_num_batched_tokens "
-                             f"(at most {limit} sequences of one request)")
-        # Worst case: every sample ends up with private blocks for all its tokens.
-        worst = params.num_seqs * cdiv(total, self.block_size)
-        if worst > self.allocator.num_blocks:
-            raise ValueError(f"the request may need {worst} KV blocks ({params.num_seqs} x {total} tokens at "
-                             f"block_size {self.block_size}) but the pool has {self.allocator.num_blocks}: "
-                             f"it could never run; use more num_blocks or shorter requests")
-        return prompt_token_ids
-
-    def add_request(self, prompt_token_ids, params=None):
-        """Queue a request; returns its id. step() advances it, abort() drops it."""
-        params = params if params is not None else SamplingParams()
-        return self._enqueue(self.check_request(prompt_token_ids, params), params)
-
-    def _enqueue(self, prompt_token_ids, params):
-        request_id, self._next_request_id = self._next_request_id, self._next_request_id + 1
-        seq = Sequence(self._new_seq_id(), prompt_token_ids, len(prompt_token_ids), request_id=request_id)
-        group = SequenceGroup(request_id, prompt_token_ids, params, seq)
-        if params.beam_width is None and params.temperature > 0:
-            # sample i draws from (seed, i); without a seed, a seed drawn from torch's global RNG
-            group.seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
-            seq.generator = sample_generator(group.seed, 0, self.device)
-        self.requests[request_id] = group
-        self.scheduler.add(group)
-        return request_id
-
-    def abort(self, request_id):
-        """Stop a request wherever it is (waiting, running, swapped, mid-prefill); frees its blocks."""
-        group = self.requests.pop(request_id, None)
-        if group is None:
-            raise ValueError(f"no unfinished request with id {request_id}")
-        self.scheduler.abort(group)
-
-    def _new_seq_id(self):
-        self._next_seq_id += 1
-        return self._next_seq_id - 1
-
-    def _fork(self, seq, index=0):
-        child = seq.fork(self._new_seq_id(), index)
-        self.allocator.fork(seq, child)
-        return child
-
-    # -- one step -----------------------------------------------------------------------
-
-    def step(self):
-        """Run one scheduling step; returns the RequestOutputs of requests that finished in it.
-        If the model raises, no sequence has advanced: the engine stays consistent, stats() is
-        true, and the next step computes the same tokens again."""
-        out = self.scheduler.schedule()
-        self._copy_blocks(out)
-        if not out.scheduled:
-            return []
-        batch = self._prepare(out.scheduled)
-        with torch.inference_mode():
-            logits = self.model(batch.input_ids, batch, self.kv_cache)  # (R, V)
-        return self._postprocess(out.scheduled, logits)
-
-    def _copy_blocks(self, out):
-        # Order matters: blocks swapped out may be handed to others this very step, and
-        # copy-on-write may copy a block that was just swapped in.
-        if out.blocks_to_swap_out:
-            src, dst = zip(*out.blocks_to_swap_out)
-            staged = self.kv_cache[:, :, list(src)].movedim(2, 0).contiguous()  # (n, 2, L, ...)
-            for block, cpu_block in zip(staged, dst):
-                self.cpu_kv_cache[cpu_block].copy_(block, non_blocking=True)
-        if out.blocks_to_swap_in:
-            src, dst = zip(*out.blocks_to_swap_in)
-            staged = torch.stack([self.cpu_kv_cache[b].to(self.device, non_blocking=True)
-                                  for b in src])                              # (n, 2, L, ...)
-            self.kv_cache[:, :, list(dst)] = staged.movedim(0, 2)
-        if out.blocks_to_copy:  # copy-on-write, every block of the step in one batched copy
-            src, dst = zip(*out.blocks_to_copy)
-            self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
-
-    def _prepare(self, scheduled):
-        """Pack the scheduled tokens of all sequences into one varlen batch."""
-        bs = self.block_size
-        max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
-        padding = [[-1] * i for i in range(max_blocks + 1)]  # block table rows end in -1s
-        input_ids, positions, slot_mapping, block_tables, seq_lens, logits_indices = [], [], [], [], [], []
-        cu_seqlens_q = [0]
-        for seq, num_new in scheduled:
-            start, end, table = seq.num_computed_tokens, seq.num_computed_tokens + num_new, seq.block_table
-            input_ids += seq.token_ids[start:end]
-            positions += range(start, end)
-            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            block_tables += table
-            block_tables += padding[max_blocks - len(table)]
-            seq_lens.append(end)
-            cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
-            if end == len(seq):  # its last token is in: we need the logits that follow it
-                logits_indices.append(cu_seqlens_q[-1] - 1)
-
-        def tensor(x, dtype=torch.int64):
-            return torch.tensor(x, dtype=dtype, device=self.device)
-        return Batch(tensor(input_ids), tensor(positions), tensor(slot_mapping),
-                     tensor(block_tables, torch.int32).view(len(scheduled), max_blocks), tensor(seq_lens, torch.int32),
-                     tensor(cu_seqlens_q, torch.int32), max(n for _, n in scheduled), tensor(logits_indices),
-                     self.use_triton)
-
-    def _postprocess(self, scheduled, logits):
-        row_of, row = {}, 0  # seq_id -> its row of logits, for sequences whose last token is now in
-        for seq, num_new in scheduled:
-            seq.num_computed_tokens += num_new
-            self.allocator.cache_full_blocks(seq)
-            if seq.num_computed_tokens == len(seq):
-                row_of[seq.seq_id], row = row, row + 1
-        # The scheduler completes all sequences of a group in the same step: each group whose
-        # sequences got logits now moves on by one token.
-        ready = list({seq.request_id: self.requests[seq.request_id] for seq, _ in scheduled
-                      if seq.seq_id in row_of}.values())
-        to_sample = []  # (group, seq, row)
-        for group in ready:
-            if group.first_token_time is None:
-                group.first_token_time = time.perf_counter()
-            if group.params.beam_width is not None:
-                self._beam_search_step(group, logits[[row_of[seq.seq_id] for seq in group.seqs]])
-                continue
-            prompt_row = row_of.get(group.seqs[0].seq_id)
-            if group.params.n > 1 and len(group.seqs) == 1 and group.seqs[0].num_output_tokens == 0:
-                self._fork_samples(group)  # the samples draw their first tokens from the prompt's logits
-            to_sample += [(group, seq, row_of.get(seq.seq_id, prompt_row)) for seq in group.seqs]
-        if to_sample:
-            params = [g.params for g, _, _ in to_sample]
-            rows = [r for _, _, r in to_sample]
-            logits = logits if rows == list(range(len(logits))) else logits[rows]             # (S, V)
-            tokens = sample(logits, [p.temperature for p in params], [p.top_k for p in params],
-                            [p.top_p for p in params], [seq.generator for _, seq, _ in to_sample])
-            # Tensor parallel ranks run this same scheduler on bit-identical logits (the all-reduce
-            # gives each the same sum), so greedy picks, beams and stops agree; a random draw may
-            # not (unseeded, each rank has its own seed), so all take rank 0's tokens.
-            tokens = broadcast(tokens)
-            logprobs = logits.float().log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-            for (group, seq, _), token, logprob in zip(to_sample, tokens.tolist(), logprobs.tolist()):
-                seq.token_ids.append(token)
-                seq.cumulative_logprob += logprob
-                reason = self._stop_reason(seq, group.params)
-                if reason:
-                    seq.finish_reason = reason
-                    self.allocator.free(seq)
-                    group.seqs.remove(seq)
-                    group.finished.append(seq)
-            self.num_generated_tokens += len(to_sample)
-        self.scheduler.remove_finished()
-        return [self._output(g) for g in ready if g.is_finished]
-
-    def _is_stop(self, token, params):
-        return token in params.stop_token_ids or (token == self.config.eos_token_id and not params.ignore_eos)
-
-    def _stop_reason(self, seq, params):
-        if self._is_stop(seq.token_ids[-1], params):
-            return "stop"
-        if seq.num_output_tokens >= params.max_tokens:
-            return "length"
-        return None
-
-    def _fork_samples(self, group):
-        """Parallel sampling: the prompt was prefilled once; n - 1 forks share all its blocks,
-        and the shared partial last block is copied on the first write."""
-        parent = group.seqs[0]
-        for i in range(1, group.params.n):
-            child = self._fork(parent, index=i)
-            if parent.generator is not None:
-                child.generator = sample_generator(group.seed, i, self.device)
-            group.seqs.append(child)
-
-    def _beam_search_step(self, group, logits):
-        """Keep the beam_width best one-token extensions of the live beams, by cumulative
-        log-probability. A beam chosen twice forks, so both continuations share its blocks;
-        a beam not chosen is freed, and what it shared lives on in the survivors."""
-        params, width, beams = group.params, group.params.beam_width, group.seqs
-        logprobs = logits.double().log_softmax(-1)                                       # (k, V)
-        scores = logprobs + torch.tensor([seq.cumulative_logprob for seq in beams], dtype=torch.float64,
-                                         device=logprobs.device)[:, None]
-        V = scores.shape[1]
-        # Enough candidates that width of them survive even if the best ones all end in a stop token.
-        num_candidates = min(scores.numel(), width * (2 + len(params.stop_token_ids)))
-        top = scores.flatten().topk(num_candidates)
-        picks = []  # (parent, token, score), best first; ties go to the earlier beam, then the smaller token
-        for score, flat in sorted(zip(top.values.tolist(), top.indices.tolist()), key=lambda c: (-c[0], c[1])):
-            parent, token = divmod(flat, V)
-            hypothesis = beams[parent].output_token_ids + [token]
-            if self._is_stop(token, params):
-                group.finished.append((hypothesis, score, "stop"))
-            else:
-                picks.append((parent, token, score))
-            if len(picks) == width:
-                break
-        survivors, chosen = [], set()
-        for parent, token, score in picks:
-            seq = self._fork(beams[parent]) if parent in chosen else beams[parent]
-            chosen.add(parent)
-            survivors.append((seq, token, score))
-        for i, seq in enumerate(beams):
-            if i not in chosen:
-                self.allocator.free(seq)
-        group.seqs = []
-        for seq, token, score in survivors:
-            seq.token_ids.append(token)
-            seq.cumulative_logprob = score
-            group.seqs.append(seq)
-        # no survivor when every candidate ended in a stop token: then the group is done as it is
-        out_of_tokens = bool(group.seqs) and group.seqs[0].num_output_tokens >= params.max_tokens
-        if out_of_tokens or len(group.finished) >= width:  # done: width finished hypotheses, or no more room
-            for seq in group.seqs:
-                if out_of_tokens:
-                    group.finished.append((seq.output_token_ids, seq.cumulative_logprob, "length"))
-                self.allocator.free(seq)
-            group.seqs = []
-        self.num_generated_tokens += len(survivors)
-
-    def _output(self, group):
-        self.requests.pop(group.request_id)
-        group.finish_time = time.perf_counter()
-        if group.params.beam_width is not None:
-            # rank by length-normalised log-probability, so short hypotheses are not favoured
-            best = sorted(group.finished, key=lambda h: -h[1] / len(h[0]))[:group.params.beam_width]
-            outputs = [CompletionOutput(i, tokens, reason, logprob) for i, (tokens, logprob, reason) in enumerate(best)]
-        else:
-            outputs = [CompletionOutput(seq.index, seq.output_token_ids, seq.finish_reason, seq.cumulative_logprob)
-                       for seq in sorted(group.finished, key=lambda s: s.index)]
-        return RequestOutput(group.request_id, group.prompt_token_ids, outputs,
-                             group.first_token_time - group.arrival_time, group.finish_time - group.arrival_time,
-                             group.num_preemptions)
-
-    # -- the whole loop -----------------------------------------------------------------
-
-    def generate(self, prompts, params=None, progress=False):
-        """Serve prompts (token id lists or 1-D tensors) to the end; one RequestOutput per prompt,
-        in order. params: one SamplingParams for all, or a list with one per prompt."""
-        if not isinstance(params, list):
-            params = [params if params is not None else SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
-        if self.requests:  # their outputs would come out of step() here, with nobody to hand them to
-            raise ValueError(f"generate() needs an idle engine, but {len(self.requests)} requests added with "
-                             "add_request() are unfinished: step() them to the end or abort() them first")
-        checked = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):  # reject a bad batch whole, before any of it runs
-            try:
-                checked.append(self.check_request(prompt, p))
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self._enqueue(prompt, p) for prompt, p in zip(checked, params)]
-        outputs, start, last_print = {}, time.perf_counter(), 0.0
-        while any(i not in outputs for i in ids):
-            for output in self.step():
-                outputs[output.request_id] = output
-            if progress and (time.perf_counter() - last_print > 0.1 or len(outputs) == len(ids)):
-                last_print = time.perf_counter()
-                print("\r" + self.progress_line(len(outputs), len(ids), last_print - start) + "\x1b[K",
-                      end="", file=sys.stderr, flush=True)
-        if progress:
-            print(file=sys.stderr)
-        return [outputs[i] for i in ids]
-
-    def progress_line(self, done, total, elapsed):
-        s = self.stats()
-        return (f"[{done}/{total} requests] running {s['num_running']} waiting {s['num_waiting']} "
-                f"swapped {s['num_swapped']} preempted {s['num_preemptions']} | "
-                f"{self.num_generated_tokens / max(elapsed, 1e-9):.0f} tok/s | "
-                f"KV blocks {s['num_blocks'] - s['num_free_blocks']}/{s['num_blocks']}")
-
-    def stats(self):
-        a, s, bs = self.allocator, self.scheduler, self.block_size
-        running = [seq for g in s.running for seq in g.seqs]
-        filled = {}  # physical block -> token slots holding computed K/V (a shared block counts once)
-        for seq in running:
-            for i, block_id in enumerate(seq.block_table):
-                filled[block_id] = max(filled.get(block_id, 0), min(bs, seq.num_computed_tokens - i * bs))
-        num_used = a.num_blocks - a.num_free_blocks
-        return dict(
-            num_blocks=a.num_blocks, num_free_blocks=a.num_free_blocks,
-            num_cached_blocks=sum(1 for b in a.free_block_ids if a.blocks[b].hash is not None),
-            num_cpu_blocks=len(a.cpu_ref_count), num_free_cpu_blocks=len(a.cpu_free_block_ids),
-            num_running=len(running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
-            num_preemptions=s.num_preemptions,
-            kv_utilization=sum(filled.values()) / (num_used * bs) if num_used else 0.0,
-            num_logical_blocks=sum(len(seq.block_table) for seq in running),  # minus used: blocks saved by sharing
-            num_generated_tokens=self.num_generated_tokens,
-            prefix_cache_hit_tokens=a.num_hit_tokens, prefix_cache_queried_tokens=a.num_queried_tokens,
-        )
+def engine_stats(engine):
+    """Engine.stats(): the pool, the queues, and what paging saved."""
+    a, s, bs = engine.allocator, engine.scheduler, engine.block_size
+    running = [seq for g in s.running for seq in g.seqs]
+    filled = {}  # physical block -> token slots holding computed K/V (a shared block counts once)
+    for seq in running:
+        for i, block_id in enumerate(seq.block_table):
+            in_block = min(bs, seq.num_computed_tokens - i * bs)
+            filled[block_id] = max(filled.get(block_id, 0), in_block)
+    num_used = a.num_blocks - a.num_free_blocks
+    return dict(
+        num_blocks=a.num_blocks, num_free_blocks=a.num_free_blocks,
+        num_cached_blocks=sum(1 for b in a.free_block_ids if a.blocks[b].hash is not None),
+        num_cpu_blocks=len(a.cpu_ref_count), num_free_cpu_blocks=len(a.cpu_free_block_ids),
+        num_running=len(running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
+        num_preemptions=s.num_preemptions,
+        kv_utilization=sum(filled.values()) / (num_used * bs) if num_used else 0.0,
+        # minus the blocks in use: the blocks that sharing saved
+        num_logical_blocks=sum(len(seq.block_table) for seq in running),
+        num_generated_tokens=engine.output_processor.num_generated_tokens,
+        prefix_cache_hit_tokens=a.num_hit_tokens,
+        prefix_cache_queried_tokens=a.num_queried_tokens,
+    )
 
 
 # -----------------------------------------------------------------------------

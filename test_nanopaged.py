@@ -1066,11 +1066,13 @@ class RecordingEngine(Engine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.logits = {}  # token ids -> next-token logits
+        process = self.output_processor.process
 
-    def _postprocess(self, scheduled, logits):
-        done = [seq for seq, num_new in scheduled if seq.num_computed_tokens + num_new == len(seq)]
-        self.logits.update({tuple(s.token_ids): row for s, row in zip(done, logits, strict=True)})
-        return super()._postprocess(scheduled, logits)
+        def record(scheduled, logits):
+            done = [seq for seq, num_new in scheduled if seq.num_computed_tokens + num_new == len(seq)]
+            self.logits.update({tuple(s.token_ids): row for s, row in zip(done, logits, strict=True)})
+            return process(scheduled, logits)
+        self.output_processor.process = record
 
 
 @settings(max_examples=20, deadline=None)
@@ -1550,7 +1552,7 @@ def test_tensor_prompts_work_in_generate_and_add_request_alike():
 class SchedulerMachine(RuleBasedStateMachine):
     """The scheduler and the allocator without a model. Each SchedulerOutput is checked against
     the policies, given the state before the step; then a fake model computes the scheduled
-    tokens and samples as Engine._postprocess does (forks the samples, appends a token, stops,
+    tokens and samples as OutputProcessor.process does (forks the samples, appends a token, stops,
     frees), with tokens from a 4-letter alphabet so that prefixes repeat."""
 
     @initialize(block_size=st.integers(1, 3), num_blocks=st.integers(4, 12),
