@@ -10,9 +10,12 @@ sequences onto the device as the blocks allow and preempts when they run out.
     Kwon et al., "Efficient Memory Management for Large Language Model Serving with
     PagedAttention", SOSP 2023.  https://arxiv.org/abs/2309.06180
 
-Sections: tensor parallelism (what the model layers split), the model, the block allocator,
-sequences, the scheduler, sampling, the engine, the demo. The attention kernels live in
-kernel.py. Run `python nanopaged.py`, or `torchrun --nproc-per-node 2 nanopaged.py
+Sections, in reading order, each built on the ones before it: 1. sequences, requests and
+their lifecycle; 2. the block allocator; 3. the scheduler; 4. the model; 5. tensor
+parallelism, which the model's layers call; 6. the model runner; 7. output processing; 8. the
+engine. Appendices hold what the main line only calls: checkpoint loading, validation of
+settings and requests, metrics; then the demo. The attention kernels live in kernel.py.
+Run `python nanopaged.py`, or `torchrun --nproc-per-node 2 nanopaged.py
 --tensor-parallel-size 2` to split the model and its KV cache across two processes.
 """
 
@@ -39,7 +42,7 @@ from kernel import paged_attention, paged_attention_torch, store_kv
 
 
 # -----------------------------------------------------------------------------
-# Sequences and requests, and the lifecycle of a request (paper, sections 4.3 to 4.5)
+# 1. Sequences and requests, and the lifecycle of a request (paper, sections 4.3 to 4.5)
 #
 # A request is a SequenceGroup of Sequences: one while its prompt is prefilled, then n
 # parallel samples or beam_width beams. Every sequence keeps one invariant: its tokens
@@ -55,7 +58,8 @@ from kernel import paged_attention, paged_attention_torch, store_kv
 #   finished                      no live sequences left; out of every queue
 #
 # waiting -> running on admission, running -> waiting or swapped on preemption, swapped ->
-# running on swap-in, running -> finished when every sequence stops; abort() leaves anywhere.
+# running on swap-in (or -> waiting, to be recomputed, when nothing running can make room
+# for it), running -> finished when every sequence stops; abort() leaves from anywhere.
 # Recompute frees the blocks and sets num_computed_tokens to 0: the prompt and the tokens
 # generated so far are prefilled again (less what the prefix cache still holds). Swap keeps
 # num_computed_tokens and moves the blocks to CPU memory and back. A recomputed group of
@@ -82,19 +86,24 @@ class SamplingParams:
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
     seed: int | None = None  # sample i draws from its own generator, seeded by (seed, i)
     n: int = 1  # parallel samples of one prompt, sharing its blocks
-    beam_width: int | None = None  # beam search with this many beams; temperature, top_k, top_p unused
+    beam_width: int | None = None  # beam search, this many beams; temperature, top_k, top_p unused
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False  # keep going past the model's end-of-text token
 
     def __post_init__(self):
-        checks = [("max_tokens", self.max_tokens >= 1, ">= 1"), ("temperature", self.temperature >= 0, ">= 0"),
-                  ("top_k", self.top_k >= 0, ">= 0 (0 disables it)"), ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-                  ("n", self.n >= 1, ">= 1"), ("beam_width", self.beam_width is None or self.beam_width >= 1, ">= 1")]
+        checks = [("max_tokens", self.max_tokens >= 1, ">= 1"),
+                  ("temperature", self.temperature >= 0, ">= 0"),
+                  ("top_k", self.top_k >= 0, ">= 0 (0 disables it)"),
+                  ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+                  ("n", self.n >= 1, ">= 1"),
+                  ("beam_width", self.beam_width is None or self.beam_width >= 1, ">= 1")]
         for name, ok, allowed in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{name} must be {allowed}, got {getattr(self, name)!r}")
+                raise ValueError(f"SamplingParams.{name} must be {allowed}, "
+                                 f"got {getattr(self, name)!r}")
         if self.n > 1 and self.beam_width is not None:
-            raise ValueError("SamplingParams: choose n > 1 (parallel sampling) or beam_width (beam search), not both")
+            raise ValueError("SamplingParams: choose n > 1 (parallel sampling) or beam_width "
+                             "(beam search), not both")
 
     @property
     def num_seqs(self):
@@ -106,10 +115,12 @@ class Sequence:
     """One token stream: a prompt and what has been generated after it, with its block table."""
 
     def __init__(self, seq_id, token_ids, num_prompt_tokens, index=0, request_id=None):
-        self.seq_id, self.request_id, self.index = seq_id, request_id, index  # index: which sample it is
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index  # which sample or beam of its request it is
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = num_prompt_tokens
-        self.num_computed_tokens = 0  # tokens whose K/V are in the cache; the rest are computed next
+        self.num_computed_tokens = 0  # tokens whose K/V are in the cache: see the lifecycle above
         self.block_table = []  # physical block ids; device blocks, or CPU blocks while swapped out
         self.block_hashes = []  # prefix-cache keys of its full computed blocks
         self.cumulative_logprob = 0.0
@@ -130,7 +141,8 @@ class Sequence:
     def fork(self, seq_id, index):
         """A copy that shares everything generated so far; the allocator shares its blocks."""
         child = Sequence(seq_id, self.token_ids, self.num_prompt_tokens, index, self.request_id)
-        child.num_computed_tokens, child.block_hashes = self.num_computed_tokens, list(self.block_hashes)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_hashes = list(self.block_hashes)
         child.cumulative_logprob = self.cumulative_logprob
         return child
 
@@ -143,7 +155,7 @@ class SequenceGroup:
         self.request_id, self.params = request_id, params
         self.prompt_token_ids = list(prompt_token_ids)
         self.seqs = [seq]  # the live ones
-        self.finished = []  # finished samples, or finished beam hypotheses (token_ids, logprob, reason)
+        self.finished = []  # finished samples, or beam hypotheses (token_ids, logprob, reason)
         self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
         self.num_preemptions = 0
         self.seed = None  # sample i draws from sample_generator(seed, i)
@@ -172,7 +184,8 @@ class RequestOutput:
 
 
 # -----------------------------------------------------------------------------
-# The block allocator: physical blocks, ref counts, copy-on-write, prefix caching, swap
+# 2. The block allocator. Paper: blocks and block tables (section 4.2), ref counts and
+#    copy-on-write (4.4), swap (4.5). Later vLLM: automatic prefix caching.
 #
 # Like an OS handing out page frames, the allocator owns a fixed pool of num_blocks
 # physical blocks of block_size token slots each. A sequence's block table lists the
@@ -189,7 +202,7 @@ class OutOfBlocksError(RuntimeError):
 class PhysicalBlock:
     block_id: int
     ref_count: int = 0      # block-table entries that point here; the block is free iff this is 0
-    hash: int | None = None  # prefix-cache key once full and computed; set iff hash_to_block maps it here
+    hash: int | None = None  # prefix-cache key once full and computed, iff hash_to_block has it
     token_ids: tuple = ()   # the tokens it holds, to confirm a hash hit token by token
 
 
@@ -203,8 +216,9 @@ class BlockAllocator:
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True):
         if block_size < 1 or num_blocks < 1 or num_cpu_blocks < 0:
-            raise ValueError(f"need block_size >= 1 and num_blocks >= 1, got block_size={block_size}, "
-                             f"num_blocks={num_blocks}, num_cpu_blocks={num_cpu_blocks}")
+            raise ValueError(f"need block_size >= 1 and num_blocks >= 1, got block_size="
+                             f"{block_size}, num_blocks={num_blocks}, "
+                             f"num_cpu_blocks={num_cpu_blocks}")
         self.block_size, self.num_blocks = block_size, num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [PhysicalBlock(i) for i in range(num_blocks)]
@@ -263,7 +277,7 @@ class BlockAllocator:
             chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(h, chunk)
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:  # never trust a hash alone
+            if block_id is None or self.blocks[block_id].token_ids != chunk:  # not a hash alone
                 break
             hits.append(block_id)
         return hits
@@ -284,7 +298,8 @@ class BlockAllocator:
         hits = self._cached_prefix(seq.token_ids)
         num_taken = self._num_free_blocks_taken(seq, hits)
         if num_taken > self.num_free_blocks:
-            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {num_taken} blocks, {self.num_free_blocks} are free")
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {num_taken} blocks, "
+                                   f"{self.num_free_blocks} are free")
         for block_id in hits:  # share before taking, so _take cannot evict a hit
             self._share(block_id)
         num_needed = cdiv(len(seq.token_ids), self.block_size)
@@ -301,7 +316,7 @@ class BlockAllocator:
                 num_new += 1
             elif self.blocks[seq.block_table[-1]].ref_count > 1:
                 writers[seq.block_table[-1]] += 1
-        # c writers into a block of count r copy it min(c, r - 1) times: the last owner writes in place
+        # c writers into a block of count r copy it min(c, r - 1) times: the last writes in place
         return num_new + sum(min(c, self.blocks[b].ref_count - 1) for b, c in writers.items())
 
     def append_slot(self, seq):
@@ -363,7 +378,7 @@ class BlockAllocator:
         return len(blocks_held(seqs)) <= self.num_free_blocks
 
     def swap_out(self, seqs):
-        """Move seqs' blocks to the CPU pool; returns the (device block, cpu block) copies to perform."""
+        """Move seqs' blocks to the CPU pool; returns the (device, cpu block) copies to make."""
         if not self.can_swap_out(seqs):
             raise OutOfBlocksError("the CPU swap space cannot hold these sequences")
         return self._move(seqs, self._take_cpu, self._share_cpu, self._release)
@@ -380,7 +395,8 @@ class BlockAllocator:
         return [(cpu, device) for cpu, device in copies if device in kept]
 
     def _move(self, seqs, take, share, release):
-        mapping = {}  # a block the sequences share maps to one block on the other side: sharing survives
+        # a block the sequences share maps to one block on the other side: sharing survives
+        mapping = {}
         for seq in seqs:
             for i, src in enumerate(seq.block_table):
                 if src in mapping:
@@ -414,7 +430,9 @@ class BlockAllocator:
 
 
 # -----------------------------------------------------------------------------
-# The scheduler: first-come-first-served continuous batching, one step at a time
+# 3. The scheduler: first-come-first-served continuous batching, one step at a time. Orca:
+#    iteration-level scheduling. Paper: preemption by recompute or swap (section 4.5).
+#    Later vLLM: chunked prefill, the admission watermark.
 #
 # Every step re-decides which sequences run (Orca's iteration-level scheduling): finished
 # requests leave at once and waiting ones take their blocks. A step is a token budget shared
@@ -462,7 +480,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             group = self.running[i]
-            if not self._is_decoding(group) or out.num_batched_tokens + len(group.seqs) > self.max_num_batched_tokens:
+            if not self._is_decoding(group) or self._over_budget(out, len(group.seqs)):
                 i += 1
                 continue
             while self.allocator.num_blocks_to_append(group.seqs) > self.allocator.num_free_blocks:
@@ -480,8 +498,8 @@ class Scheduler:
             group = self.swapped[0]
             need = len(blocks_held(group.seqs)) + len(group.seqs)  # + one per next token
             if (not self._fits(need) or num_seqs + group.params.num_seqs > self.max_num_seqs
-                    or out.num_batched_tokens + len(group.seqs) > self.max_num_batched_tokens):
-                if not self.running:  # nothing will free blocks for it: recompute instead of waiting forever
+                    or self._over_budget(out, len(group.seqs))):
+                if not self.running:  # nothing will free blocks for it: recompute, not wait forever
                     self.swapped.pop(0)
                     self._recompute(group)
                 break
@@ -510,7 +528,7 @@ class Scheduler:
             insort(self.running, group, key=lambda g: g.request_id)
             if not self._is_decoding(group):
                 self._schedule_prefill(group, out)
-            elif out.num_batched_tokens + len(group.seqs) <= self.max_num_batched_tokens:
+            elif not self._over_budget(out, len(group.seqs)):
                 self._append_slots(group, out)  # recomputed samples, all but the last tokens cached
         return out
 
@@ -518,6 +536,9 @@ class Scheduler:
     def _is_older(queue, other):
         """Whether the oldest group of queue arrived before the oldest of the other queue."""
         return bool(queue) and queue[0].request_id < other[0].request_id
+
+    def _over_budget(self, out, num_tokens):
+        return out.num_batched_tokens + num_tokens > self.max_num_batched_tokens
 
     def _fits(self, num_blocks):
         # Alone on the device, a group needs no watermark: there is nobody left to preempt.
@@ -538,7 +559,7 @@ class Scheduler:
 
     def _schedule_prefill(self, group, out):
         # Samples or beams being recomputed stop one token short: their last tokens go together
-        # as one decode step, so the group gets all its next-token logits at once.
+        # as one decode step, so the group gets all its next-token logits at once (section 1).
         hold_back = 1 if len(group.seqs) > 1 else 0
         for seq in group.seqs:
             num_new = min(len(seq) - hold_back - seq.num_computed_tokens,
@@ -588,8 +609,9 @@ class Scheduler:
 
 
 # -----------------------------------------------------------------------------
-# The model: one GPT for GPT-2 and the Llama family (Llama, Mistral, Qwen2), told apart by a
-# few config switches as in litgpt; its attention reads and writes K/V through block tables
+# 4. The model: one GPT for GPT-2 and the Llama family (Llama, Mistral, Qwen2), told apart by
+#    a few config switches as in litgpt. Paper: PagedAttention (section 4.1), where the
+#    kernel meets the block table, in CausalSelfAttention.forward.
 
 
 @dataclass
@@ -599,7 +621,7 @@ class GPTConfig:
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
-    n_kv_head: int | None = None  # fewer K/V heads than query heads is GQA; None means n_head (GPT-2)
+    n_kv_head: int | None = None  # fewer K/V heads than query heads is GQA; None: n_head (GPT-2)
     head_dim: int | None = None  # None: n_embd // n_head; some checkpoints choose their own
     layer_norm_epsilon: float = 1e-5  # the eps of either norm (HF Llama: rms_norm_eps)
     eos_token_id: int | None = None  # GPT-2's <|endoftext|> is 50256; the byte model has none
@@ -688,7 +710,7 @@ class CausalSelfAttention(nn.Module):
             return all_reduce(self.c_proj(y.transpose(1, 2).flatten(2)))
         # paged (T, C): first write the new K/V into their slots, then every new token attends
         # to its sequence's whole context, gathered block by block through the block table
-        k_cache, v_cache = kv_cache                                          # (num_blocks, block_size, nkv, hs)
+        k_cache, v_cache = kv_cache                           # (num_blocks, block_size, nkv, hs)
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping, use_triton=batch.use_triton)
         attention = paged_attention if batch.use_triton else paged_attention_torch
         y = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
@@ -761,7 +783,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, batch=None, kv_cache=None):
         """Contiguous: idx (B, T) -> logits (B, T, V). Paged: idx (T,) packed, batch and
-        kv_cache (2, n_layer, num_blocks, block_size, nkv, hs) given -> logits (R, V) at batch.logits_indices."""
+        kv_cache (2, n_layer, num_blocks, block_size, nkv, hs) given -> logits (R, V) at
+        batch.logits_indices."""
         pos = torch.arange(idx.shape[-1], device=idx.device) if batch is None else batch.positions
         x, rope = self.transformer.wte(idx), None
         if self.transformer.wpe is not None:
@@ -771,7 +794,7 @@ class GPT(nn.Module):
         for i, block in enumerate(self.transformer.h):
             x = block(x, batch, None if batch is None else (kv_cache[0, i], kv_cache[1, i]), rope)
         if batch is not None:
-            x = x[batch.logits_indices]  # the LM head is the widest matmul: run it only where we sample
+            x = x[batch.logits_indices]  # the LM head is the widest matmul: only where we sample
         return self.lm_head(self.transformer.ln_f(x))
 
     @torch.no_grad()
@@ -812,7 +835,7 @@ class GPT(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# Tensor parallelism (paper, section 4.6): Megatron-LM's split of each layer across ranks
+# 5. Tensor parallelism: Megatron-LM's split of each layer across ranks (paper, section 4.6)
 #
 # Under torchrun, each of tensor_parallel_size ranks holds a slice of every attention and MLP
 # layer. A column-parallel layer (c_attn, c_fc, c_gate) keeps its rows of the weight: its query
@@ -885,9 +908,9 @@ def tp_shard(name, tensor, config):
 
 
 # -----------------------------------------------------------------------------
-# The model runner: the scheduler's decision becomes block copies and one packed batch
+# 6. The model runner: the scheduler's decision becomes block copies and one packed batch
 #
-# The worker of the paper's system overview (section 4.3): it owns the model and the KV
+# The worker of the paper's system overview (section 4): it owns the model and the KV
 # cache, performs the swaps and copy-on-write copies the scheduler ordered, then runs every
 # scheduled token of every sequence as one varlen batch through the paged attention kernel.
 
@@ -896,7 +919,10 @@ class ModelRunner:
 
     def __init__(self, model, num_blocks, num_cpu_blocks, block_size, use_triton, device):
         config, dtype = model.config, next(model.parameters()).dtype
-        self.model, self.block_size, self.use_triton, self.device = model, block_size, use_triton, device
+        self.model = model
+        self.block_size = block_size
+        self.use_triton = use_triton
+        self.device = device
         # Each rank holds its own K/V heads (see tensor parallelism above).
         block_shape = (block_size, config.n_kv_head // tp.world_size, config.head_dim)
         # The KV cache is one tensor, so a block copy (copy-on-write, swap) is one indexing op
@@ -967,7 +993,7 @@ class ModelRunner:
 
 
 # -----------------------------------------------------------------------------
-# Output processing: sampling, parallel samples, beam search, stop rules
+# 7. Output processing: sampling, parallel samples, beam search (paper, section 4.4), stops
 #
 # Each group whose sequences got logits this step moves on by one token: sampled, or chosen
 # by beam search (paper, section 4.4). Parallel samples fork from the prompt here, sharing
@@ -1162,9 +1188,9 @@ class OutputProcessor:
         group.finish_time = time.perf_counter()
         if group.params.beam_width is not None:
             # rank by length-normalised log-probability, so short hypotheses are not favoured
-            best = sorted(group.finished, key=lambda h: -h[1] / len(h[0]))
+            best = sorted(group.finished, key=lambda h: -h[1] / len(h[0]))[:group.params.beam_width]
             outputs = [CompletionOutput(i, tokens, reason, logprob)
-                       for i, (tokens, logprob, reason) in enumerate(best[:group.params.beam_width])]
+                       for i, (tokens, logprob, reason) in enumerate(best)]
         else:
             outputs = [CompletionOutput(seq.index, seq.output_token_ids, seq.finish_reason,
                                         seq.cumulative_logprob)
@@ -1175,9 +1201,9 @@ class OutputProcessor:
 
 
 # -----------------------------------------------------------------------------
-# The engine: the step loop and the public API
+# 8. The engine: the step loop and the public API (Orca's iteration-level scheduling)
 #
-# One step (Orca's iteration-level scheduling): the scheduler decides which tokens run and
+# One step: the scheduler decides which tokens run and
 # which blocks move; the model runner copies the blocks and runs one packed batch; the output
 # processor samples the next tokens and retires finished requests.
 
@@ -1323,8 +1349,8 @@ class Engine:
 
 
 # -----------------------------------------------------------------------------
-# Appendix: loading checkpoints
-
+# Appendix A: loading Hugging Face checkpoints
+#
 # Checkpoints: GPT-2's names are ours less "transformer."; the Llama family's are below, per layer
 # "transformer.h.N." -> "model.layers.N."; three names are q, k, v, stacked in that order in c_attn.
 GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -1429,12 +1455,12 @@ def read_hf_weights(path):
 
 
 # -----------------------------------------------------------------------------
-# Appendix: settings validation
+# Appendix B: settings and requests a user got wrong, as ValueErrors
 
 
 def check_engine_settings(config, dtype, device, attention_backend, preemption_mode,
                           enable_prefix_caching, **counts):
-    """Raise ValueError for engine settings that cannot work, naming the setting and what it takes."""
+    """Raise ValueError for engine settings that cannot work, naming the setting and its range."""
     for name, value in counts.items():  # None: it follows from the other settings
         least = 0 if name == "num_cpu_blocks" else 1  # no swap space is fine
         if value is not None and (type(value) is not int or value < least):
@@ -1443,16 +1469,20 @@ def check_engine_settings(config, dtype, device, attention_backend, preemption_m
         raise ValueError(f"Engine: enable_prefix_caching must be True or False, "
                          f"got {enable_prefix_caching!r}")
     if preemption_mode not in ("recompute", "swap"):
-        raise ValueError(f"Engine: preemption_mode must be 'recompute' or 'swap', got {preemption_mode!r}")
+        raise ValueError(f"Engine: preemption_mode must be 'recompute' or 'swap', "
+                         f"got {preemption_mode!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("Engine: device='cuda' but no CUDA GPU is available; use device='cpu'")
     if not dtype.is_floating_point:
         raise ValueError(f"Engine: the model's dtype {dtype} is not a floating-point type")
     if attention_backend not in ("triton", "torch"):
-        raise ValueError(f"Engine: attention_backend must be 'triton' or 'torch', got {attention_backend!r}")
-    if attention_backend == "triton" and (dtype not in kernel.DTYPES or config.head_dim not in kernel.HEAD_DIMS):
-        raise ValueError(f"Engine: the Triton kernel takes head sizes {kernel.HEAD_DIMS} in {kernel.DTYPES}; this "
-                         f"model has head size {config.head_dim} in {dtype} (attention_backend='torch' takes any)")
+        raise ValueError(f"Engine: attention_backend must be 'triton' or 'torch', "
+                         f"got {attention_backend!r}")
+    supported = dtype in kernel.DTYPES and config.head_dim in kernel.HEAD_DIMS
+    if attention_backend == "triton" and not supported:
+        raise ValueError(f"Engine: the Triton kernel takes head sizes {kernel.HEAD_DIMS} in "
+                         f"{kernel.DTYPES}; this model has head size {config.head_dim} in {dtype} "
+                         f"(attention_backend='torch' takes any)")
 
 
 def check_request(prompt, params, config, scheduler, allocator):
@@ -1495,7 +1525,7 @@ def check_request(prompt, params, config, scheduler, allocator):
 
 
 # -----------------------------------------------------------------------------
-# Appendix: metrics
+# Appendix C: metrics
 
 
 def engine_stats(engine):

@@ -1441,6 +1441,16 @@ def test_demo_bad_flags_end_with_one_clear_line(flags, message):
     assert re.search(message, run.stderr), run.stderr
 
 
+def test_running_nanopaged_py_loads_the_module_once():
+    """`python nanopaged.py` runs demo.py, which imports nanopaged: that must be the running
+    module, not a second copy with classes of its own (a GPT of one would not be a GPT of the other)."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "nanopaged.py", "--help"], capture_output=True,
+                         text=True, timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
+    assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
+    imported = [line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")]
+    assert "demo" in imported and "nanopaged" not in imported
+
+
 def test_torch_path_works_inside_and_outside_inference_mode():
     # its reused gather buffers must not leak inference tensors into normal autograd mode
     args = small_batch()
