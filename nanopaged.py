@@ -1203,9 +1203,9 @@ class OutputProcessor:
 # -----------------------------------------------------------------------------
 # 8. The engine: the step loop and the public API (Orca's iteration-level scheduling)
 #
-# One step: the scheduler decides which tokens run and
-# which blocks move; the model runner copies the blocks and runs one packed batch; the output
-# processor samples the next tokens and retires finished requests.
+# One step: the scheduler decides which tokens run and which blocks move; the model runner
+# copies the blocks and runs one packed batch; the output processor samples the next tokens
+# and retires finished requests. The same three calls, in this order, are Engine.step.
 
 
 class Engine:
@@ -1214,23 +1214,12 @@ class Engine:
                  num_cpu_blocks=None, preemption_mode="recompute", enable_prefix_caching=True,
                  max_num_seqs=256, max_num_batched_tokens=2048, device=None,
                  attention_backend=None):
-        try:
-            device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        except (RuntimeError, TypeError):
-            raise ValueError(f"Engine: device must be like 'cpu', 'cuda' or 'cuda:1', "
-                             f"got {device!r}") from None
-        if not isinstance(model, nn.Module) or not isinstance(getattr(model, "config", None),
-                                                              GPTConfig):
-            raise ValueError(f"Engine: model must be a GPT (or a module with a GPTConfig as "
-                             f".config), got {type(model).__name__}")
-        # The Triton kernel on a GPU; on the CPU the torch path (the interpreter is ~1000x slower).
-        attention_backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
+        device, attention_backend = check_engine_settings(
+            model, device, attention_backend, preemption_mode, enable_prefix_caching,
+            block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
+            num_cpu_blocks=num_cpu_blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens)
         config, dtype = model.config, next(model.parameters()).dtype
-        check_engine_settings(config, dtype, device, attention_backend, preemption_mode,
-                              enable_prefix_caching, block_size=block_size, num_blocks=num_blocks,
-                              kv_cache_bytes=kv_cache_bytes, num_cpu_blocks=num_cpu_blocks,
-                              max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens)
         self.model = model.to(device).eval()
         self.config = config
         self.device = device
@@ -1458,9 +1447,22 @@ def read_hf_weights(path):
 # Appendix B: settings and requests a user got wrong, as ValueErrors
 
 
-def check_engine_settings(config, dtype, device, attention_backend, preemption_mode,
+def check_engine_settings(model, device, attention_backend, preemption_mode,
                           enable_prefix_caching, **counts):
-    """Raise ValueError for engine settings that cannot work, naming the setting and its range."""
+    """Raise ValueError for engine settings that cannot work, naming the setting and its range.
+    Returns the torch.device and the attention backend, their defaults filled in."""
+    try:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError):
+        raise ValueError(f"Engine: device must be like 'cpu', 'cuda' or 'cuda:1', "
+                         f"got {device!r}") from None
+    if not isinstance(model, nn.Module) or not isinstance(getattr(model, "config", None),
+                                                          GPTConfig):
+        raise ValueError(f"Engine: model must be a GPT (or a module with a GPTConfig as "
+                         f".config), got {type(model).__name__}")
+    # The Triton kernel on a GPU; on the CPU the torch path (the interpreter is ~1000x slower).
+    attention_backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
+    config, dtype = model.config, next(model.parameters()).dtype
     for name, value in counts.items():  # None: it follows from the other settings
         least = 0 if name == "num_cpu_blocks" else 1  # no swap space is fine
         if value is not None and (type(value) is not int or value < least):
@@ -1483,6 +1485,7 @@ def check_engine_settings(config, dtype, device, attention_backend, preemption_m
         raise ValueError(f"Engine: the Triton kernel takes head sizes {kernel.HEAD_DIMS} in "
                          f"{kernel.DTYPES}; this model has head size {config.head_dim} in {dtype} "
                          f"(attention_backend='torch' takes any)")
+    return device, attention_backend
 
 
 def check_request(prompt, params, config, scheduler, allocator):
