@@ -1813,6 +1813,35 @@ def test_a_request_recomputed_for_lack_of_swap_space_resumes_before_younger_swap
     m.teardown()
 
 
+def decoding_group(allocator, request_id, n, first_seq_id):
+    """A request of n samples, each two tokens long with the first computed: all decoding."""
+    seqs = [Sequence(first_seq_id + i, [request_id, i], 1, i, request_id) for i in range(n)]
+    group = nanopaged.SequenceGroup(request_id, seqs[0].token_ids, SamplingParams(n=n), seqs[0])
+    group.seqs = seqs
+    for seq in seqs:
+        allocator.allocate(seq)
+        seq.num_computed_tokens = 1
+    return group
+
+
+@pytest.mark.parametrize("limit", ["max_num_batched_tokens", "max_num_seqs"])
+@pytest.mark.parametrize("budget", [4, 5])
+def test_a_swapped_request_comes_back_only_within_both_budgets(limit, budget):
+    # Request 0 decodes 3 samples; request 1's 2 samples wait in the swap space. Blocks are
+    # plenty, so only the budget decides: 3 + 2 tokens (or sequences) fit in 5, not in 4.
+    budgets = dict(max_num_batched_tokens=8, max_num_seqs=8) | {limit: budget}
+    allocator = BlockAllocator(64, 4, num_cpu_blocks=16, enable_prefix_caching=False)
+    scheduler = nanopaged.Scheduler(allocator, preemption_mode="swap", **budgets)
+    running, swapped = decoding_group(allocator, 0, 3, 0), decoding_group(allocator, 1, 2, 3)
+    allocator.swap_out(swapped.seqs)
+    scheduler.running, scheduler.swapped = [running], [swapped]
+    out = scheduler.schedule()
+    fits = budget == 5
+    assert scheduler.swapped == ([] if fits else [swapped]) and bool(out.blocks_to_swap_in) == fits
+    assert [seq.request_id for seq, _ in out.scheduled] == [0, 0, 0] + [1, 1] * fits
+    assert out.num_batched_tokens <= budgets["max_num_batched_tokens"]
+
+
 # -- sampling: the support of the draw, seeds, stops -------------------------------------------
 
 
