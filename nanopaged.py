@@ -156,7 +156,9 @@ class SequenceGroup:
         self.prompt_token_ids = list(prompt_token_ids)
         self.seqs = [seq]  # the live ones
         self.finished = []  # finished samples, or beam hypotheses (token_ids, logprob, reason)
-        self.arrival_time, self.first_token_time, self.finish_time = time.perf_counter(), None, None
+        self.arrival_time = time.perf_counter()
+        self.first_token_time = None
+        self.finish_time = None
         self.num_preemptions = 0
         self.seed = None  # sample i draws from sample_generator(seed, i)
 
@@ -722,7 +724,8 @@ class MLP(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        n, hidden, bias = config.n_embd, config.intermediate_size // tp.world_size, config.bias
+        n, bias = config.n_embd, config.bias
+        hidden = config.intermediate_size // tp.world_size  # this rank's columns
         self.c_fc = nn.Linear(n, hidden, bias=bias)  # HF Llama: up_proj
         self.c_gate = nn.Linear(n, hidden, bias=bias) if config.mlp == "swiglu" else None  # Llama
         self.c_proj = nn.Linear(hidden, n, bias=bias)  # HF Llama: down_proj
@@ -1051,7 +1054,9 @@ def sample(logits, temperatures, top_ks, top_ps, generators):
 class OutputProcessor:
 
     def __init__(self, config, allocator, scheduler, requests, seq_ids, device):
-        self.config, self.allocator, self.scheduler = config, allocator, scheduler
+        self.config = config
+        self.allocator = allocator
+        self.scheduler = scheduler
         self.requests = requests  # the engine's: request_id -> SequenceGroup
         self.seq_ids = seq_ids  # the engine's counter of sequence ids, shared with forks
         self.device = device
@@ -1138,7 +1143,8 @@ class OutputProcessor:
         """Keep the beam_width best one-token extensions of the live beams, by cumulative
         log-probability. A beam chosen twice forks, so both continuations share its blocks;
         a beam not chosen is freed, and what it shared lives on in the survivors."""
-        params, width, beams = group.params, group.params.beam_width, group.seqs
+        params, beams = group.params, group.seqs
+        width = params.beam_width
         logprobs = logits.double().log_softmax(-1)                                       # (k, V)
         cumulative = torch.tensor([seq.cumulative_logprob for seq in beams],
                                   dtype=torch.float64, device=logprobs.device)
