@@ -918,25 +918,29 @@ def tp_shard(name, tensor, config):
 # scheduled token of every sequence as one varlen batch through the paged attention kernel.
 
 
+def kv_block_shape(config, block_size):
+    """One KV block on this rank: K and V of every layer, for this rank's own K/V heads (see
+    tensor parallelism above)."""
+    return (2, config.n_layer, block_size, config.n_kv_head // tp.world_size, config.head_dim)
+
+
 class ModelRunner:
 
     def __init__(self, model, num_blocks, num_cpu_blocks, block_size, use_triton, device):
-        config, dtype = model.config, next(model.parameters()).dtype
+        dtype = next(model.parameters()).dtype
         self.model = model
         self.block_size = block_size
         self.use_triton = use_triton
         self.device = device
-        # Each rank holds its own K/V heads (see tensor parallelism above).
-        block_shape = (block_size, config.n_kv_head // tp.world_size, config.head_dim)
+        shape = kv_block_shape(model.config, block_size)  # (2, n_layer, block_size, nkv, hs)
         # The KV cache is one tensor, so a block copy (copy-on-write, swap) is one indexing op
         # for all layers.
-        self.kv_cache = torch.zeros(2, config.n_layer, num_blocks, *block_shape,
-                                    dtype=dtype, device=device)
+        self.kv_cache = torch.zeros(*shape[:2], num_blocks, *shape[2:], dtype=dtype, device=device)
         # The swap space is block-major and pinned, so each block moves by one direct
         # non_blocking copy (DMA) that does not stall the host; it runs on the step's stream,
         # before the forward.
-        self.cpu_kv_cache = torch.zeros(num_cpu_blocks, 2, config.n_layer, *block_shape,
-                                        dtype=dtype, pin_memory=device.type == "cuda")
+        self.cpu_kv_cache = torch.zeros(num_cpu_blocks, *shape, dtype=dtype,
+                                        pin_memory=device.type == "cuda")
 
     def execute(self, out):
         """Copy the blocks out orders, then run its scheduled tokens. Returns the logits (R, V)
@@ -1232,9 +1236,7 @@ class Engine:
         self.block_size = block_size
         # The KV cache is sized like vLLM's: by a byte budget, by default 90% of free GPU
         # memory. Each rank holds its own K/V heads: the same budget makes tp times the blocks.
-        kv_heads = config.n_kv_head // tp.world_size
-        bytes_per_block = 2 * config.n_layer * block_size * kv_heads * config.head_dim
-        bytes_per_block *= dtype.itemsize
+        bytes_per_block = math.prod(kv_block_shape(config, block_size)) * dtype.itemsize
         if num_blocks is None:
             if kv_cache_bytes is None:  # but no more than max_num_seqs full-length sequences use
                 free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 30
