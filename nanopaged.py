@@ -158,7 +158,6 @@ class SequenceGroup:
         self.finished = []  # finished samples, or beam hypotheses (token_ids, logprob, reason)
         self.arrival_time = time.perf_counter()
         self.first_token_time = None
-        self.finish_time = None
         self.num_preemptions = 0
         self.seed = None  # sample i draws from sample_generator(seed, i)
 
@@ -597,11 +596,8 @@ class Scheduler:
             self.swapped.remove(group)
             for seq in group.seqs:
                 self.allocator.free_cpu(seq)
-        else:
-            if group in self.running:
-                self.running.remove(group)
-            else:
-                self.waiting.remove(group)
+        else:  # a waiting group holds no blocks: freeing its sequences returns nothing
+            (self.running if group in self.running else self.waiting).remove(group)
             for seq in group.seqs:
                 self.allocator.free(seq)
         group.seqs = []
@@ -1178,11 +1174,10 @@ class OutputProcessor:
         for i, seq in enumerate(beams):
             if i not in chosen:
                 self.allocator.free(seq)
-        group.seqs = []
-        for seq, token, score in survivors:
+        for seq, token, score in survivors:  # after every fork, so no child copies a new token
             seq.token_ids.append(token)
             seq.cumulative_logprob = score
-            group.seqs.append(seq)
+        group.seqs = [seq for seq, _, _ in survivors]
         # no survivor when every candidate ended in a stop token: then the group is done as it is
         out_of_tokens = bool(group.seqs) and group.seqs[0].num_output_tokens >= params.max_tokens
         if out_of_tokens or len(group.finished) >= width:  # width hypotheses, or no more room
@@ -1195,7 +1190,6 @@ class OutputProcessor:
 
     def output(self, group):
         self.requests.pop(group.request_id)
-        group.finish_time = time.perf_counter()
         if group.params.beam_width is not None:
             # rank by length-normalised log-probability, so short hypotheses are not favoured
             best = sorted(group.finished, key=lambda h: -h[1] / len(h[0]))[:group.params.beam_width]
@@ -1207,7 +1201,7 @@ class OutputProcessor:
                        for seq in sorted(group.finished, key=lambda s: s.index)]
         return RequestOutput(group.request_id, group.prompt_token_ids, outputs,
                              group.first_token_time - group.arrival_time,
-                             group.finish_time - group.arrival_time, group.num_preemptions)
+                             time.perf_counter() - group.arrival_time, group.num_preemptions)
 
 
 # -----------------------------------------------------------------------------
