@@ -841,7 +841,7 @@ class GPT(nn.Module):
 # heads, K/V heads or MLP columns. The row-parallel c_proj after it keeps the matching input
 # columns, so its output is a partial sum that one all-reduce completes. Embeddings, norms and
 # the LM head are replicated, and each rank caches the K/V of its own heads only.
-# (Shoeybi et al., "Megatron-LM", 2019, section 3; as vLLM runs it, paper section 4.6.)
+# (Shoeybi et al., "Megatron-LM", 2019, section 3.)
 
 tp = SimpleNamespace(rank=0, world_size=1)  # this process's place in the group; 1 without torchrun
 # The weight dim each layer splits along: 0, output rows (column-parallel); 1, input columns
@@ -999,8 +999,8 @@ class ModelRunner:
 # 7. Output processing: sampling, parallel samples, beam search (paper, section 4.4), stops
 #
 # Each group whose sequences got logits this step moves on by one token: sampled, or chosen
-# by beam search (paper, section 4.4). Parallel samples fork from the prompt here, sharing
-# its blocks; a finished sequence frees its blocks at once.
+# by beam search. Parallel samples fork from the prompt here, sharing its blocks; a finished
+# sequence frees its blocks at once.
 
 
 def sample_generator(seed, index, device):
