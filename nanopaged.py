@@ -970,7 +970,6 @@ class ModelRunner:
         [num_computed_tokens, num_computed_tokens + num_new) of each."""
         bs = self.block_size
         max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
-        padding = [[-1] * i for i in range(max_blocks + 1)]  # block table rows end in -1s
         input_ids, positions, slot_mapping, block_tables, seq_lens = [], [], [], [], []
         cu_seqlens_q, logits_indices = [0], []
         for seq, num_new in scheduled:
@@ -981,7 +980,7 @@ class ModelRunner:
             positions += range(start, end)
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
             block_tables += table
-            block_tables += padding[max_blocks - len(table)]
+            block_tables += [-1] * (max_blocks - len(table))  # rows end in -1s
             seq_lens.append(end)
             cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
             if end == len(seq):  # its last token is in: we need the logits that follow it
