@@ -644,6 +644,11 @@ class GPTConfig:
         self.intermediate_size = self.intermediate_size or 4 * self.n_embd
         self.qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
 
+    @property
+    def qkv_widths(self):
+        """Widths of q, k and v, stacked in that order in the whole model's fused c_attn."""
+        return [n * self.head_dim for n in (self.n_head, self.n_kv_head, self.n_kv_head)]
+
 
 @dataclass
 class Batch:
@@ -810,7 +815,6 @@ class GPT(nn.Module):
         hf = read_hf_config(path)
         config = gpt2_config(hf, path) if hf["model_type"] == "gpt2" else llama_config(hf, path)
         model, sd = cls(config), read_hf_weights(path)
-        qkv = [n * config.head_dim for n in (config.n_head, config.n_kv_head, config.n_kv_head)]
         with torch.no_grad():
             for name, param in model.named_parameters():  # a tied lm_head is wte, listed once
                 keys = hf_names(name, hf["model_type"])
@@ -819,7 +823,7 @@ class GPT(nn.Module):
                 whole = list(param.shape)  # the whole model's: all ranks' slices together
                 if (dim := tp_split_dim(name)) is not None:
                     whole[dim] *= tp.world_size
-                shapes = [(n, *whole[1:]) for n in qkv] if len(keys) == 3 else [whole]
+                shapes = [(n, *whole[1:]) for n in config.qkv_widths] if len(keys) == 3 else [whole]
                 for key, shape in zip(keys, shapes):
                     expected = tuple(shape[::-1] if transpose else shape)
                     if key not in sd:
@@ -901,8 +905,7 @@ def tp_shard(name, tensor, config):
     if dim is None:  # replicated; but a row-parallel bias must enter the all-reduce's sum once
         row_bias = tp.world_size > 1 and name.endswith("c_proj.bias")
         return tensor * (tp.rank == 0) if row_bias else tensor
-    qkv = [n * config.head_dim for n in (config.n_head, config.n_kv_head, config.n_kv_head)]
-    parts = tensor.split(qkv) if ".c_attn." in name else [tensor]
+    parts = tensor.split(config.qkv_widths) if ".c_attn." in name else [tensor]
     return torch.cat([part.chunk(tp.world_size, dim)[tp.rank] for part in parts], dim)
 
 
