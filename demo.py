@@ -194,7 +194,8 @@ def main(argv=None):
         if nanopaged.tp.rank > 0:  # every rank serves the same requests; one of them speaks
             sys.stdout = open(os.devnull, "w")
         model = GPT.from_pretrained(args.model)
-        if args.threads or sum(p.numel() for p in model.parameters()) < 100e6:
+        num_params = sum(w.numel() for w in model.parameters())
+        if args.threads or num_params < 100e6:
             torch.set_num_threads(args.threads or 1)
         engine = Engine(model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device,
                         preemption_mode=args.preemption, enable_prefix_caching=not args.no_prefix_cache,
@@ -212,7 +213,6 @@ def main(argv=None):
     except ValueError as e:
         sys.exit(f"nanopaged: error: {e}")
     ranks = f" on each of {nanopaged.tp.world_size} ranks" if nanopaged.tp.world_size > 1 else ""
-    num_params = sum(p.numel() for p in model.parameters())
     print(f"model {args.model}: {num_params / 1e6:.1f}M parameters{ranks}, "
           f"max_seq_len {model.config.max_seq_len}; KV pool {engine.allocator.num_blocks} blocks x "
           f"{engine.block_size} tokens on {engine.device}{ranks}; {len(prompts)} requests")
