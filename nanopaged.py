@@ -19,6 +19,7 @@ Run `python nanopaged.py`, or `torchrun --nproc-per-node 2 nanopaged.py
 --tensor-parallel-size 2` to split the model and its KV cache across two processes.
 """
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -84,23 +85,36 @@ class SamplingParams:
     temperature: float = 1.0  # 0 is greedy
     top_k: int = 0  # keep the k likeliest tokens; 0 keeps all
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
-    seed: int | None = None  # sample i draws from its own generator, seeded by (seed, i)
+    seed: int | None = None  # token t of sample i is drawn by a generator seeded by (seed, i, t)
     n: int = 1  # parallel samples of one prompt, sharing its blocks
     beam_width: int | None = None  # beam search, this many beams; temperature, top_k, top_p unused
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop_token_ids: list[int] | None = None  # these end a sample or beam; None: none (vLLM)
     ignore_eos: bool = False  # keep going past the model's end-of-text token
 
     def __post_init__(self):
-        checks = [("max_tokens", self.max_tokens >= 1, ">= 1"),
-                  ("temperature", self.temperature >= 0, ">= 0"),
-                  ("top_k", self.top_k >= 0, ">= 0 (0 disables it)"),
-                  ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-                  ("n", self.n >= 1, ">= 1"),
-                  ("beam_width", self.beam_width is None or self.beam_width >= 1, ">= 1")]
+        def integer(x):  # bool is an int to Python, never to a user
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def number(x):
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+        stops = self.stop_token_ids
+        stops = [] if stops is None else list(stops) if isinstance(stops, (list, tuple)) else stops
+        checks = [("max_tokens", integer(self.max_tokens) and self.max_tokens >= 1, "an int >= 1"),
+                  ("temperature", number(self.temperature) and self.temperature >= 0, "a number >= 0"),
+                  ("top_k", integer(self.top_k) and self.top_k >= 0, "an int >= 0 (0 disables it)"),
+                  ("top_p", number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+                  ("seed", self.seed is None or integer(self.seed), "None or an int"),
+                  ("n", integer(self.n) and self.n >= 1, "an int >= 1"),
+                  ("beam_width", self.beam_width is None or integer(self.beam_width)
+                   and self.beam_width >= 1, "None or an int >= 1"),
+                  ("stop_token_ids", isinstance(stops, list)
+                   and all(integer(t) and t >= 0 for t in stops), "None or a list of token ids"),
+                  ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False")]
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} must be {allowed}, "
                                  f"got {getattr(self, name)!r}")
+        self.stop_token_ids = stops
         if self.n > 1 and self.beam_width is not None:
             raise ValueError("SamplingParams: choose n > 1 (parallel sampling) or beam_width "
                              "(beam search), not both")
@@ -124,7 +138,6 @@ class Sequence:
         self.block_table = []  # physical block ids; device blocks, or CPU blocks while swapped out
         self.block_hashes = []  # prefix-cache keys of its full computed blocks
         self.cumulative_logprob = 0.0
-        self.generator = None  # per-sample torch.Generator, so seeded output ignores batch-mates
         self.finish_reason = None
 
     def __len__(self):
@@ -159,7 +172,7 @@ class SequenceGroup:
         self.arrival_time = time.perf_counter()
         self.first_token_time = None
         self.num_preemptions = 0
-        self.seed = None  # sample i draws from sample_generator(seed, i)
+        self.seed = None  # sampled requests: token t of sample i draws from (seed, i, t)
 
     @property
     def is_finished(self):
@@ -203,14 +216,16 @@ class OutOfBlocksError(RuntimeError):
 class PhysicalBlock:
     block_id: int
     ref_count: int = 0      # block-table entries that point here; the block is free iff this is 0
-    hash: int | None = None  # prefix-cache key once full and computed, iff hash_to_block has it
+    hash: bytes | None = None  # prefix-cache key once full and computed, iff hash_to_block has it
     token_ids: tuple = ()   # the tokens it holds, to confirm a hash hit token by token
+    freed_at: int = 0       # when its count last fell to 0: its place in the free list
 
 
 def chain_hash(prev_hash, token_ids):
-    """Key of a full block: its tokens chained with the key of the block before it, so equal
-    blocks that follow different prefixes get different keys (vLLM's automatic prefix caching)."""
-    return hash((prev_hash, tuple(token_ids)))
+    """Key of a full block: SHA-256 of its tokens chained with the key of the block before it, so
+    equal blocks after different prefixes get different keys (vLLM's automatic prefix caching;
+    Python's hash let a crafted prompt collide with another's, vLLM's CVE-2025-25183)."""
+    return hashlib.sha256((prev_hash or bytes(32)) + repr(tuple(token_ids)).encode()).digest()
 
 
 class BlockAllocator:
@@ -222,16 +237,18 @@ class BlockAllocator:
                              f"num_cpu_blocks={num_cpu_blocks}")
         self.block_size, self.num_blocks = block_size, num_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [PhysicalBlock(i) for i in range(num_blocks)]
+        self.blocks = [PhysicalBlock(i, freed_at=-i) for i in range(num_blocks)]
         # Free blocks in eviction order, first out first. A freed block that holds a cached
         # prefix joins the back, so the least recently used prefix is overwritten first;
         # one with nothing worth keeping joins the front.
         self.free_block_ids = OrderedDict.fromkeys(range(num_blocks))
+        self.clock = itertools.count(1)  # stamps freed_at
         self.hash_to_block = {}
         self.num_queried_tokens = self.num_hit_tokens = 0  # prefix-cache hit rate = hit / queried
         # The swap space: a second pool in CPU memory with its own ref counts and free list.
         self.cpu_ref_count = [0] * num_cpu_blocks
         self.cpu_free_block_ids = deque(range(num_cpu_blocks))
+        self.begin()
 
     @property
     def num_free_blocks(self):
@@ -242,25 +259,27 @@ class BlockAllocator:
     def _take(self):
         if not self.free_block_ids:
             raise OutOfBlocksError(f"all {self.num_blocks} KV blocks are in use")
-        block = self.blocks[self.free_block_ids.popitem(last=False)[0]]
+        block = self._touch(self.free_block_ids.popitem(last=False)[0])
         if block.hash is not None:  # evict: its cached prefix is about to be overwritten
             del self.hash_to_block[block.hash]
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
+        self.taken.add(block.block_id)
         return block.block_id
 
     def _share(self, block_id):
-        block = self.blocks[block_id]
+        block = self._touch(block_id)
         if block.ref_count == 0:  # a cached free block comes back to life
             del self.free_block_ids[block_id]
         block.ref_count += 1
 
     def _release(self, block_id):
-        block = self.blocks[block_id]
-        if block.ref_count < 1:  # a double free would hand one block to two sequences later
+        if self.blocks[block_id].ref_count < 1:  # a double free would hand one block to two
             raise RuntimeError(f"block {block_id} released more times than it was taken")
+        block = self._touch(block_id)
         block.ref_count -= 1
         if block.ref_count == 0:
+            block.freed_at = next(self.clock)
             self.free_block_ids[block_id] = None
             if block.hash is None:
                 self.free_block_ids.move_to_end(block_id, last=False)
@@ -278,7 +297,7 @@ class BlockAllocator:
             chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(h, chunk)
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:  # not a hash alone
+            if block_id is None or self.blocks[block_id].token_ids != chunk:  # not a key alone
                 break
             hits.append(block_id)
         return hits
@@ -361,6 +380,7 @@ class BlockAllocator:
             seq.block_hashes.append(h)
             block, twin = self.blocks[seq.block_table[i]], self.hash_to_block.get(h)
             if twin is None:
+                block = self._touch(block.block_id)
                 block.hash, block.token_ids = h, chunk
                 self.hash_to_block[h] = block.block_id
             elif twin != block.block_id and self.blocks[twin].token_ids == chunk:
@@ -409,16 +429,19 @@ class BlockAllocator:
         return list(mapping.items())
 
     def _take_cpu(self):
+        self._touch_cpu()
         cpu_block_id = self.cpu_free_block_ids.popleft()
         self.cpu_ref_count[cpu_block_id] = 1
         return cpu_block_id
 
     def _share_cpu(self, cpu_block_id):
+        self._touch_cpu()
         self.cpu_ref_count[cpu_block_id] += 1
 
     def _release_cpu(self, cpu_block_id):
         if self.cpu_ref_count[cpu_block_id] < 1:
             raise RuntimeError(f"cpu block {cpu_block_id} released more times than it was taken")
+        self._touch_cpu()
         self.cpu_ref_count[cpu_block_id] -= 1
         if self.cpu_ref_count[cpu_block_id] == 0:
             self.cpu_free_block_ids.append(cpu_block_id)
@@ -428,6 +451,49 @@ class BlockAllocator:
         for cpu_block_id in seq.block_table:
             self._release_cpu(cpu_block_id)
         seq.block_table = []
+
+    # -- a step as a transaction: undo every change since begin() --------------------------
+
+    def begin(self):
+        """Start recording: each block's state is saved before its first change (the engine
+        calls this at the start of every step, and rollback() if the step fails)."""
+        self.saved_blocks = {}  # block_id -> a copy of the PhysicalBlock as it was at begin()
+        self.saved_cpu = None  # the CPU pool's ref counts and free list, copied on first change
+        self.saved_hits = (self.num_queried_tokens, self.num_hit_tokens)
+        self.taken = set()  # device blocks handed out since begin(): their slots may be written
+
+    def _touch(self, block_id):
+        block = self.blocks[block_id]
+        self.saved_blocks.setdefault(block_id, dataclasses.replace(block))
+        return block
+
+    def _touch_cpu(self):
+        if self.saved_cpu is None:
+            self.saved_cpu = (list(self.cpu_ref_count), deque(self.cpu_free_block_ids))
+
+    def rollback(self):
+        """Put every block back as begin() found it, but keep no prefix in a block handed out
+        since: its slots may hold writes of the failed step. Returns the blocks handed out."""
+        for block_id, saved in self.saved_blocks.items():
+            if self.hash_to_block.get(self.blocks[block_id].hash) == block_id:
+                del self.hash_to_block[self.blocks[block_id].hash]
+            if block_id in self.taken:
+                saved.hash, saved.token_ids = None, ()
+            self.blocks[block_id] = saved
+        for block_id, saved in self.saved_blocks.items():
+            if saved.hash is not None:
+                self.hash_to_block[saved.hash] = block_id
+        # The free list is a function of the blocks: uncached ones first, newest freed first;
+        # then cached ones, least recently freed first (see _release).
+        free = sorted((b for b in self.blocks if b.ref_count == 0),
+                      key=lambda b: (b.hash is not None, b.freed_at * (-1) ** (b.hash is None)))
+        self.free_block_ids = OrderedDict.fromkeys(b.block_id for b in free)
+        if self.saved_cpu is not None:
+            self.cpu_ref_count, self.cpu_free_block_ids = self.saved_cpu
+        self.num_queried_tokens, self.num_hit_tokens = self.saved_hits
+        taken = self.taken
+        self.begin()
+        return taken
 
 
 # -----------------------------------------------------------------------------
@@ -570,16 +636,22 @@ class Scheduler:
                 out.num_batched_tokens += num_new
 
     def _preempt(self, group, out):
-        self.num_preemptions += 1
-        group.num_preemptions += 1
         out.preempted.append(group)
         if self.preemption_mode == "swap" and self.allocator.can_swap_out(group.seqs):
+            self.num_preemptions += 1
+            group.num_preemptions += 1
             out.blocks_to_swap_out += self.allocator.swap_out(group.seqs)
             insort(self.swapped, group, key=lambda g: g.request_id)
         else:  # recompute, also the fallback when the swap space is full
-            for seq in group.seqs:
-                self.allocator.free(seq)
-            self._recompute(group)
+            self.preempt_by_recompute(group)
+
+    def preempt_by_recompute(self, group):
+        """Free a running group's blocks and send it back to the front of the queue."""
+        self.num_preemptions += 1
+        group.num_preemptions += 1
+        for seq in group.seqs:
+            self.allocator.free(seq)
+        self._recompute(group)
 
     def _recompute(self, group):
         for seq in group.seqs:
@@ -1005,12 +1077,13 @@ class ModelRunner:
 # sequence frees its blocks at once.
 
 
-def sample_generator(seed, index, device):
-    """Sample index's own generator, seeded by a 64-bit hash of the pair (seed, index), so
-    distinct pairs draw distinct streams (seed + index made seed 0's sample 1 replay seed 1's
-    sample 0). A CUDA generator keeps all 64 bits, torch's CPU one the low 32: a clash has
-    odds 2**-32."""
-    digest = hashlib.blake2b(f"{seed},{index}".encode(), digest_size=8).digest()
+def sample_generator(seed, index, position, device):
+    """The generator that draws output token `position` of sample `index`, seeded by a 64-bit
+    hash of (seed, index, position): a draw is a function of those and the logits alone, so
+    neither batch-mates, preemption nor a failed step that is retried can change it. Distinct
+    triples draw distinct streams (seed + index made seed 0's sample 1 replay seed 1's sample 0).
+    A CUDA generator keeps all 64 bits, torch's CPU one the low 32: a clash has odds 2**-32."""
+    digest = hashlib.blake2b(f"{seed},{index},{position}".encode(), digest_size=8).digest()
     return torch.Generator(device).manual_seed(int.from_bytes(digest, "little"))
 
 
@@ -1097,8 +1170,10 @@ class OutputProcessor:
         params = [g.params for g, _, _ in to_sample]
         rows = [r for _, _, r in to_sample]
         logits = logits if rows == list(range(len(logits))) else logits[rows]           # (S, V)
+        generators = [None if g.seed is None else sample_generator(
+            g.seed, seq.index, seq.num_output_tokens, self.device) for g, seq, _ in to_sample]
         tokens = sample(logits, [p.temperature for p in params], [p.top_k for p in params],
-                        [p.top_p for p in params], [seq.generator for _, seq, _ in to_sample])
+                        [p.top_p for p in params], generators)
         # Tensor parallel ranks run this same scheduler on bit-identical logits (the all-reduce
         # gives each the same sum), so greedy picks, beams and stops agree; a random draw may
         # not (unseeded, each rank has its own seed), so all take rank 0's tokens.
@@ -1136,10 +1211,7 @@ class OutputProcessor:
         and the shared partial last block is copied on the first write (paper, section 4.4)."""
         parent = group.seqs[0]
         for i in range(1, group.params.n):
-            child = self.fork(parent, index=i)
-            if parent.generator is not None:
-                child.generator = sample_generator(group.seed, i, self.device)
-            group.seqs.append(child)
+            group.seqs.append(self.fork(parent, index=i))
 
     def beam_search_step(self, group, logits):
         """Keep the beam_width best one-token extensions of the live beams, by cumulative
@@ -1259,13 +1331,57 @@ class Engine:
 
     def step(self):
         """Run one scheduling step; returns the RequestOutputs of requests that finished in it.
-        If the model raises, no sequence has advanced: the engine stays consistent, stats() is
-        true, and the next step computes the same tokens again."""
-        out = self.scheduler.schedule()
-        logits = self.model_runner.execute(out)
-        if logits is None:
-            return []
-        return self.output_processor.process(out.scheduled, logits)
+        A step is all or nothing: if anything in it raises (the model, sampling, a stop rule),
+        rollback() puts every request, queue and block back as the step found them and the error
+        propagates; the next step computes the same tokens again."""
+        saved = self.save_step_state()
+        try:
+            out = self.scheduler.schedule()
+            logits = self.model_runner.execute(out)
+            return [] if logits is None else self.output_processor.process(out.scheduled, logits)
+        except BaseException:
+            self.rollback(saved)
+            raise
+
+    # -- a step as a transaction ----------------------------------------------------------
+
+    def save_step_state(self):
+        """What a step may change, before it does: the queues, the counters, and every group the
+        step can reach. Those are the running and swapped ones, and the waiting ones admission
+        can reach: each admitted group takes a free block and a sequence slot, and nothing is
+        admitted in a step that frees blocks by preemption. The allocator journals itself."""
+        s, a = self.scheduler, self.allocator
+        a.begin()
+        reachable = itertools.islice(s.waiting, min(s.max_num_seqs, a.num_free_blocks))
+        groups = [(g, list(g.seqs), len(g.finished), g.first_token_time, g.num_preemptions,
+                   [(seq, len(seq.token_ids), seq.num_computed_tokens, list(seq.block_table),
+                     list(seq.block_hashes), seq.cumulative_logprob, seq.finish_reason)
+                    for seq in g.seqs])
+                  for g in itertools.chain(s.running, s.swapped, reachable)]
+        return (groups, list(s.waiting), list(s.running), list(s.swapped), s.num_preemptions,
+                self.output_processor.num_generated_tokens)
+
+    def rollback(self, saved):
+        """Undo a failed step. Its writes into the KV cache cannot be undone, and they land only
+        in blocks it handed out: a request that held such a block before the step (its blocks
+        were taken from it by a preemption in the step) is left preempted by recompute."""
+        groups, waiting, running, swapped, num_preemptions, num_generated = saved
+        s, taken = self.scheduler, self.allocator.rollback()
+        s.waiting, s.running, s.swapped = deque(waiting), running, swapped
+        s.num_preemptions, self.output_processor.num_generated_tokens = num_preemptions, num_generated
+        for group, seqs, num_finished, first_token_time, num_preemptions, seq_states in groups:
+            group.seqs, group.first_token_time = seqs, first_token_time
+            group.num_preemptions = num_preemptions
+            del group.finished[num_finished:]
+            for seq, n, *state in seq_states:
+                del seq.token_ids[n:]
+                (seq.num_computed_tokens, seq.block_table, seq.block_hashes,
+                 seq.cumulative_logprob, seq.finish_reason) = state
+            self.requests[group.request_id] = group
+        for group in reversed(running):  # youngest first, so the oldest ends up in front
+            if taken.intersection(*(seq.block_table for seq in group.seqs)):
+                s.running.remove(group)
+                s.preempt_by_recompute(group)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -1280,9 +1396,8 @@ class Engine:
                        request_id=request_id)
         group = SequenceGroup(request_id, prompt_token_ids, params, seq)
         if params.beam_width is None and params.temperature > 0:
-            # sample i draws from (seed, i); without a seed, a seed drawn from torch's global RNG
+            # without a seed, a seed drawn from torch's global RNG
             group.seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
-            seq.generator = sample_generator(group.seed, 0, self.device)
         self.requests[request_id] = group
         self.scheduler.add(group)
         return request_id
@@ -1505,6 +1620,9 @@ def check_request(prompt, params, config, scheduler, allocator):
         raise ValueError(f"a prompt is a list or tuple of token ids or a 1-D integer tensor, "
                          f"got {type(prompt).__name__}")
     prompt_token_ids = list(prompt)
+    for t in params.stop_token_ids:
+        if t >= config.vocab_size:
+            raise ValueError(f"stop token id {t} is outside the vocabulary [0, {config.vocab_size})")
     if len(prompt_token_ids) == 0:
         raise ValueError("the prompt is empty: give at least one token id")
     for i, t in enumerate(prompt_token_ids):

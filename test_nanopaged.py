@@ -22,7 +22,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # read when kernel.py's @triton.jit runs: import it after
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, event, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import demo
@@ -881,10 +881,10 @@ def test_parallel_samples_equal_the_same_seeds_run_one_by_one(model, no_writes_i
         outputs.update({o.request_id: o for o in engine.step()})
     samples = [c.token_ids for c in outputs[request_id].outputs]
     singles = []
-    for i in range(4):  # sample i alone: a request of one sample on sample i's generator
+    for i in range(4):  # sample i alone: a request of one sample that draws as sample i
         single = Engine(model, block_size=4, num_blocks=64)
         only = single.add_request(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=42))
-        single.requests[only].seqs[0].generator = nanopaged.sample_generator(42, i, single.device)
+        single.requests[only].seqs[0].index = i
         while single.scheduler.has_unfinished():
             singles += [o.outputs[0].token_ids for o in single.step()]
     assert samples == singles and len(set(map(tuple, samples))) > 1
@@ -1210,18 +1210,39 @@ def test_bad_requests_are_rejected_before_taking_blocks(prompt, params, message)
 
 
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(max_tokens=0), r"max_tokens must be >= 1, got 0"),
-    (dict(temperature=-0.1), r"temperature must be >= 0"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\], got 0.0"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(top_k=-1), r"top_k must be >= 0"),
-    (dict(n=0), r"n must be >= 1"),
-    (dict(beam_width=0), r"beam_width must be >= 1"),
+    (dict(max_tokens=0), r"max_tokens must be an int >= 1, got 0"),
+    (dict(max_tokens=5.0), r"max_tokens must be an int >= 1, got 5.0"),
+    (dict(temperature=-0.1), r"temperature must be a number >= 0"),
+    (dict(temperature="1"), r"temperature must be a number >= 0, got '1'"),
+    (dict(top_p=0.0), r"top_p must be a number in \(0, 1\], got 0.0"),
+    (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
+    (dict(top_p=None), r"top_p must be a number in \(0, 1\], got None"),
+    (dict(top_k=-1), r"top_k must be an int >= 0"),
+    (dict(top_k=True), r"top_k must be an int >= 0 \(0 disables it\), got True"),
+    (dict(n=0), r"n must be an int >= 1"),
+    (dict(n=2.0), r"n must be an int >= 1, got 2.0"),
+    (dict(beam_width=0), r"beam_width must be None or an int >= 1"),
+    (dict(beam_width=2.0), r"beam_width must be None or an int >= 1, got 2.0"),
+    (dict(seed=1.5), r"seed must be None or an int, got 1.5"),
+    (dict(stop_token_ids=10), r"stop_token_ids must be None or a list of token ids, got 10"),
+    (dict(stop_token_ids=[1.0]), r"stop_token_ids must be None or a list of token ids"),
+    (dict(stop_token_ids=[-1]), r"stop_token_ids must be None or a list of token ids"),
+    (dict(stop_token_ids="ab"), r"stop_token_ids must be None or a list of token ids"),
+    (dict(ignore_eos="yes"), r"ignore_eos must be True or False, got 'yes'"),
     (dict(n=2, beam_width=2), "not both"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def test_stop_token_ids_none_means_none_and_a_tuple_is_a_list():
+    assert SamplingParams(stop_token_ids=None).stop_token_ids == []
+    assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
+    engine = Engine(MODEL, block_size=4, num_blocks=12)
+    with pytest.raises(ValueError, match=r"stop token id 32 is outside the vocabulary \[0, 32\)"):
+        engine.add_request([1, 2], SamplingParams(stop_token_ids=[5, 32]))
+    assert serves_normally(engine)
 
 
 def test_a_batch_with_one_bad_prompt_is_rejected_whole():
@@ -1311,6 +1332,117 @@ def test_a_model_error_inside_a_step_loses_nothing(monkeypatch):
             pass
     assert [outputs[i].outputs[0].token_ids for i in range(4)] == [naive_greedy(MODEL, p, 10) for p in prompts]
     assert_all_blocks_free(engine)
+
+
+def engine_state(engine):
+    """Everything a step may change, by request id and sample index (not by object)."""
+    s, a = engine.scheduler, engine.allocator
+    groups = {rid: ([(seq.index, list(seq.token_ids), seq.num_computed_tokens, list(seq.block_table),
+                      list(seq.block_hashes), seq.cumulative_logprob, seq.finish_reason) for seq in g.seqs],
+                    len(g.finished), g.first_token_time, g.num_preemptions) for rid, g in engine.requests.items()}
+    queues = [[g.request_id for g in q] for q in (s.waiting, s.running, s.swapped)]
+    return (groups, queues, s.num_preemptions, allocator_state(a), a.num_hit_tokens, a.num_queried_tokens,
+            engine.output_processor.num_generated_tokens)
+
+
+def test_a_failing_request_does_not_strand_its_batch_mates(monkeypatch):
+    """A failure after the forward (here a stop check that raises for one request) used to leave
+    the batch-mates' num_computed_tokens advanced: they were never scheduled again."""
+    engine = Engine(MODEL, block_size=4, num_blocks=24)
+    good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=6, temperature=0))
+    bad = engine.add_request([4, 5], SamplingParams(max_tokens=6, temperature=0))
+    real_stop_reason = nanopaged.OutputProcessor.stop_reason
+
+    def stop_reason(self, seq, params):
+        if seq.request_id == bad:
+            raise TypeError("a stop rule that fails (simulated)")
+        return real_stop_reason(self, seq, params)
+
+    monkeypatch.setattr(nanopaged.OutputProcessor, "stop_reason", stop_reason)
+    before = engine_state(engine)
+    with pytest.raises(TypeError, match="simulated"):
+        engine.step()
+    assert engine_state(engine) == before
+    engine.abort(bad)
+    outputs = [o for _ in range(20) if engine.requests for o in engine.step()]
+    assert [o.outputs[0].token_ids for o in outputs] == [naive_greedy(MODEL, [1, 2, 3], 6)]
+    assert outputs[0].request_id == good and assert_all_blocks_free(engine) is None
+
+
+# Where a step can fail: (owner, function name). The failure is raised before or after the call.
+FAILURE_POINTS = [(nanopaged.Scheduler, "schedule"), (BlockAllocator, "allocate"),
+                  (BlockAllocator, "append_slot"), (BlockAllocator, "swap_out"), (BlockAllocator, "swap_in"),
+                  (nanopaged.ModelRunner, "copy_blocks"), (GPT, "forward"), (BlockAllocator, "cache_full_blocks"),
+                  (nanopaged, "sample"), (nanopaged.OutputProcessor, "stop_reason"),
+                  (nanopaged.OutputProcessor, "fork"), (nanopaged.OutputProcessor, "beam_search_step"),
+                  (BlockAllocator, "free"), (nanopaged.OutputProcessor, "output")]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 31), min_size=1, max_size=10), st.integers(1, 6),
+                                   st.sampled_from(["greedy", "seeded", "n=2", "beam=2"])), min_size=1, max_size=6),
+       point=st.sampled_from(FAILURE_POINTS), call=st.integers(1, 12), after=st.booleans(),
+       block_size=st.sampled_from([1, 2, 4]), spare=st.integers(0, 6),
+       mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans())
+def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, after, block_size, spare,
+                                                      mode, caching):
+    """Raise once, at a random call of a random function inside a step: the step leaves every
+    request, queue and block as it found them (but for K/V the failed step may have overwritten:
+    blocks it handed out leave the prefix cache, and a request that held one is recomputed);
+    the next steps serve every request to the same output as a run without the failure."""
+    params = [SamplingParams(max_tokens=m, temperature=0 if kind == "greedy" else 1.0, seed=i,
+                             n=2 if kind == "n=2" else 1, beam_width=2 if kind == "beam=2" else None,
+                             stop_token_ids=[7]) for i, (_, m, kind) in enumerate(requests)]
+    worst = max(p.num_seqs * -(-(len(r[0]) + p.max_tokens) // block_size) for r, p in zip(requests, params))
+
+    def run(engine, inject):
+        ids = [engine.add_request(r[0], p) for r, p in zip(requests, params)]
+        outputs, failures = {}, 0
+        for _ in range(300):  # a bound, so a stalled engine fails instead of hanging
+            if not engine.requests:
+                break
+            before = engine_state(engine)
+            try:
+                outputs.update({o.request_id: o for o in engine.step()})
+            except RuntimeError as e:
+                assert "injected" in str(e) and inject and not failures
+                failures += 1
+                if not taken:  # it overwrote no block that was held or cached: exactly as before
+                    assert engine_state(engine) == before
+                    exact.append(1)
+        assert not engine.requests and (failures == 1 or not inject or not fired)
+        assert_all_blocks_free(engine)
+        return [[(c.token_ids, c.finish_reason) for c in outputs[i].outputs] for i in ids]
+
+    settings_ = dict(block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
+                     enable_prefix_caching=caching, max_num_batched_tokens=6, max_num_seqs=4)
+    expected = run(Engine(MODEL, **settings_), inject=False)
+    owner, name = point
+    real, calls, fired, taken, exact = getattr(owner, name), [0], [], set(), []
+    real_rollback = BlockAllocator.rollback
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        hit = calls[0] == call and not fired
+        if hit and not after:
+            fired.append(1)
+            raise RuntimeError("injected failure")
+        result = real(*args, **kwargs)
+        if hit:
+            fired.append(1)
+            raise RuntimeError("injected failure")
+        return result
+
+    def rollback(self):  # what the failed step handed out, and which block held or cached then
+        taken.clear()
+        taken.update(b for b in self.taken if self.saved_blocks[b].ref_count or self.saved_blocks[b].hash)
+        return real_rollback(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(owner, name, failing)
+        mp.setattr(BlockAllocator, "rollback", rollback)
+        assert run(Engine(MODEL, **settings_), inject=True) == expected
+    event(f"failed: {bool(fired)}, exactly as before: {bool(exact)}")
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -1909,7 +2041,7 @@ def test_a_rows_draw_ignores_the_other_rows(seed, rows):
     temperatures, top_ks, top_ps = map(list, zip(*rows))
 
     def generators():
-        return [nanopaged.sample_generator(seed, i, "cpu") for i in range(len(rows))]
+        return [nanopaged.sample_generator(seed, i, 0, "cpu") for i in range(len(rows))]
     together = nanopaged.sample(logits, temperatures, top_ks, top_ps, generators()).tolist()
     alone = [nanopaged.sample(logits[r:r + 1], [t], [k], [p], [g]).item()
              for r, (t, k, p, g) in enumerate(zip(temperatures, top_ks, top_ps, generators()))]
@@ -1926,12 +2058,15 @@ def test_sample_sorts_only_to_filter(monkeypatch):
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.one_of(st.integers(0, 5), st.integers(0, 2**64 - 1)), st.integers(0, 7)),
-                min_size=2, max_size=12, unique=True))
-def test_distinct_seed_and_index_pairs_draw_distinct_streams(pairs):
-    gens = [nanopaged.sample_generator(seed, i, "cpu") for seed, i in pairs]
+@given(st.lists(st.tuples(st.one_of(st.integers(0, 5), st.integers(0, 2**64 - 1)), st.integers(0, 12),
+                          st.integers(0, 12)), min_size=2, max_size=12, unique=True))
+def test_distinct_seed_index_and_position_triples_draw_distinct_streams(triples):
+    # (1, 12, 3) and (11, 2, 3) would spell alike joined without separators
+    triples += [(1, 12, 3), (11, 2, 3), (1, 1, 23)]
+    triples = list(dict.fromkeys(triples))
+    gens = [nanopaged.sample_generator(seed, i, t, "cpu") for seed, i, t in triples]
     streams = {tuple(torch.empty(4).exponential_(generator=g).tolist()) for g in gens}
-    assert len(streams) == len(pairs)
+    assert len(streams) == len(triples)
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
