@@ -1291,9 +1291,9 @@ class Engine:
     def __init__(self, model, block_size=16, num_blocks=None, kv_cache_bytes=None,
                  num_cpu_blocks=None, preemption_mode="recompute", enable_prefix_caching=True,
                  max_num_seqs=256, max_num_batched_tokens=2048, device=None,
-                 attention_backend=None):
+                 attention_backend=None, swap_space=4):
         device, attention_backend = check_engine_settings(
-            model, device, attention_backend, preemption_mode, enable_prefix_caching,
+            model, device, attention_backend, preemption_mode, enable_prefix_caching, swap_space,
             block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             num_cpu_blocks=num_cpu_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens)
@@ -1314,8 +1314,10 @@ class Engine:
             if num_blocks < 1:
                 raise ValueError(f"Engine: kv_cache_bytes={kv_cache_bytes} is smaller than one KV "
                                  f"block ({bytes_per_block} bytes at block_size={block_size})")
-        if num_cpu_blocks is None:  # swap space as large as the device pool, when swapping
-            num_cpu_blocks = num_blocks if preemption_mode == "swap" else 0
+        if num_cpu_blocks is None:  # swap_space GiB (vLLM's), or the device pool if smaller:
+            # more rarely helps (a group that finds the swap space full is recomputed instead)
+            swap_blocks = min(num_blocks, int(swap_space * 2**30) // bytes_per_block)
+            num_cpu_blocks = swap_blocks if preemption_mode == "swap" else 0
         self.allocator = BlockAllocator(num_blocks, block_size, num_cpu_blocks,
                                         enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens,
@@ -1567,7 +1569,7 @@ def read_hf_weights(path):
 
 
 def check_engine_settings(model, device, attention_backend, preemption_mode,
-                          enable_prefix_caching, **counts):
+                          enable_prefix_caching, swap_space, **counts):
     """Raise ValueError for engine settings that cannot work, naming the setting and its range.
     Returns the torch.device and the attention backend, their defaults filled in."""
     try:
@@ -1589,6 +1591,11 @@ def check_engine_settings(model, device, attention_backend, preemption_mode,
     if not isinstance(enable_prefix_caching, bool):
         raise ValueError(f"Engine: enable_prefix_caching must be True or False, "
                          f"got {enable_prefix_caching!r}")
+    host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    if (isinstance(swap_space, bool) or not isinstance(swap_space, (int, float))
+            or not 0 <= swap_space <= 0.7 * host_gib):  # vLLM's limit: 70% of host memory
+        raise ValueError(f"Engine: swap_space must be a number of GiB in [0, {0.7 * host_gib:.1f}]"
+                         f" (70% of this host's {host_gib:.1f} GiB), got {swap_space!r}")
     if preemption_mode not in ("recompute", "swap"):
         raise ValueError(f"Engine: preemption_mode must be 'recompute' or 'swap', "
                          f"got {preemption_mode!r}")

@@ -1273,6 +1273,48 @@ def test_bad_engine_settings(kwargs, message):
         Engine(MODEL, **{"block_size": 4, "num_blocks": 8, **kwargs})
 
 
+@pytest.mark.parametrize("swap_space", [0, 2**-20, 2**-10])
+def test_the_swap_space_is_sized_in_bytes(swap_space):
+    engine = Engine(MODEL, block_size=4, num_blocks=64, preemption_mode="swap", swap_space=swap_space)
+    bytes_per_block = engine.kv_cache[:, :, 0].numel() * engine.kv_cache.itemsize
+    assert engine.allocator.num_blocks == 64  # at most the device pool's count
+    assert len(engine.allocator.cpu_ref_count) == min(64, int(swap_space * 2**30) // bytes_per_block)
+    assert engine.model_runner.cpu_kv_cache.shape[0] == len(engine.allocator.cpu_ref_count)
+    assert Engine(MODEL, block_size=4, num_blocks=64).model_runner.cpu_kv_cache.shape[0] == 0  # recompute
+
+
+@pytest.mark.parametrize("swap_space", [10**6, -1, "4", True])
+def test_a_swap_space_the_host_cannot_hold_is_a_clear_error(swap_space):
+    with pytest.raises(ValueError, match=r"swap_space must be a number of GiB in \[0, [0-9.]+\] \(70% of "
+                                         rf"this host's [0-9.]+ GiB\), got {re.escape(repr(swap_space))}"):
+        Engine(MODEL, block_size=4, num_blocks=8, preemption_mode="swap", swap_space=swap_space)
+
+
+def test_prefix_cache_keys_do_not_trust_pythons_hash(monkeypatch):
+    """Keys were Python's hash of (key before, tokens): a collision crafted for it shared another
+    prompt's K/V (vLLM's CVE-2025-25183). Here the weakest such hash, blind to the prefix, makes
+    block [3, 4] after [1, 2] collide with [3, 4] at the start of a prompt; SHA-256 keys ignore it."""
+    import builtins
+    monkeypatch.setattr(nanopaged, "hash", lambda key: builtins.hash(key[1]), raising=False)
+    engine = Engine(MODEL, block_size=2, num_blocks=16)
+    greedy = SamplingParams(max_tokens=4, temperature=0)
+    for prompt in ([1, 2, 3, 4, 9], [3, 4, 9]):
+        assert engine.generate([prompt], greedy)[0].outputs[0].token_ids == naive_greedy(MODEL, prompt, 4)
+    assert engine.allocator.num_hit_tokens == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=2), min_size=1, max_size=3),
+                min_size=2, max_size=10))
+def test_chained_keys_differ_whenever_prefixes_differ(prefixes):
+    keys = {}
+    for blocks in prefixes:  # short blocks of three tokens: equal blocks after other prefixes abound
+        key = None
+        for block in blocks:
+            key = chain_hash(key, block)
+        assert keys.setdefault(key, blocks) == blocks
+
+
 def test_engine_takes_a_gpt_model():
     with pytest.raises(ValueError, match=r"model must be a GPT .* got Linear"):
         Engine(torch.nn.Linear(2, 2), block_size=4, num_blocks=8)
