@@ -190,7 +190,7 @@ def main(argv=None):
     try:
         if args.threads is not None and args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        nanopaged.init_tensor_parallel(args.tensor_parallel_size)
+        nanopaged.init_tensor_parallel(args.tensor_parallel_size, device=args.device)
         if nanopaged.tp.rank > 0:  # every rank serves the same requests; one of them speaks
             sys.stdout = open(os.devnull, "w")
         model = GPT.from_pretrained(args.model)

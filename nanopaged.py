@@ -919,15 +919,17 @@ class GPT(nn.Module):
 # the LM head are replicated, and each rank caches the K/V of its own heads only.
 # (Shoeybi et al., "Megatron-LM", 2019, section 3.)
 
-tp = SimpleNamespace(rank=0, world_size=1)  # this process's place in the group; 1 without torchrun
+# This process's place in the group (1 without torchrun), and why the group was shut down, if it was
+tp = SimpleNamespace(rank=0, world_size=1, failed=None)
 # The weight dim each layer splits along: 0, output rows (column-parallel); 1, input columns
 # (row-parallel). c_attn is fused [q | k | v]: each of the three splits on its own.
 TP_SPLIT_DIM = {"attn.c_attn": 0, "mlp.c_fc": 0, "mlp.c_gate": 0, "attn.c_proj": 1, "mlp.c_proj": 1}
 
 
-def init_tensor_parallel(tensor_parallel_size, timeout_s=300):
-    """Join the group torchrun launched: gloo on CPUs, NCCL on GPUs. Models built after this
-    hold this rank's slice of each layer, and Engines the K/V of its heads."""
+def init_tensor_parallel(tensor_parallel_size, timeout_s=300, device=None):
+    """Join the group torchrun launched: NCCL when the engines will run on GPUs (device, by default
+    cuda where there is one), gloo on CPUs. Models built after this hold this rank's slice of
+    each layer, and Engines the K/V of its heads."""
     size, launched = tensor_parallel_size, os.environ.get("WORLD_SIZE")
     if not isinstance(size, int) or size < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
@@ -941,12 +943,13 @@ def init_tensor_parallel(tensor_parallel_size, timeout_s=300):
     if size == 1:
         return
     if not dist.is_initialized():
-        if torch.cuda.is_available():
+        on_gpu = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type
+        if on_gpu == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         # The timeout bounds every collective: when a rank dies, the others raise, not hang.
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+        dist.init_process_group("nccl" if on_gpu == "cuda" else "gloo",
                                 timeout=timedelta(seconds=timeout_s))
-    tp.rank, tp.world_size = dist.get_rank(), dist.get_world_size()
+    tp.rank, tp.world_size, tp.failed = dist.get_rank(), dist.get_world_size(), None
 
 
 def all_reduce(x):
@@ -954,6 +957,24 @@ def all_reduce(x):
     if tp.world_size > 1:
         dist.all_reduce(x)
     return x
+
+
+def tp_min(n, device):
+    """The least of the ranks' n: pools sized from each rank's own free memory would differ, and
+    ranks with other block counts schedule differently (as vLLM, every rank takes the minimum)."""
+    if tp.world_size == 1:
+        return n
+    t = torch.tensor([n], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t)
+
+
+def tp_shut_down(error):
+    """After a step failed on this rank: close its connections, so a rank blocked in a collective
+    with it fails at once instead of waiting out the timeout (gloo; on NCCL it waits)."""
+    tp.failed = f"a step failed on rank {tp.rank}: {error!r}"
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def broadcast(x):
@@ -1311,13 +1332,15 @@ class Engine:
                 most = bytes_per_block * max_num_seqs * cdiv(config.max_seq_len, block_size)
                 kv_cache_bytes = min(int(0.9 * free), most)
             num_blocks = kv_cache_bytes // bytes_per_block
-            if num_blocks < 1:
-                raise ValueError(f"Engine: kv_cache_bytes={kv_cache_bytes} is smaller than one KV "
-                                 f"block ({bytes_per_block} bytes at block_size={block_size})")
+        num_blocks = tp_min(num_blocks, device)  # the same pool on every rank
+        if num_blocks < 1:  # only a budget can come to this; and then it does on every rank
+            raise ValueError(f"Engine: kv_cache_bytes={kv_cache_bytes} is smaller than one KV "
+                             f"block ({bytes_per_block} bytes at block_size={block_size})")
         if num_cpu_blocks is None:  # swap_space GiB (vLLM's), or the device pool if smaller:
             # more rarely helps (a group that finds the swap space full is recomputed instead)
             swap_blocks = min(num_blocks, int(swap_space * 2**30) // bytes_per_block)
             num_cpu_blocks = swap_blocks if preemption_mode == "swap" else 0
+        num_cpu_blocks = tp_min(num_cpu_blocks, device)
         self.allocator = BlockAllocator(num_blocks, block_size, num_cpu_blocks,
                                         enable_prefix_caching)
         self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens,
@@ -1336,13 +1359,18 @@ class Engine:
         A step is all or nothing: if anything in it raises (the model, sampling, a stop rule),
         rollback() puts every request, queue and block back as the step found them and the error
         propagates; the next step computes the same tokens again."""
+        if tp.failed:
+            raise RuntimeError(f"tensor parallelism was shut down after {tp.failed}; the ranks "
+                               "cannot agree on the state any more: start them again")
         saved = self.save_step_state()
         try:
             out = self.scheduler.schedule()
             logits = self.model_runner.execute(out)
             return [] if logits is None else self.output_processor.process(out.scheduled, logits)
-        except BaseException:
+        except BaseException as e:
             self.rollback(saved)
+            if tp.world_size > 1:  # every rank learns of it: see tp_shut_down
+                tp_shut_down(e)
             raise
 
     # -- a step as a transaction ----------------------------------------------------------

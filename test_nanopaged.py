@@ -2299,6 +2299,76 @@ def test_two_ranks_serve_every_feature_like_one_process(hf_folder, tmp_path):
     assert "Connection" in rank0["after_crash"]  # closed or reset by the rank that died
 
 
+def tp_failure_worker(rank, port, folder):
+    """One of two ranks, each with its own KV budget; then rank 0's forward fails mid-serving."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    nanopaged.init_tensor_parallel(2, timeout_s=300, device="cpu")
+    model = GPT(TP_CONFIG).double().load_full_state_dict(torch.load(os.path.join(folder, "full.pt")))
+    results = dict(num_blocks=Engine(model, block_size=4, kv_cache_bytes=65536 * (1 + rank)).allocator.num_blocks)
+    engine = Engine(model, block_size=4, num_blocks=32)
+    for i in range(3):
+        engine.add_request([1 + i, 2, 3], SamplingParams(max_tokens=8, temperature=0))
+    real_forward, calls = GPT.forward, [0]
+
+    def forward(self, *args, **kwargs):
+        calls[0] += 1
+        if rank == 0 and calls[0] == 3:  # mid-serving, with rank 1 already in the step's first all-reduce
+            raise RuntimeError("CUDA out of memory (simulated) on rank 0")
+        return real_forward(self, *args, **kwargs)
+
+    GPT.forward = forward
+    for key in ("error", "retry"):
+        try:
+            for _ in range(50):
+                engine.step()
+            results[key] = "no error"
+        except RuntimeError as e:
+            results[key] = str(e)
+    results["steps"] = calls[0]
+    torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
+    os._exit(0)
+
+
+def test_a_failure_on_one_rank_ends_every_rank_at_once_and_pools_agree(tmp_path):
+    torch.manual_seed(0)
+    torch.save(GPT(TP_CONFIG).double().state_dict(), tmp_path / "full.pt")
+    ctx, port = torch.multiprocessing.get_context("spawn"), free_port()
+    ranks = [ctx.Process(target=tp_failure_worker, args=(rank, port, str(tmp_path))) for rank in (0, 1)]
+    for p in ranks:
+        p.start()
+    for p in ranks:  # well within the group's 300 s timeout, which no rank may wait out
+        p.join(timeout=120)
+        if p.is_alive():
+            p.kill()
+    assert [p.exitcode for p in ranks] == [0, 0]
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    # rank 1's budget is twice rank 0's, but both take rank 0's count: the same block ids everywhere
+    bytes_per_block = math.prod(nanopaged.kv_block_shape(TP_CONFIG, 4)) * 8 // 2  # half the K/V heads
+    assert rank0["num_blocks"] == rank1["num_blocks"] == 65536 // bytes_per_block
+    assert "simulated" in rank0["error"] and "Connection closed" in rank1["error"]
+    assert rank0["steps"] == rank1["steps"] == 3  # rank 1 learnt of it in the very step that failed
+    for r in (rank0, rank1):
+        assert r["retry"].startswith("tensor parallelism was shut down after a step failed on rank")
+
+
+def test_the_process_group_backend_follows_the_engines_device(monkeypatch):
+    """--device cpu under torchrun on a CUDA machine must not pick NCCL for CPU tensors."""
+    backends = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: backends.append(f"set_device({i})"))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend, **kw: backends.append(backend))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(nanopaged, "tp", nanopaged.SimpleNamespace(rank=0, world_size=1, failed=None))
+    for device in ("cpu", "cuda", None, "cuda:1"):
+        nanopaged.init_tensor_parallel(2, device=device)
+    assert backends == ["gloo", "set_device(0)", "nccl", "set_device(0)", "nccl", "set_device(0)", "nccl"]
+
+
 @pytest.mark.parametrize("size,env,message", [
     (2, {}, "tensor_parallel_size=2 needs one process per rank: launch with torchrun --nproc-per"),
     (2, dict(WORLD_SIZE="3"), "tensor_parallel_size=2 but torchrun launched 3 processes: give "
