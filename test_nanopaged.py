@@ -1432,6 +1432,12 @@ def test_demo_serves_its_workload_and_reports_true_numbers(capsys, tmp_path):
     (["--prompt", "x" * 300], r"= 364 exceeds the model's max_seq_len \(256\)"),
     (["--max-tokens", "many"], "argument --max-tokens: invalid int value"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),
+    # a flag given is a flag used: zero is a bad value, not "the default"
+    (["--max-tokens", "0"], r"max_tokens must be >= 1, got 0"),
+    (["--n", "0"], r"\bn must be >= 1, got 0"),
+    (["--beam-width", "0"], r"beam_width must be >= 1, got 0"),
+    (["--prompt", "x", "--max-tokens", "0"], r"max_tokens must be >= 1, got 0"),
+    (["--prompt", "x", "--n", "0"], r"\bn must be >= 1, got 0"),
 ])
 def test_demo_bad_flags_end_with_one_clear_line(flags, message):
     run = subprocess.run([sys.executable, "nanopaged.py", *flags], capture_output=True, text=True, timeout=300,
