@@ -622,7 +622,8 @@ class GPTConfig:
     n_kv_head: int | None = None  # fewer K/V heads than query heads is GQA; None: n_head (GPT-2)
     head_dim: int | None = None  # None: n_embd // n_head; some checkpoints choose their own
     layer_norm_epsilon: float = 1e-5  # the eps of either norm (HF Llama: rms_norm_eps)
-    eos_token_id: int | None = None  # GPT-2's <|endoftext|> is 50256; the byte model has none
+    eos_token_id: int | list[int] | None = None  # each ends a sample; GPT-2's is 50256, the byte
+    # model has none, Llama 3.1 Instruct lists three: an int, a list or None, as in HF's config
     rope_theta: float | None = None  # None: GPT-2's learned positions; else rotary, of this base
     rope_scaling: dict | None = None  # Llama 3.1's "llama3" slowing of the slow rotary frequencies
     norm: str = "layernorm"  # Llama's "rmsnorm" divides by the root mean square: no mean, no bias
@@ -643,6 +644,12 @@ class GPTConfig:
         self.head_dim = self.head_dim or self.n_embd // self.n_head
         self.intermediate_size = self.intermediate_size or 4 * self.n_embd
         self.qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def eos_token_ids(self):
+        """The end-of-text ids as a set, read when asked: eos_token_id may be changed later."""
+        eos = self.eos_token_id
+        return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
     @property
     def qkv_widths(self):
@@ -1115,12 +1122,14 @@ class OutputProcessor:
                 group.finished.append(seq)
         self.num_generated_tokens += len(to_sample)
 
-    def is_stop(self, token, params):
-        eos = token == self.config.eos_token_id and not params.ignore_eos
-        return token in params.stop_token_ids or eos
+    def stop_ids(self, params):
+        """The tokens that end a sequence: the request's, and every end-of-text id unless
+        ignore_eos."""
+        eos = set() if params.ignore_eos else self.config.eos_token_ids
+        return set(params.stop_token_ids) | eos
 
     def stop_reason(self, seq, params):
-        if self.is_stop(seq.token_ids[-1], params):
+        if seq.token_ids[-1] in self.stop_ids(params):
             return "stop"
         if seq.num_output_tokens >= params.max_tokens:
             return "length"
@@ -1153,7 +1162,8 @@ class OutputProcessor:
         scores = logprobs + cumulative[:, None]                                          # (k, V)
         V = scores.shape[1]
         # Enough candidates that width of them survive even if the best ones all end in a stop.
-        num_candidates = min(scores.numel(), width * (2 + len(params.stop_token_ids)))
+        stops = self.stop_ids(params)
+        num_candidates = min(scores.numel(), width * (2 + len(stops)))
         top = scores.flatten().topk(num_candidates)
         # (parent, token, score), best first; ties go to the earlier beam, then the smaller token
         picks = []
@@ -1161,7 +1171,7 @@ class OutputProcessor:
                             key=lambda c: (-c[0], c[1]))
         for score, flat in candidates:
             parent, token = divmod(flat, V)
-            if self.is_stop(token, params):
+            if token in stops:
                 hypothesis = beams[parent].output_token_ids + [token]
                 group.finished.append((hypothesis, score, "stop"))
             else:
@@ -1379,9 +1389,16 @@ def read_hf_config(path):
     if hf.get("model_type") not in ("gpt2", "llama", "mistral", "qwen2"):
         raise ValueError(f"{path}: config.json has model_type={hf.get('model_type')!r}; "
                          "this GPT loads 'gpt2', 'llama', 'mistral' and 'qwen2'")
-    eos = hf.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos  # Llama 3 instruct lists several
-    hf["eos_token_id"] = eos if isinstance(eos, int) and 0 <= eos < hf["vocab_size"] else None
+    # Every end-of-text id of config.json and generation_config.json ends a sample (as in vLLM):
+    # Llama 3.1 Instruct lists three in each, Qwen2.5 Instruct adds one in generation_config.json.
+    eos = set()
+    for name in ("config.json", "generation_config.json"):
+        if os.path.isfile(os.path.join(path, name)):
+            with open(os.path.join(path, name)) as f:
+                ids = json.load(f).get("eos_token_id")
+            eos |= {ids} if isinstance(ids, int) else set(ids or ())
+    eos = sorted(t for t in eos if type(t) is int and 0 <= t < hf["vocab_size"])  # in the vocab
+    hf["eos_token_id"] = eos or None
     return hf
 
 

@@ -1060,6 +1060,38 @@ def test_both_config_dialects_and_sharded_folders_load_alike(hf_folder, tmp_path
         GPT.from_pretrained(str(tmp_path))
 
 
+def test_every_eos_id_of_both_config_files_stops_like_transformers(hf_folder, tmp_path):
+    """config.json and generation_config.json may each list several end-of-text ids (Llama 3.1
+    Instruct, Qwen2.5 Instruct): any id of either file ends a sample or a beam."""
+    path, hf = hf_folder("llama")
+    hf64 = copy.deepcopy(hf).double()
+    prompts = [[(7 * i + 3 * j) % 97 for j in range(n)] for i, n in enumerate([5, 7, 11, 13])]
+
+    def hf_generate(p, eos):
+        out = hf64.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                            max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        return out[0, len(p):].tolist()
+    runs = [hf_generate(p, None) for p in prompts]
+    ids = [runs[0][2], runs[1][6], runs[2][4], runs[3][8]]  # each run meets one at another step
+    (tmp_path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | dict(eos_token_id=ids[:2])))
+    (tmp_path / "generation_config.json").write_text(json.dumps(dict(eos_token_id=ids[1:] + [128])))
+    model = GPT.from_pretrained(str(tmp_path), dtype=torch.float64)
+    assert model.config.eos_token_ids == set(ids)  # the union; 128 is outside the vocabulary
+    engine = Engine(model, block_size=3, num_blocks=64)
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0))
+    assert [o.outputs[0].token_ids for o in greedy] == [hf_generate(p, ids) for p in prompts]
+    assert all(o.outputs[0].finish_reason == "stop" for o in greedy)
+    ignored = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in ignored] == runs
+    for p in prompts:
+        beams = engine.generate([p], SamplingParams(max_tokens=10, beam_width=3))[0].outputs
+        expected = naive_beam_search(model, p, 3, 10, ids)
+        assert [(c.token_ids, c.finish_reason) for c in beams] == [(t, r) for t, _, r in expected]
+    assert_all_blocks_free(engine)
+
+
 class RecordingEngine(Engine):
     """An engine that keeps the logits of every step, by the tokens they follow."""
 
@@ -1961,7 +1993,8 @@ def test_a_seeded_request_ignores_batch_mates_preemption_and_prefix_caching(
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompt=st.lists(st.integers(0, 31), min_size=1, max_size=6), max_tokens=st.integers(1, 10),
-       stops=st.lists(st.integers(0, 31), max_size=6), eos=st.one_of(st.none(), st.integers(0, 31)),
+       stops=st.lists(st.integers(0, 31), max_size=6),
+       eos=st.one_of(st.none(), st.integers(0, 31), st.lists(st.integers(0, 31), max_size=4)),
        ignore_eos=st.booleans(), kind=st.sampled_from(["greedy", "n=2", "beam=2"]),
        seed=st.integers(0, 99))
 def test_stop_tokens_always_stop_and_max_tokens_is_exact(
@@ -1969,7 +2002,8 @@ def test_stop_tokens_always_stop_and_max_tokens_is_exact(
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if kind == "greedy" else 1, seed=seed,
                             n=2 if kind == "n=2" else 1, beam_width=2 if kind == "beam=2" else None,
                             stop_token_ids=stops, ignore_eos=ignore_eos)
-    ends = set(stops) | ({eos} if eos is not None and not ignore_eos else set())
+    eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)  # HF allows all 3
+    ends = set(stops) | (set() if ignore_eos else eos_ids)
     MODEL.config.eos_token_id = eos
     try:
         out = Engine(MODEL, block_size=4, num_blocks=32).generate([prompt], params)[0]
