@@ -612,6 +612,13 @@ class Scheduler:
 #    kernel meets the block table, in CausalSelfAttention.forward.
 
 
+# Activations by Hugging Face's names (GPT-2's activation_function, Llama's hidden_act): GPT-2's
+# gelu_new is the tanh approximation of GELU, "gelu" the exact one
+ACTIVATIONS = dict(gelu=F.gelu, relu=F.relu, silu=F.silu,
+                   gelu_new=lambda x: F.gelu(x, approximate="tanh"))
+ACTIVATIONS["gelu_pytorch_tanh"] = ACTIVATIONS["gelu_new"]
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int = 50257  # GPT-2's BPE vocabulary; 256 for the byte-level demo model
@@ -632,6 +639,8 @@ class GPTConfig:
     bias: bool = True  # GPT-2 has biases in every linear layer and norm; Llama has none
     qkv_bias: bool | None = None  # Qwen2 keeps biases on q, k and v alone; None follows bias
     tie_word_embeddings: bool = True  # the output head is wte (GPT-2, the small Qwen2 models)
+    activation: str | None = None  # a key of ACTIVATIONS; None: gelu_new (GPT-2), silu (swiglu)
+    attn_scale: float | None = None  # scores times this; None: 1/sqrt(head_dim). GPT-2 may use 1
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
@@ -641,7 +650,13 @@ class GPTConfig:
         if self.norm not in ("layernorm", "rmsnorm") or self.mlp not in ("gelu", "swiglu"):
             raise ValueError(f"norm must be 'layernorm' or 'rmsnorm' (got {self.norm!r}), "
                              f"mlp 'gelu' or 'swiglu' (got {self.mlp!r})")
+        self.activation = self.activation or ("silu" if self.mlp == "swiglu" else "gelu_new")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, "
+                             f"got {self.activation!r}")
         self.head_dim = self.head_dim or self.n_embd // self.n_head
+        if self.attn_scale is None:
+            self.attn_scale = 1 / math.sqrt(self.head_dim)
         self.intermediate_size = self.intermediate_size or 4 * self.n_embd
         self.qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
 
@@ -700,7 +715,7 @@ class CausalSelfAttention(nn.Module):
         # this rank's heads (all of them without tensor parallelism): see TP_SPLIT_DIM
         self.n_head = config.n_head // tp.world_size
         self.n_kv_head = config.n_kv_head // tp.world_size
-        self.head_dim = config.head_dim
+        self.head_dim, self.scale = config.head_dim, config.attn_scale
         qkv_dim = (self.n_head + 2 * self.n_kv_head) * self.head_dim  # q, k, v: one matmul
         self.c_attn = nn.Linear(config.n_embd, qkv_dim, bias=config.qkv_bias)
         self.c_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=config.bias)
@@ -716,7 +731,8 @@ class CausalSelfAttention(nn.Module):
         if batch is None:
             # contiguous (B, T, C): training and the reference path, no cache involved
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hs)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=True)
             return all_reduce(self.c_proj(y.transpose(1, 2).flatten(2)))
         # paged (T, C): first write the new K/V into their slots, then every new token attends
         # to its sequence's whole context, gathered block by block through the block table
@@ -724,7 +740,7 @@ class CausalSelfAttention(nn.Module):
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping, use_triton=batch.use_triton)
         attention = paged_attention if batch.use_triton else paged_attention_torch
         y = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
-                      1.0 / math.sqrt(self.head_dim), max_q_len=batch.max_q_len)  # (T, nh, hs)
+                      self.scale, max_q_len=batch.max_q_len)  # (T, nh, hs)
         return all_reduce(self.c_proj(y.flatten(1)))
 
 
@@ -737,12 +753,13 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(n, hidden, bias=bias)  # HF Llama: up_proj
         self.c_gate = nn.Linear(n, hidden, bias=bias) if config.mlp == "swiglu" else None  # Llama
         self.c_proj = nn.Linear(hidden, n, bias=bias)  # HF Llama: down_proj
+        self.act = ACTIVATIONS[config.activation]
 
     def forward(self, x):
         if self.c_gate is None:
-            h = F.gelu(self.c_fc(x), approximate="tanh")  # GPT-2's "gelu_new"
+            h = self.act(self.c_fc(x))
         else:
-            h = F.silu(self.c_gate(x)) * self.c_fc(x)
+            h = self.act(self.c_gate(x)) * self.c_fc(x)
         return all_reduce(self.c_proj(h))
 
 
@@ -1409,25 +1426,33 @@ def reject(path, hf, key, default, supported, where=""):
 
 
 def gpt2_config(hf, path):
-    reject(path, hf, "activation_function", "gelu_new", ("gelu_new", "gelu_pytorch_tanh"))
-    reject(path, hf, "n_inner", None, (None, 4 * hf["n_embd"]))
-    reject(path, hf, "scale_attn_by_inverse_layer_idx", False, (False,))
+    # reorder_and_upcast_attn computes the scores in fp32, as the kernels always do: no change
+    reject(path, hf, "activation_function", "gelu_new", tuple(ACTIVATIONS))
+    reject(path, hf, "scale_attn_by_inverse_layer_idx", False, (False,))  # a scale per layer
+    reject(path, hf, "add_cross_attention", False, (False,))  # the decoder of an encoder-decoder
     return GPTConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
                      n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
                      layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-                     eos_token_id=hf["eos_token_id"])
+                     eos_token_id=hf["eos_token_id"], intermediate_size=hf.get("n_inner"),
+                     activation=hf.get("activation_function", "gelu_new"),
+                     attn_scale=None if hf.get("scale_attn_weights", True) else 1.0,
+                     tie_word_embeddings=hf.get("tie_word_embeddings", True))
 
 
 def llama_config(hf, path):
     # Published folders have rope_theta and rope_scaling; transformers 5 writes rope_parameters.
-    rope = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {}),
-            **(hf.get("rope_parameters") or {})}
+    # A top-level partial_rotary_factor counts too: transformers moves it into rope_parameters.
+    rope = {"rope_theta": hf.get("rope_theta", 10000.0),
+            "partial_rotary_factor": hf.get("partial_rotary_factor", 1.0),
+            **(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
     for key, supported in [("rope_type", ("default", "llama3")), ("partial_rotary_factor", (1.0,))]:
         reject(path, rope, key, supported[0], supported, where="rope_scaling / rope_parameters ")
-    for key, default in [("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                         ("use_sliding_window", False)]:  # Qwen2's window is off unless this is on
-        reject(path, hf, key, default, (default,))
+    reject(path, hf, "hidden_act", "silu", tuple(ACTIVATIONS))
+    # Only Llama reads attention_bias (q, k, v and o) and mlp_bias; pretraining_tp changes nothing
+    biases = ("attention_bias", "mlp_bias") if hf["model_type"] == "llama" else ()
+    for key in (*biases, "use_sliding_window"):  # Qwen2's window is off unless this is on
+        reject(path, hf, key, False, (False,))
     max_seq_len = hf.get("max_position_embeddings", 2048)
     if hf["model_type"] == "mistral" and (hf.get("sliding_window") or max_seq_len) < max_seq_len:
         raise ValueError(f"{path}: config.json sets sliding_window={hf['sliding_window']}, below "
@@ -1440,7 +1465,8 @@ def llama_config(hf, path):
         layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), rope_theta=rope["rope_theta"],
         rope_scaling=rope if rope["rope_type"] == "llama3" else None, norm="rmsnorm", mlp="swiglu",
         intermediate_size=hf["intermediate_size"], bias=False, qkv_bias=hf["model_type"] == "qwen2",
-        tie_word_embeddings=hf.get("tie_word_embeddings", False))
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),  # the default of all three
+        activation=hf.get("hidden_act", "silu"))
 
 
 def read_hf_weights(path):

@@ -1186,6 +1186,53 @@ def test_from_pretrained_bad_folders(hf_folder, tmp_path, name, key, size, messa
         GPT.from_pretrained(str(tmp_path))
 
 
+# Settings that change the math, each loaded exactly: (family, transformers config edits, keys
+# then left out of config.json, which transformers reads as its config class's default)
+SETTINGS_LOADED_EXACTLY = [
+    ("gpt2", dict(tie_word_embeddings=False), ()),  # the head is lm_head.weight, not wte
+    ("gpt2", dict(tie_word_embeddings=True), ("tie_word_embeddings",)),  # GPT-2's default: tied
+    ("gpt2", dict(scale_attn_weights=False), ()),  # scores unscaled
+    ("gpt2", dict(reorder_and_upcast_attn=True), ()),  # fp32 scores: ours always are
+    ("gpt2", dict(n_inner=100), ()),
+    ("gpt2", dict(n_inner=None), ("n_inner",)),
+    ("gpt2", dict(activation_function="gelu"), ()),  # exact erf GELU, not the tanh one
+    ("gpt2", dict(activation_function="relu"), ()),
+    ("gpt2", dict(layer_norm_epsilon=0.5), ()),
+    ("llama", dict(rms_norm_eps=0.5, hidden_act="gelu_pytorch_tanh"), ()),
+    ("llama", dict(pretraining_tp=2), ()),  # a training detail: transformers ignores it
+    ("llama", dict(tie_word_embeddings=True), ()),
+    ("llama", dict(tie_word_embeddings=False), ("tie_word_embeddings",)),  # Llama's default
+    ("mistral", dict(rope_parameters=dict(rope_type="default", rope_theta=50.0)), ()),
+    ("qwen2", dict(tie_word_embeddings=False), ("tie_word_embeddings",)),  # Qwen2's default
+    ("qwen2", dict(rms_norm_eps=0.5, rope_parameters=dict(rope_theta=100.0)), ()),
+]
+
+
+@pytest.mark.parametrize("name,edit,omit", SETTINGS_LOADED_EXACTLY, ids=[
+    f"{name}-{','.join(omit) + '-omitted' if omit else ','.join(edit)}"
+    for name, edit, omit in SETTINGS_LOADED_EXACTLY])
+def test_from_pretrained_loads_each_setting_as_transformers_does(tmp_path, name, edit, omit):
+    transformers = pytest.importorskip("transformers")
+    config_class, kwargs = HF_MODELS[name]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        getattr(transformers, config_class)(**kwargs | edit))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                      if k not in omit}))
+    # what the folder means is what transformers reads from it (eager: reorder_and_upcast_attn)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    idx = torch.randint(hf.config.vocab_size, (2, 30))
+    with torch.no_grad():
+        expected = hf.float().eval()(idx).logits
+        torch.testing.assert_close(GPT.from_pretrained(str(tmp_path))(idx), expected,
+                                   atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("name,edit,message", [
     ("llama", dict(model_type="gemma"), "model_type='gemma'; this GPT loads 'gpt2', 'llama'"),
     ("llama", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)),
@@ -1194,12 +1241,16 @@ def test_from_pretrained_bad_folders(hf_folder, tmp_path, name, key, size, messa
      "rope_type='linear'"),
     ("qwen2", dict(rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.5)),
      "partial_rotary_factor=0.5"),
+    ("llama", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),  # older dialect
     ("mistral", dict(sliding_window=16), "sliding_window=16, below max_position_embeddings=64"),
     ("qwen2", dict(use_sliding_window=True, sliding_window=16),
      "use_sliding_window=True; this model takes only False"),
-    ("llama", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("llama", dict(hidden_act="quick_gelu"), "hidden_act='quick_gelu'"),
     ("llama", dict(attention_bias=True), "attention_bias=True"),
-    ("gpt2", dict(n_inner=100), "n_inner=100"),
+    ("llama", dict(mlp_bias=True), "mlp_bias=True"),
+    ("gpt2", dict(activation_function="quick_gelu"), "activation_function='quick_gelu'"),
+    ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx=True"),
+    ("gpt2", dict(add_cross_attention=True), "add_cross_attention=True"),
 ])
 def test_from_pretrained_rejects_settings_it_would_get_wrong(hf_folder, tmp_path, name, edit,
                                                             message):
