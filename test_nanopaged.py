@@ -1068,8 +1068,9 @@ def test_every_eos_id_of_both_config_files_stops_like_transformers(hf_folder, tm
     prompts = [[(7 * i + 3 * j) % 97 for j in range(n)] for i, n in enumerate([5, 7, 11, 13])]
 
     def hf_generate(p, eos):
-        out = hf64.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                            max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=eos)
+        mask = torch.ones(1, len(p), dtype=torch.long)
+        out = hf64.generate(torch.tensor([p]), attention_mask=mask, max_new_tokens=10,
+                            do_sample=False, pad_token_id=0, eos_token_id=eos)
         return out[0, len(p):].tolist()
     runs = [hf_generate(p, None) for p in prompts]
     ids = [runs[0][2], runs[1][6], runs[2][4], runs[3][8]]  # each run meets one at another step
@@ -1083,7 +1084,8 @@ def test_every_eos_id_of_both_config_files_stops_like_transformers(hf_folder, tm
     greedy = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0))
     assert [o.outputs[0].token_ids for o in greedy] == [hf_generate(p, ids) for p in prompts]
     assert all(o.outputs[0].finish_reason == "stop" for o in greedy)
-    ignored = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    ignored = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0,
+                                                      ignore_eos=True))
     assert [o.outputs[0].token_ids for o in ignored] == runs
     for p in prompts:
         beams = engine.generate([p], SamplingParams(max_tokens=10, beam_width=3))[0].outputs
@@ -2053,7 +2055,7 @@ def test_stop_tokens_always_stop_and_max_tokens_is_exact(
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if kind == "greedy" else 1, seed=seed,
                             n=2 if kind == "n=2" else 1, beam_width=2 if kind == "beam=2" else None,
                             stop_token_ids=stops, ignore_eos=ignore_eos)
-    eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)  # HF allows all 3
+    eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)  # as HF
     ends = set(stops) | (set() if ignore_eos else eos_ids)
     MODEL.config.eos_token_id = eos
     try:
