@@ -79,8 +79,12 @@ def demo_workload(tokenizer, args):
     prompts, params = [], []
     for i, topic in enumerate(DEMO_TOPICS):
         prompts.append(tokenizer.encode((DEMO_PREFIX if i % 3 == 0 else "") + topic))
-        kind = dict(n=args.n or 3) if i == 3 else dict(beam_width=args.beam_width or 3) if i == 7 else {}
-        params.append(SamplingParams(max_tokens=args.max_tokens or (32, 64, 128, 192)[i % 4], seed=args.seed + i,
+        # a flag given is used as given (0 included, for SamplingParams to refuse); None: the mix
+        n = 3 if args.n is None else args.n
+        width = 3 if args.beam_width is None else args.beam_width
+        kind = dict(n=n) if i == 3 else dict(beam_width=width) if i == 7 else {}
+        max_tokens = (32, 64, 128, 192)[i % 4] if args.max_tokens is None else args.max_tokens
+        params.append(SamplingParams(max_tokens=max_tokens, seed=args.seed + i,
                                      temperature=args.temperature, top_p=args.top_p, **kind))
     return prompts, params
 
@@ -203,8 +207,11 @@ def main(argv=None):
         tokenizer = Tokenizer(args.model)
         if args.prompt:
             prompts = [tokenizer.encode(text) for text in args.prompt]
-            params = [SamplingParams(max_tokens=args.max_tokens or 64, temperature=args.temperature, top_p=args.top_p,
-                                     n=args.n or 1, beam_width=args.beam_width, seed=args.seed + i)
+            max_tokens = 64 if args.max_tokens is None else args.max_tokens
+            n = 1 if args.n is None else args.n
+            params = [SamplingParams(max_tokens=max_tokens, temperature=args.temperature,
+                                     top_p=args.top_p, n=n, beam_width=args.beam_width,
+                                     seed=args.seed + i)
                       for i in range(len(prompts))]
         else:
             prompts, params = demo_workload(tokenizer, args)

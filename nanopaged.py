@@ -684,6 +684,13 @@ class Scheduler:
 #    kernel meets the block table, in CausalSelfAttention.forward.
 
 
+# Activations by Hugging Face's names (GPT-2's activation_function, Llama's hidden_act): GPT-2's
+# gelu_new is the tanh approximation of GELU, "gelu" the exact one
+ACTIVATIONS = dict(gelu=F.gelu, relu=F.relu, silu=F.silu,
+                   gelu_new=lambda x: F.gelu(x, approximate="tanh"))
+ACTIVATIONS["gelu_pytorch_tanh"] = ACTIVATIONS["gelu_new"]
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int = 50257  # GPT-2's BPE vocabulary; 256 for the byte-level demo model
@@ -694,7 +701,8 @@ class GPTConfig:
     n_kv_head: int | None = None  # fewer K/V heads than query heads is GQA; None: n_head (GPT-2)
     head_dim: int | None = None  # None: n_embd // n_head; some checkpoints choose their own
     layer_norm_epsilon: float = 1e-5  # the eps of either norm (HF Llama: rms_norm_eps)
-    eos_token_id: int | None = None  # GPT-2's <|endoftext|> is 50256; the byte model has none
+    eos_token_id: int | list[int] | None = None  # each ends a sample; GPT-2's is 50256, the byte
+    # model has none, Llama 3.1 Instruct lists three: an int, a list or None, as in HF's config
     rope_theta: float | None = None  # None: GPT-2's learned positions; else rotary, of this base
     rope_scaling: dict | None = None  # Llama 3.1's "llama3" slowing of the slow rotary frequencies
     norm: str = "layernorm"  # Llama's "rmsnorm" divides by the root mean square: no mean, no bias
@@ -703,6 +711,8 @@ class GPTConfig:
     bias: bool = True  # GPT-2 has biases in every linear layer and norm; Llama has none
     qkv_bias: bool | None = None  # Qwen2 keeps biases on q, k and v alone; None follows bias
     tie_word_embeddings: bool = True  # the output head is wte (GPT-2, the small Qwen2 models)
+    activation: str | None = None  # a key of ACTIVATIONS; None: gelu_new (GPT-2), silu (swiglu)
+    attn_scale: float | None = None  # scores times this; None: 1/sqrt(head_dim). GPT-2 may use 1
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
@@ -712,9 +722,21 @@ class GPTConfig:
         if self.norm not in ("layernorm", "rmsnorm") or self.mlp not in ("gelu", "swiglu"):
             raise ValueError(f"norm must be 'layernorm' or 'rmsnorm' (got {self.norm!r}), "
                              f"mlp 'gelu' or 'swiglu' (got {self.mlp!r})")
+        self.activation = self.activation or ("silu" if self.mlp == "swiglu" else "gelu_new")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, "
+                             f"got {self.activation!r}")
         self.head_dim = self.head_dim or self.n_embd // self.n_head
+        if self.attn_scale is None:
+            self.attn_scale = 1 / math.sqrt(self.head_dim)
         self.intermediate_size = self.intermediate_size or 4 * self.n_embd
         self.qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
+
+    @property
+    def eos_token_ids(self):
+        """The end-of-text ids as a set, read when asked: eos_token_id may be changed later."""
+        eos = self.eos_token_id
+        return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
     @property
     def qkv_widths(self):
@@ -765,7 +787,7 @@ class CausalSelfAttention(nn.Module):
         # this rank's heads (all of them without tensor parallelism): see TP_SPLIT_DIM
         self.n_head = config.n_head // tp.world_size
         self.n_kv_head = config.n_kv_head // tp.world_size
-        self.head_dim = config.head_dim
+        self.head_dim, self.scale = config.head_dim, config.attn_scale
         qkv_dim = (self.n_head + 2 * self.n_kv_head) * self.head_dim  # q, k, v: one matmul
         self.c_attn = nn.Linear(config.n_embd, qkv_dim, bias=config.qkv_bias)
         self.c_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=config.bias)
@@ -781,7 +803,8 @@ class CausalSelfAttention(nn.Module):
         if batch is None:
             # contiguous (B, T, C): training and the reference path, no cache involved
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hs)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                               enable_gqa=True)
             return all_reduce(self.c_proj(y.transpose(1, 2).flatten(2)))
         # paged (T, C): first write the new K/V into their slots, then every new token attends
         # to its sequence's whole context, gathered block by block through the block table
@@ -789,7 +812,7 @@ class CausalSelfAttention(nn.Module):
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping, use_triton=batch.use_triton)
         attention = paged_attention if batch.use_triton else paged_attention_torch
         y = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
-                      1.0 / math.sqrt(self.head_dim), max_q_len=batch.max_q_len)  # (T, nh, hs)
+                      self.scale, max_q_len=batch.max_q_len)  # (T, nh, hs)
         return all_reduce(self.c_proj(y.flatten(1)))
 
 
@@ -802,12 +825,13 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(n, hidden, bias=bias)  # HF Llama: up_proj
         self.c_gate = nn.Linear(n, hidden, bias=bias) if config.mlp == "swiglu" else None  # Llama
         self.c_proj = nn.Linear(hidden, n, bias=bias)  # HF Llama: down_proj
+        self.act = ACTIVATIONS[config.activation]
 
     def forward(self, x):
         if self.c_gate is None:
-            h = F.gelu(self.c_fc(x), approximate="tanh")  # GPT-2's "gelu_new"
+            h = self.act(self.c_fc(x))
         else:
-            h = F.silu(self.c_gate(x)) * self.c_fc(x)
+            h = self.act(self.c_gate(x)) * self.c_fc(x)
         return all_reduce(self.c_proj(h))
 
 
@@ -1211,12 +1235,14 @@ class OutputProcessor:
                 group.finished.append(seq)
         self.num_generated_tokens += len(to_sample)
 
-    def is_stop(self, token, params):
-        eos = token == self.config.eos_token_id and not params.ignore_eos
-        return token in params.stop_token_ids or eos
+    def stop_ids(self, params):
+        """The tokens that end a sequence: the request's, and every end-of-text id unless
+        ignore_eos."""
+        eos = set() if params.ignore_eos else self.config.eos_token_ids
+        return set(params.stop_token_ids) | eos
 
     def stop_reason(self, seq, params):
-        if self.is_stop(seq.token_ids[-1], params):
+        if seq.token_ids[-1] in self.stop_ids(params):
             return "stop"
         if seq.num_output_tokens >= params.max_tokens:
             return "length"
@@ -1246,7 +1272,8 @@ class OutputProcessor:
         scores = logprobs + cumulative[:, None]                                          # (k, V)
         V = scores.shape[1]
         # Enough candidates that width of them survive even if the best ones all end in a stop.
-        num_candidates = min(scores.numel(), width * (2 + len(params.stop_token_ids)))
+        stops = self.stop_ids(params)
+        num_candidates = min(scores.numel(), width * (2 + len(stops)))
         top = scores.flatten().topk(num_candidates)
         # (parent, token, score), best first; ties go to the earlier beam, then the smaller token
         picks = []
@@ -1254,7 +1281,7 @@ class OutputProcessor:
                             key=lambda c: (-c[0], c[1]))
         for score, flat in candidates:
             parent, token = divmod(flat, V)
-            if self.is_stop(token, params):
+            if token in stops:
                 hypothesis = beams[parent].output_token_ids + [token]
                 group.finished.append((hypothesis, score, "stop"))
             else:
@@ -1524,9 +1551,16 @@ def read_hf_config(path):
     if hf.get("model_type") not in ("gpt2", "llama", "mistral", "qwen2"):
         raise ValueError(f"{path}: config.json has model_type={hf.get('model_type')!r}; "
                          "this GPT loads 'gpt2', 'llama', 'mistral' and 'qwen2'")
-    eos = hf.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos  # Llama 3 instruct lists several
-    hf["eos_token_id"] = eos if isinstance(eos, int) and 0 <= eos < hf["vocab_size"] else None
+    # Every end-of-text id of config.json and generation_config.json ends a sample (as in vLLM):
+    # Llama 3.1 Instruct lists three in each, Qwen2.5 Instruct adds one in generation_config.json.
+    eos = set()
+    for name in ("config.json", "generation_config.json"):
+        if os.path.isfile(os.path.join(path, name)):
+            with open(os.path.join(path, name)) as f:
+                ids = json.load(f).get("eos_token_id")
+            eos |= {ids} if isinstance(ids, int) else set(ids or ())
+    eos = sorted(t for t in eos if type(t) is int and 0 <= t < hf["vocab_size"])  # in the vocab
+    hf["eos_token_id"] = eos or None
     return hf
 
 
@@ -1537,25 +1571,33 @@ def reject(path, hf, key, default, supported, where=""):
 
 
 def gpt2_config(hf, path):
-    reject(path, hf, "activation_function", "gelu_new", ("gelu_new", "gelu_pytorch_tanh"))
-    reject(path, hf, "n_inner", None, (None, 4 * hf["n_embd"]))
-    reject(path, hf, "scale_attn_by_inverse_layer_idx", False, (False,))
+    # reorder_and_upcast_attn computes the scores in fp32, as the kernels always do: no change
+    reject(path, hf, "activation_function", "gelu_new", tuple(ACTIVATIONS))
+    reject(path, hf, "scale_attn_by_inverse_layer_idx", False, (False,))  # a scale per layer
+    reject(path, hf, "add_cross_attention", False, (False,))  # the decoder of an encoder-decoder
     return GPTConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
                      n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
                      layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-                     eos_token_id=hf["eos_token_id"])
+                     eos_token_id=hf["eos_token_id"], intermediate_size=hf.get("n_inner"),
+                     activation=hf.get("activation_function", "gelu_new"),
+                     attn_scale=None if hf.get("scale_attn_weights", True) else 1.0,
+                     tie_word_embeddings=hf.get("tie_word_embeddings", True))
 
 
 def llama_config(hf, path):
     # Published folders have rope_theta and rope_scaling; transformers 5 writes rope_parameters.
-    rope = {"rope_theta": hf.get("rope_theta", 10000.0), **(hf.get("rope_scaling") or {}),
-            **(hf.get("rope_parameters") or {})}
+    # A top-level partial_rotary_factor counts too: transformers moves it into rope_parameters.
+    rope = {"rope_theta": hf.get("rope_theta", 10000.0),
+            "partial_rotary_factor": hf.get("partial_rotary_factor", 1.0),
+            **(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
     rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
     for key, supported in [("rope_type", ("default", "llama3")), ("partial_rotary_factor", (1.0,))]:
         reject(path, rope, key, supported[0], supported, where="rope_scaling / rope_parameters ")
-    for key, default in [("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                         ("use_sliding_window", False)]:  # Qwen2's window is off unless this is on
-        reject(path, hf, key, default, (default,))
+    reject(path, hf, "hidden_act", "silu", tuple(ACTIVATIONS))
+    # Only Llama reads attention_bias (q, k, v and o) and mlp_bias; pretraining_tp changes nothing
+    biases = ("attention_bias", "mlp_bias") if hf["model_type"] == "llama" else ()
+    for key in (*biases, "use_sliding_window"):  # Qwen2's window is off unless this is on
+        reject(path, hf, key, False, (False,))
     max_seq_len = hf.get("max_position_embeddings", 2048)
     if hf["model_type"] == "mistral" and (hf.get("sliding_window") or max_seq_len) < max_seq_len:
         raise ValueError(f"{path}: config.json sets sliding_window={hf['sliding_window']}, below "
@@ -1568,7 +1610,8 @@ def llama_config(hf, path):
         layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), rope_theta=rope["rope_theta"],
         rope_scaling=rope if rope["rope_type"] == "llama3" else None, norm="rmsnorm", mlp="swiglu",
         intermediate_size=hf["intermediate_size"], bias=False, qkv_bias=hf["model_type"] == "qwen2",
-        tie_word_embeddings=hf.get("tie_word_embeddings", False))
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),  # the default of all three
+        activation=hf.get("hidden_act", "silu"))
 
 
 def read_hf_weights(path):

@@ -1060,6 +1060,40 @@ def test_both_config_dialects_and_sharded_folders_load_alike(hf_folder, tmp_path
         GPT.from_pretrained(str(tmp_path))
 
 
+def test_every_eos_id_of_both_config_files_stops_like_transformers(hf_folder, tmp_path):
+    """config.json and generation_config.json may each list several end-of-text ids (Llama 3.1
+    Instruct, Qwen2.5 Instruct): any id of either file ends a sample or a beam."""
+    path, hf = hf_folder("llama")
+    hf64 = copy.deepcopy(hf).double()
+    prompts = [[(7 * i + 3 * j) % 97 for j in range(n)] for i, n in enumerate([5, 7, 11, 13])]
+
+    def hf_generate(p, eos):
+        mask = torch.ones(1, len(p), dtype=torch.long)
+        out = hf64.generate(torch.tensor([p]), attention_mask=mask, max_new_tokens=10,
+                            do_sample=False, pad_token_id=0, eos_token_id=eos)
+        return out[0, len(p):].tolist()
+    runs = [hf_generate(p, None) for p in prompts]
+    ids = [runs[0][2], runs[1][6], runs[2][4], runs[3][8]]  # each run meets one at another step
+    (tmp_path / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | dict(eos_token_id=ids[:2])))
+    (tmp_path / "generation_config.json").write_text(json.dumps(dict(eos_token_id=ids[1:] + [128])))
+    model = GPT.from_pretrained(str(tmp_path), dtype=torch.float64)
+    assert model.config.eos_token_ids == set(ids)  # the union; 128 is outside the vocabulary
+    engine = Engine(model, block_size=3, num_blocks=64)
+    greedy = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0))
+    assert [o.outputs[0].token_ids for o in greedy] == [hf_generate(p, ids) for p in prompts]
+    assert all(o.outputs[0].finish_reason == "stop" for o in greedy)
+    ignored = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0,
+                                                      ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in ignored] == runs
+    for p in prompts:
+        beams = engine.generate([p], SamplingParams(max_tokens=10, beam_width=3))[0].outputs
+        expected = naive_beam_search(model, p, 3, 10, ids)
+        assert [(c.token_ids, c.finish_reason) for c in beams] == [(t, r) for t, _, r in expected]
+    assert_all_blocks_free(engine)
+
+
 class RecordingEngine(Engine):
     """An engine that keeps the logits of every step, by the tokens they follow."""
 
@@ -1154,6 +1188,53 @@ def test_from_pretrained_bad_folders(hf_folder, tmp_path, name, key, size, messa
         GPT.from_pretrained(str(tmp_path))
 
 
+# Settings that change the math, each loaded exactly: (family, transformers config edits, keys
+# then left out of config.json, which transformers reads as its config class's default)
+SETTINGS_LOADED_EXACTLY = [
+    ("gpt2", dict(tie_word_embeddings=False), ()),  # the head is lm_head.weight, not wte
+    ("gpt2", dict(tie_word_embeddings=True), ("tie_word_embeddings",)),  # GPT-2's default: tied
+    ("gpt2", dict(scale_attn_weights=False), ()),  # scores unscaled
+    ("gpt2", dict(reorder_and_upcast_attn=True), ()),  # fp32 scores: ours always are
+    ("gpt2", dict(n_inner=100), ()),
+    ("gpt2", dict(n_inner=None), ("n_inner",)),
+    ("gpt2", dict(activation_function="gelu"), ()),  # exact erf GELU, not the tanh one
+    ("gpt2", dict(activation_function="relu"), ()),
+    ("gpt2", dict(layer_norm_epsilon=0.5), ()),
+    ("llama", dict(rms_norm_eps=0.5, hidden_act="gelu_pytorch_tanh"), ()),
+    ("llama", dict(pretraining_tp=2), ()),  # a training detail: transformers ignores it
+    ("llama", dict(tie_word_embeddings=True), ()),
+    ("llama", dict(tie_word_embeddings=False), ("tie_word_embeddings",)),  # Llama's default
+    ("mistral", dict(rope_parameters=dict(rope_type="default", rope_theta=50.0)), ()),
+    ("qwen2", dict(tie_word_embeddings=False), ("tie_word_embeddings",)),  # Qwen2's default
+    ("qwen2", dict(rms_norm_eps=0.5, rope_parameters=dict(rope_theta=100.0)), ()),
+]
+
+
+@pytest.mark.parametrize("name,edit,omit", SETTINGS_LOADED_EXACTLY, ids=[
+    f"{name}-{','.join(omit) + '-omitted' if omit else ','.join(edit)}"
+    for name, edit, omit in SETTINGS_LOADED_EXACTLY])
+def test_from_pretrained_loads_each_setting_as_transformers_does(tmp_path, name, edit, omit):
+    transformers = pytest.importorskip("transformers")
+    config_class, kwargs = HF_MODELS[name]
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        getattr(transformers, config_class)(**kwargs | edit))
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                      if k not in omit}))
+    # what the folder means is what transformers reads from it (eager: reorder_and_upcast_attn)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    idx = torch.randint(hf.config.vocab_size, (2, 30))
+    with torch.no_grad():
+        expected = hf.float().eval()(idx).logits
+        torch.testing.assert_close(GPT.from_pretrained(str(tmp_path))(idx), expected,
+                                   atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("name,edit,message", [
     ("llama", dict(model_type="gemma"), "model_type='gemma'; this GPT loads 'gpt2', 'llama'"),
     ("llama", dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4, factor=4.0)),
@@ -1162,12 +1243,16 @@ def test_from_pretrained_bad_folders(hf_folder, tmp_path, name, key, size, messa
      "rope_type='linear'"),
     ("qwen2", dict(rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.5)),
      "partial_rotary_factor=0.5"),
+    ("llama", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),  # older dialect
     ("mistral", dict(sliding_window=16), "sliding_window=16, below max_position_embeddings=64"),
     ("qwen2", dict(use_sliding_window=True, sliding_window=16),
      "use_sliding_window=True; this model takes only False"),
-    ("llama", dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    ("llama", dict(hidden_act="quick_gelu"), "hidden_act='quick_gelu'"),
     ("llama", dict(attention_bias=True), "attention_bias=True"),
-    ("gpt2", dict(n_inner=100), "n_inner=100"),
+    ("llama", dict(mlp_bias=True), "mlp_bias=True"),
+    ("gpt2", dict(activation_function="quick_gelu"), "activation_function='quick_gelu'"),
+    ("gpt2", dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx=True"),
+    ("gpt2", dict(add_cross_attention=True), "add_cross_attention=True"),
 ])
 def test_from_pretrained_rejects_settings_it_would_get_wrong(hf_folder, tmp_path, name, edit,
                                                             message):
@@ -1606,6 +1691,12 @@ def test_demo_serves_its_workload_and_reports_true_numbers(capsys, tmp_path):
     (["--prompt", "x" * 300], r"= 364 exceeds the model's max_seq_len \(256\)"),
     (["--max-tokens", "many"], "argument --max-tokens: invalid int value"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),
+    # a flag given is a flag used: zero is a bad value, not "the default"
+    (["--max-tokens", "0"], r"max_tokens must be >= 1, got 0"),
+    (["--n", "0"], r"\bn must be >= 1, got 0"),
+    (["--beam-width", "0"], r"beam_width must be >= 1, got 0"),
+    (["--prompt", "x", "--max-tokens", "0"], r"max_tokens must be >= 1, got 0"),
+    (["--prompt", "x", "--n", "0"], r"\bn must be >= 1, got 0"),
 ])
 def test_demo_bad_flags_end_with_one_clear_line(flags, message):
     run = subprocess.run([sys.executable, "nanopaged.py", *flags], capture_output=True, text=True, timeout=300,
@@ -2132,7 +2223,8 @@ def test_a_seeded_request_ignores_batch_mates_preemption_and_prefix_caching(
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompt=st.lists(st.integers(0, 31), min_size=1, max_size=6), max_tokens=st.integers(1, 10),
-       stops=st.lists(st.integers(0, 31), max_size=6), eos=st.one_of(st.none(), st.integers(0, 31)),
+       stops=st.lists(st.integers(0, 31), max_size=6),
+       eos=st.one_of(st.none(), st.integers(0, 31), st.lists(st.integers(0, 31), max_size=4)),
        ignore_eos=st.booleans(), kind=st.sampled_from(["greedy", "n=2", "beam=2"]),
        seed=st.integers(0, 99))
 def test_stop_tokens_always_stop_and_max_tokens_is_exact(
@@ -2140,7 +2232,8 @@ def test_stop_tokens_always_stop_and_max_tokens_is_exact(
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if kind == "greedy" else 1, seed=seed,
                             n=2 if kind == "n=2" else 1, beam_width=2 if kind == "beam=2" else None,
                             stop_token_ids=stops, ignore_eos=ignore_eos)
-    ends = set(stops) | ({eos} if eos is not None and not ignore_eos else set())
+    eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)  # as HF
+    ends = set(stops) | (set() if ignore_eos else eos_ids)
     MODEL.config.eos_token_id = eos
     try:
         out = Engine(MODEL, block_size=4, num_blocks=32).generate([prompt], params)[0]
