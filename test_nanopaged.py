@@ -1692,11 +1692,11 @@ def test_demo_serves_its_workload_and_reports_true_numbers(capsys, tmp_path):
     (["--max-tokens", "many"], "argument --max-tokens: invalid int value"),
     (["--threads", "0"], "--threads must be >= 1, got 0"),
     # a flag given is a flag used: zero is a bad value, not "the default"
-    (["--max-tokens", "0"], r"max_tokens must be >= 1, got 0"),
-    (["--n", "0"], r"\bn must be >= 1, got 0"),
-    (["--beam-width", "0"], r"beam_width must be >= 1, got 0"),
-    (["--prompt", "x", "--max-tokens", "0"], r"max_tokens must be >= 1, got 0"),
-    (["--prompt", "x", "--n", "0"], r"\bn must be >= 1, got 0"),
+    (["--max-tokens", "0"], r"max_tokens must be an int >= 1, got 0"),
+    (["--n", "0"], r"\bn must be an int >= 1, got 0"),
+    (["--beam-width", "0"], r"beam_width must be None or an int >= 1, got 0"),
+    (["--prompt", "x", "--max-tokens", "0"], r"max_tokens must be an int >= 1, got 0"),
+    (["--prompt", "x", "--n", "0"], r"\bn must be an int >= 1, got 0"),
 ])
 def test_demo_bad_flags_end_with_one_clear_line(flags, message):
     run = subprocess.run([sys.executable, "nanopaged.py", *flags], capture_output=True, text=True, timeout=300,
@@ -2440,7 +2440,7 @@ def test_a_failure_on_one_rank_ends_every_rank_at_once_and_pools_agree(tmp_path)
     # rank 1's budget is twice rank 0's, but both take rank 0's count: the same block ids everywhere
     bytes_per_block = math.prod(nanopaged.kv_block_shape(TP_CONFIG, 4)) * 8 // 2  # half the K/V heads
     assert rank0["num_blocks"] == rank1["num_blocks"] == 65536 // bytes_per_block
-    assert "simulated" in rank0["error"] and "Connection closed" in rank1["error"]
+    assert "simulated" in rank0["error"] and "Connection" in rank1["error"]  # closed or reset
     assert rank0["steps"] == rank1["steps"] == 3  # rank 1 learnt of it in the very step that failed
     for r in (rank0, rank1):
         assert r["retry"].startswith("tensor parallelism was shut down after a step failed on rank")
