@@ -88,6 +88,7 @@ class SamplingParams:
     seed: int | None = None  # token t of sample i is drawn by a generator seeded by (seed, i, t)
     n: int = 1  # parallel samples of one prompt, sharing its blocks
     beam_width: int | None = None  # beam search, this many beams; temperature, top_k, top_p unused
+    length_penalty: float = 1.0  # beams rank by sum of log-probabilities / length ** this
     stop_token_ids: list[int] | None = None  # these end a sample or beam; None: none (vLLM)
     ignore_eos: bool = False  # keep going past the model's end-of-text token
 
@@ -107,6 +108,7 @@ class SamplingParams:
                   ("n", integer(self.n) and self.n >= 1, "an int >= 1"),
                   ("beam_width", self.beam_width is None or integer(self.beam_width)
                    and self.beam_width >= 1, "None or an int >= 1"),
+                  ("length_penalty", number(self.length_penalty), "a number"),
                   ("stop_token_ids", isinstance(stops, list)
                    and all(integer(t) and t >= 0 for t in stops), "None or a list of token ids"),
                   ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False")]
@@ -1262,8 +1264,11 @@ class OutputProcessor:
 
     def beam_search_step(self, group, logits):
         """Keep the beam_width best one-token extensions of the live beams, by cumulative
-        log-probability. A beam chosen twice forks, so both continuations share its blocks;
-        a beam not chosen is freed, and what it shared lives on in the survivors."""
+        log-probability, as transformers' beam search with early_stopping=True: a candidate that
+        ends (a stop token, or the last token max_tokens allows) is a finished hypothesis only if
+        it ranks among the step's beam_width best; the search ends with beam_width hypotheses.
+        A beam chosen twice forks, so both continuations share its blocks; a beam not chosen is
+        freed, and what it shared lives on in the survivors."""
         params, beams = group.params, group.seqs
         width = params.beam_width
         logprobs = logits.double().log_softmax(-1)                                       # (k, V)
@@ -1275,18 +1280,19 @@ class OutputProcessor:
         stops = self.stop_ids(params)
         num_candidates = min(scores.numel(), width * (2 + len(stops)))
         top = scores.flatten().topk(num_candidates)
-        # (parent, token, score), best first; ties go to the earlier beam, then the smaller token
-        picks = []
+        # (score, parent * V + token), best first; ties go to the earlier beam, then the smaller token
         candidates = sorted(zip(top.values.tolist(), top.indices.tolist()),
                             key=lambda c: (-c[0], c[1]))
-        for score, flat in candidates:
+        last = beams[0].num_output_tokens + 1 >= params.max_tokens  # beams move in lockstep
+        picks, num_finished = [], len(group.finished)
+        for rank, (score, flat) in enumerate(candidates):
             parent, token = divmod(flat, V)
-            if token in stops:
+            if (token in stops or last) and rank < width:
                 hypothesis = beams[parent].output_token_ids + [token]
-                group.finished.append((hypothesis, score, "stop"))
-            else:
+                group.finished.append((hypothesis, score, "stop" if token in stops else "length"))
+            elif token not in stops and not last:
                 picks.append((parent, token, score))
-            if len(picks) == width:
+            if rank + 1 >= width and (last or len(picks) == width):
                 break
         survivors, chosen = [], set()
         for parent, token, score in picks:
@@ -1300,21 +1306,18 @@ class OutputProcessor:
             seq.token_ids.append(token)
             seq.cumulative_logprob = score
         group.seqs = [seq for seq, _, _ in survivors]
-        # no survivor when every candidate ended in a stop token: then the group is done as it is
-        out_of_tokens = bool(group.seqs) and group.seqs[0].num_output_tokens >= params.max_tokens
-        if out_of_tokens or len(group.finished) >= width:  # width hypotheses, or no more room
+        if len(group.finished) >= width:  # done (or no survivor: every candidate ended)
             for seq in group.seqs:
-                if out_of_tokens:
-                    group.finished.append((seq.output_token_ids, seq.cumulative_logprob, "length"))
                 self.allocator.free(seq)
             group.seqs = []
-        self.num_generated_tokens += len(survivors)
+        self.num_generated_tokens += len(survivors) + len(group.finished) - num_finished
 
     def output(self, group):
         self.requests.pop(group.request_id)
         if group.params.beam_width is not None:
             # rank by length-normalised log-probability, so short hypotheses are not favoured
-            best = sorted(group.finished, key=lambda h: -h[1] / len(h[0]))[:group.params.beam_width]
+            lp = group.params.length_penalty
+            best = sorted(group.finished, key=lambda h: -h[1] / len(h[0]) ** lp)[:group.params.beam_width]
             outputs = [CompletionOutput(i, tokens, reason, logprob)
                        for i, (tokens, logprob, reason) in enumerate(best)]
         else:

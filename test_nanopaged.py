@@ -891,29 +891,29 @@ def test_parallel_samples_equal_the_same_seeds_run_one_by_one(model, no_writes_i
     assert_all_blocks_free(engine)
 
 
-def naive_beam_search(model, prompt, width, max_tokens, stop_token_ids=()):
-    """Beam search as plainly as possible: every extension of every beam, sorted."""
+def naive_beam_search(model, prompt, width, max_tokens, stop_token_ids=(), length_penalty=1.0):
+    """Beam search as transformers' generate(num_beams=width, early_stopping=True) runs it, as
+    plainly as possible: every extension of every beam, sorted; a candidate that ends (a stop
+    token, or the last allowed token) finishes only among the step's width best."""
     beams, finished = [([], 0.0)], []  # (generated tokens, cumulative log-probability)
-    for _ in range(max_tokens):
+    for step in range(max_tokens):
         candidates = []
         for b, (tokens, score) in enumerate(beams):
             logprobs = naive_logprobs(model, prompt + tokens).tolist()
             candidates += [(score + lp, b, t) for t, lp in enumerate(logprobs)]
         candidates.sort(key=lambda c: (-c[0], c[1], c[2]))
-        new_beams = []
-        for score, b, t in candidates:
-            if t in stop_token_ids:
-                finished.append((beams[b][0] + [t], score, "stop"))
-            else:
-                new_beams.append((beams[b][0] + [t], score))
-            if len(new_beams) == width:
-                break
+        new_beams, last = [], step == max_tokens - 1
+        for rank, (score, b, t) in enumerate(candidates):
+            tokens = beams[b][0] + [t]
+            if t in stop_token_ids or last:
+                if rank < width:
+                    finished.append((tokens, score, "stop" if t in stop_token_ids else "length"))
+            elif len(new_beams) < width:
+                new_beams.append((tokens, score))
         beams = new_beams
-        if len(finished) >= width:
+        if len(finished) >= width or not beams:
             break
-    else:
-        finished += [(tokens, score, "length") for tokens, score in beams]
-    return sorted(finished, key=lambda h: -h[1] / len(h[0]))[:width]
+    return sorted(finished, key=lambda h: -h[1] / len(h[0]) ** length_penalty)[:width]
 
 
 @pytest.mark.parametrize("width,stop", [(1, ()), (3, ()), (4, (5, 17)), (6, (9,))])
@@ -929,6 +929,49 @@ def test_beam_search_equals_naive_beam_search(model, width, stop, no_writes_into
     if width == 1:  # beam search of width 1 is greedy decoding
         assert out.outputs[0].token_ids == naive_greedy(model, prompt, 8)
     assert_all_blocks_free(engine)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(prompt=st.lists(st.integers(0, 99), min_size=1, max_size=8), width=st.integers(1, 4),
+       max_tokens=st.integers(3, 10), length_penalty=st.sampled_from([0.0, 1.0, 2.0]),
+       met_at=st.tuples(st.integers(0, 3), st.integers(0, 9)), family=st.sampled_from(["gpt2", "llama"]))
+def test_beam_search_equals_transformers_beam_search(hf_folder, prompt, width, max_tokens, length_penalty,
+                                                     met_at, family):
+    """transformers is the oracle: generate(num_beams=w, num_return_sequences=w, early_stopping=True,
+    length_penalty=...), with an end token the beams meet (a token of one of its own beams)."""
+    path, hf = hf_folder(family)
+    hf64, model = _double(hf), _from_pretrained64(str(path))
+
+    def hf_beams(eos):
+        out = hf64.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                            num_beams=width, num_return_sequences=width, do_sample=False, early_stopping=True,
+                            length_penalty=length_penalty, max_new_tokens=max_tokens, eos_token_id=eos,
+                            pad_token_id=eos if eos is not None else 0)
+        beams = [row[len(prompt):].tolist() for row in out]
+        return [b[:b.index(eos) + 1] if eos in b else b for b in beams]
+
+    free = hf_beams(None)
+    beam = free[met_at[0] % len(free)]
+    eos = beam[met_at[1] % len(beam)]
+    params = SamplingParams(max_tokens=max_tokens, beam_width=width, stop_token_ids=[eos],
+                            length_penalty=length_penalty)
+    out = Engine(model, block_size=2, num_blocks=256).generate([prompt], params)[0]
+    assert [c.token_ids for c in out.outputs] == hf_beams(eos)
+    # and so the tests' plain reference, which the fixed cases above compare with, agrees with it
+    expected = naive_beam_search(model, prompt, width, max_tokens, [eos], length_penalty)
+    assert [(c.token_ids, c.finish_reason) for c in out.outputs] == [(t, r) for t, _, r in expected]
+    assert [c.cumulative_logprob for c in out.outputs] == pytest.approx([s for _, s, _ in expected], abs=1e-9)
+
+
+@functools.cache
+def _double(hf):
+    return copy.deepcopy(hf).double()
+
+
+@functools.cache
+def _from_pretrained64(path):
+    return GPT.from_pretrained(path, dtype=torch.float64)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -1314,6 +1357,7 @@ def test_bad_requests_are_rejected_before_taking_blocks(prompt, params, message)
     (dict(stop_token_ids=[-1]), r"stop_token_ids must be None or a list of token ids"),
     (dict(stop_token_ids="ab"), r"stop_token_ids must be None or a list of token ids"),
     (dict(ignore_eos="yes"), r"ignore_eos must be True or False, got 'yes'"),
+    (dict(length_penalty=None), r"length_penalty must be a number, got None"),
     (dict(n=2, beam_width=2), "not both"),
 ])
 def test_bad_sampling_params(kwargs, message):
