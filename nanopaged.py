@@ -1395,6 +1395,8 @@ class Engine:
         saved = self.save_step_state()
         try:
             out = self.scheduler.schedule()
+            if not (out.scheduled or out.preempted) and self.scheduler.has_unfinished():
+                raise RuntimeError(self.stall_message())  # nothing outside could unblock it
             logits = self.model_runner.execute(out)
             return [] if logits is None else self.output_processor.process(out.scheduled, logits)
         except BaseException as e:
@@ -1507,6 +1509,13 @@ class Engine:
 
     def stats(self):
         return engine_stats(self)
+
+    def stall_message(self):
+        s = self.stats()
+        return (f"the engine can make no progress: this step scheduled, preempted and moved "
+                f"nothing, while {s['num_waiting']} waiting and {s['num_swapped']} swapped requests "
+                f"and {s['num_running']} running sequences are unfinished "
+                f"({s['num_free_blocks']} of {s['num_blocks']} KV blocks free)")
 
     def progress_line(self, done, total, elapsed):
         s = self.stats()

@@ -720,6 +720,17 @@ def _naive_greedy(model, prompt, max_tokens):
     return tuple(tokens[len(prompt):])
 
 
+def drain(engine, max_steps=1000):
+    """Step the engine until no request is left, with a bound: an engine that stops making
+    progress fails the test in seconds instead of hanging it. Returns request_id -> output."""
+    outputs = {}
+    for _ in range(max_steps):
+        if not engine.scheduler.has_unfinished():
+            return outputs
+        outputs.update({o.request_id: o for o in engine.step()})
+    pytest.fail(f"requests still unfinished after {max_steps} steps: {engine.stats()}")
+
+
 def assert_all_blocks_free(engine):
     s = engine.stats()
     assert s["num_free_blocks"] == s["num_blocks"] and s["num_free_cpu_blocks"] == s["num_cpu_blocks"]
@@ -804,9 +815,7 @@ def test_streaming_with_add_request_and_step():
     engine.step()
     engine.step()
     second = engine.add_request([9, 9], SamplingParams(max_tokens=3, temperature=0))  # joins mid-flight
-    finished = {}
-    while engine.scheduler.has_unfinished():
-        finished.update({o.request_id: o for o in engine.step()})
+    finished = drain(engine)
     assert finished[first].outputs[0].token_ids == naive_greedy(MODEL, [1, 2, 3], 8)
     assert finished[second].outputs[0].token_ids == naive_greedy(MODEL, [9, 9], 3)
     assert finished[second].latency < finished[first].latency
@@ -876,17 +885,14 @@ def test_parallel_samples_equal_the_same_seeds_run_one_by_one(model, no_writes_i
     assert engine.allocator.blocks[group.seqs[0].block_table[0]].ref_count == 4
     s = engine.stats()
     assert s["num_logical_blocks"] == 12 and s["num_blocks"] - s["num_free_blocks"] == 3
-    outputs = {}
-    while engine.scheduler.has_unfinished():
-        outputs.update({o.request_id: o for o in engine.step()})
+    outputs = drain(engine)
     samples = [c.token_ids for c in outputs[request_id].outputs]
     singles = []
     for i in range(4):  # sample i alone: a request of one sample that draws as sample i
         single = Engine(model, block_size=4, num_blocks=64)
         only = single.add_request(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=42))
         single.requests[only].seqs[0].index = i
-        while single.scheduler.has_unfinished():
-            singles += [o.outputs[0].token_ids for o in single.step()]
+        singles += [o.outputs[0].token_ids for o in drain(single).values()]
     assert samples == singles and len(set(map(tuple, samples))) > 1
     assert_all_blocks_free(engine)
 
@@ -1474,8 +1480,7 @@ def test_abort_anywhere_returns_every_block(mode):
     engine.abort(victim)
     with pytest.raises(ValueError, match=f"no unfinished request with id {victim}"):
         engine.abort(victim)
-    while engine.scheduler.has_unfinished():
-        engine.step()
+    drain(engine)
     assert serves_normally(engine)
 
 
@@ -1496,7 +1501,9 @@ def test_a_model_error_inside_a_step_loses_nothing(monkeypatch):
     s = engine.stats()
     assert s["num_running"] + s["num_waiting"] == 4 and s["num_free_blocks"] < s["num_blocks"]
     outputs = {}
-    while engine.scheduler.has_unfinished():
+    for _ in range(1000):  # bounded: see drain
+        if not engine.scheduler.has_unfinished():
+            break
         try:
             outputs.update({o.request_id: o for o in engine.step()})
         except RuntimeError:
@@ -1614,6 +1621,20 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
         mp.setattr(BlockAllocator, "rollback", rollback)
         assert run(Engine(MODEL, **settings_), inject=True) == expected
     event(f"failed: {bool(fired)}, exactly as before: {bool(exact)}")
+
+
+def test_an_engine_that_cannot_make_progress_raises_at_once(monkeypatch):
+    """Nothing outside the engine could unblock a step that schedules, preempts and moves nothing:
+    with an allocator that reports no free block, generate() ends with a RuntimeError naming
+    the queues, not a loop that never ends."""
+    engine = Engine(MODEL, block_size=4, num_blocks=16)
+    monkeypatch.setattr(BlockAllocator, "num_free_blocks", property(lambda self: 0))
+    message = (r"the engine can make no progress: this step scheduled, preempted and moved nothing, "
+               r"while 2 waiting and 0 swapped requests and 0 running sequences are unfinished \(0 of 16 KV")
+    with pytest.raises(RuntimeError, match=message):
+        engine.generate([[1, 2], [3]], SamplingParams(max_tokens=4))
+    monkeypatch.undo()
+    assert len(engine.scheduler.waiting) == 2 and drain(engine) and assert_all_blocks_free(engine) is None
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -1832,8 +1853,7 @@ def test_a_recomputed_sequence_publishes_its_blocks_to_the_prefix_cache_again():
     a.allocate(filler)  # takes every free block: the cached ones are evicted
     a.free(filler)
     assert not any(k in a.hash_to_block for k in keys)
-    while engine.scheduler.has_unfinished():
-        engine.step()
+    drain(engine)
     assert all(k in a.hash_to_block for k in keys), "the recomputed prompt is shareable again"
 
 
@@ -1853,9 +1873,7 @@ def test_tensor_prompts_work_in_generate_and_add_request_alike():
     for prompt in (torch.tensor([1, 2, 3]), torch.tensor([1, 2, 3], dtype=torch.int32), (1, 2, 3)):
         assert engine.generate([prompt], greedy)[0].outputs[0].token_ids == expected
         request_id = engine.add_request(prompt, greedy)
-        while engine.scheduler.has_unfinished():
-            outputs = engine.step()
-        assert outputs[0].request_id == request_id and outputs[0].outputs[0].token_ids == expected
+        assert drain(engine)[request_id].outputs[0].token_ids == expected
     for prompt, message in [
             (torch.tensor([[1, 2]]), r"tensor prompt must be 1-D .* got shape \(1, 2\)"),
             (torch.tensor([1.0, 2.0]), r"integer token ids, got shape \(2,\) of torch.float32"),
@@ -1884,6 +1902,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.a = a = BlockAllocator(num_blocks, block_size, num_cpu_blocks, caching)
         self.s = s = nanopaged.Scheduler(a, max_num_seqs, max_num_batched_tokens, mode, watermark)
         self.groups, self.next_id = {}, 0
+        # A shadow KV cache: each computed slot holds token + 4 * position, and the step's block
+        # moves are made by the engine's own ModelRunner.copy_blocks, in its order.
+        self.runner = runner = nanopaged.ModelRunner.__new__(nanopaged.ModelRunner)
+        runner.device = torch.device("cpu")
+        runner.kv_cache = torch.full((1, 1, num_blocks, block_size, 1, 1), -1)
+        runner.cpu_kv_cache = torch.full((num_cpu_blocks, 1, 1, block_size, 1, 1), -1)
         # Accounting: what num_blocks_to_allocate / num_blocks_to_append promise is what is taken.
         real_allocate, real_append_slots = a.allocate, s._append_slots
 
@@ -1937,6 +1961,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                    need={g.request_id: a.num_blocks_to_append(g.seqs) for g in s.running})
         out = s.schedule()
         self.check_step(pre, out)
+        self.runner.copy_blocks(out)
         self.fake_model(out, rng)
 
     def expected_decodes_and_victims(self, pre):
@@ -2018,8 +2043,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                     or num_seqs + g.params.num_seqs > S), "swap-in left out"
 
     def fake_model(self, out, rng):
-        a = self.a
+        a, bs, kv = self.a, self.a.block_size, self.runner.kv_cache
         for seq, n in out.scheduled:
+            for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+                block_id = seq.block_table[p // bs]
+                assert a.blocks[block_id].ref_count == 1, "a write into a shared block"
+                kv[0, 0, block_id, p % bs] = seq.token_ids[p] + 4 * p
             seq.num_computed_tokens += n
             a.cache_full_blocks(seq)
         ready = {seq.request_id: self.groups[seq.request_id] for seq, _ in out.scheduled
@@ -2055,6 +2084,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert [b.ref_count for b in a.blocks] == [device[i] for i in range(a.num_blocks)]
         assert a.cpu_ref_count == [cpu[i] for i in range(len(a.cpu_ref_count))]
         assert sum(len(g.seqs) for g in s.running) <= s.max_num_seqs  # sequences, samples included
+
+    @invariant()
+    def every_computed_token_is_where_its_block_table_says(self):
+        if not hasattr(self, "a"):
+            return
+        bs = self.a.block_size
+        for queue, pool in ((self.s.running, self.runner.kv_cache[0, 0]),
+                            (self.s.swapped, self.runner.cpu_kv_cache[:, 0, 0])):
+            for seq in (seq for g in queue for seq in g.seqs):
+                held = [pool[seq.block_table[p // bs], p % bs].item() for p in range(seq.num_computed_tokens)]
+                assert held == [t + 4 * p for p, t in enumerate(seq.token_ids[:seq.num_computed_tokens])]
 
     @invariant()
     def queues_keep_arrival_order(self):
@@ -2115,10 +2155,46 @@ def test_a_request_recomputed_for_lack_of_swap_space_resumes_before_younger_swap
     for prompt, max_tokens in [([0, 1], 7), ([1, 2], 8), ([2, 3], 8)]:
         m.add(prompt, max_tokens, n=1, stop=False)
     rng, queues = random.Random(0), []
-    while m.groups:
+    for _ in range(200):  # bounded: see drain
+        if not m.groups:
+            break
         m.step(rng)
         queues.append(([g.request_id for g in m.s.waiting], [g.request_id for g in m.s.swapped]))
-    assert ([2], [4]) in queues
+    assert ([2], [4]) in queues and not m.groups
+    m.teardown()
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=5), st.integers(2, 6),
+                                   st.sampled_from([1, 3, 3])), min_size=4, max_size=10),
+       block_size=st.integers(2, 3), num_blocks=st.integers(8, 14), seed=st.integers(0, 99))
+def test_swaps_and_copies_in_one_step_keep_every_token_where_its_table_says(requests, block_size, num_blocks,
+                                                                              seed):
+    """Swap-heavy runs of the scheduler machine (several groups swapped out in a step, copy-on-write
+    beside swaps): ModelRunner.copy_blocks, in its order, leaves every computed token of every
+    running or swapped sequence in the slot its block table names."""
+    m = SchedulerMachine()
+    m.setup(block_size=block_size, num_blocks=num_blocks, num_cpu_blocks=16, mode="swap", caching=True,
+            max_num_seqs=9, max_num_batched_tokens=16, watermark=0.01)
+    for prompt, max_tokens, n in requests:
+        m.add(prompt, max_tokens, n, stop=False)
+    rng, moves = random.Random(seed), Counter()
+    real_copy_blocks = m.runner.copy_blocks
+
+    def copy_blocks(out):
+        moves.update(k for k in ("blocks_to_swap_out", "blocks_to_copy") if getattr(out, k))
+        moves["both"] += bool(out.blocks_to_swap_out and out.blocks_to_copy)
+        moves["several out"] += len({b for b, _ in out.blocks_to_swap_out}) > 1
+        return real_copy_blocks(out)
+
+    m.runner.copy_blocks = copy_blocks
+    for _ in range(300):  # bounded: see drain
+        if not m.groups:
+            break
+        m.step(rng)
+        m.every_computed_token_is_where_its_block_table_says()
+    assert not m.groups
+    event(f"steps with swap-outs and copies: {min(moves['both'], 2)}+, several out: {min(moves['several out'], 2)}+")
     m.teardown()
 
 
