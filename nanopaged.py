@@ -219,7 +219,8 @@ class PhysicalBlock:
     block_id: int
     ref_count: int = 0      # block-table entries that point here; the block is free iff this is 0
     hash: bytes | None = None  # prefix-cache key once full and computed, iff hash_to_block has it
-    token_ids: tuple = ()   # the tokens it holds, to confirm a hash hit token by token
+    token_ids: tuple = ()   # the tokens it holds and which block of its sequence it is (index),
+    index: int = 0          # to confirm a key hit: a colliding key must never share K/V
     freed_at: int = 0       # when its count last fell to 0: its place in the free list
 
 
@@ -299,10 +300,17 @@ class BlockAllocator:
             chunk = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = chain_hash(h, chunk)
             block_id = self.hash_to_block.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:  # not a key alone
+            if block_id is None or not self._holds(block_id, i, chunk):  # not a key alone
                 break
             hits.append(block_id)
         return hits
+
+    def _holds(self, block_id, i, chunk):
+        """Whether a cached block holds chunk as block i of its sequence. Under SHA-256 keys this
+        always holds for a hit; were every key to collide, it would still stop a block from being
+        shared at another position (other prefixes are SHA-256's to tell apart)."""
+        block = self.blocks[block_id]
+        return block.token_ids == chunk and block.index == i
 
     def _num_free_blocks_taken(self, seq, hits):
         # cache misses, plus cache hits now sitting in the free list
@@ -383,9 +391,9 @@ class BlockAllocator:
             block, twin = self.blocks[seq.block_table[i]], self.hash_to_block.get(h)
             if twin is None:
                 block = self._touch(block.block_id)
-                block.hash, block.token_ids = h, chunk
+                block.hash, block.token_ids, block.index = h, chunk, i
                 self.hash_to_block[h] = block.block_id
-            elif twin != block.block_id and self.blocks[twin].token_ids == chunk:
+            elif twin != block.block_id and self._holds(twin, i, chunk):
                 # A twin was computed first (say the same prompt was admitted in the same step):
                 # share it and free this copy, so no full computed block is left out of the cache.
                 self._share(twin)
