@@ -1287,10 +1287,11 @@ class OutputProcessor:
         # Enough candidates that width of them survive even if the best ones all end in a stop.
         stops = self.stop_ids(params)
         num_candidates = min(scores.numel(), width * (2 + len(stops)))
-        top = scores.flatten().topk(num_candidates)
-        # (score, parent * V + token), best first; ties go to the earlier beam, then the smaller token
-        candidates = sorted(zip(top.values.tolist(), top.indices.tolist()),
-                            key=lambda c: (-c[0], c[1]))
+        # (score, parent * V + token), best first; ties go to the earlier beam, then the smaller
+        # token: every candidate that ties with the last of topk's is in, as topk picks among ties
+        scores = scores.flatten()                                                      # (k * V,)
+        flat = (scores >= scores.topk(num_candidates).values[-1]).nonzero().squeeze(1)
+        candidates = sorted(zip(scores[flat].tolist(), flat.tolist()), key=lambda c: (-c[0], c[1]))
         last = beams[0].num_output_tokens + 1 >= params.max_tokens  # beams move in lockstep
         picks, num_finished = [], len(group.finished)
         for rank, (score, flat) in enumerate(candidates):

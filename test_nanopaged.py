@@ -1876,6 +1876,17 @@ def test_a_recomputed_sequence_publishes_its_blocks_to_the_prefix_cache_again():
     assert all(k in a.hash_to_block for k in keys), "the recomputed prompt is shareable again"
 
 
+@pytest.mark.parametrize("width", [1, 2, 3])
+def test_beam_search_breaks_ties_by_earlier_beam_then_smaller_token(width):
+    model = tiny_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # every logit 0: every candidate of every step ties
+    out = Engine(model, block_size=4, num_blocks=32).generate([[1, 2]], SamplingParams(max_tokens=3, beam_width=width))
+    # each step keeps beam 0's extensions by tokens 0, 1, ...; the last step's width best finish
+    assert [c.token_ids for c in out[0].outputs] == [[0, 0, t] for t in range(width)]
+
+
 def test_beam_search_ends_when_every_candidate_is_a_stop_token():
     engine = Engine(MODEL, block_size=4, num_blocks=32)
     params = SamplingParams(max_tokens=5, beam_width=2, stop_token_ids=list(range(32)))
