@@ -12,6 +12,7 @@ results/. The paper's figures are quoted next to ours (Kwon et al., SOSP 2023).
 """
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -192,11 +193,10 @@ def bench_capacity(num_requests=96, kv_tokens=8192, rates=(4.0, 16.0, math.inf))
     results, rows = {}, []
     for mode in ("paged", "contiguous"):
         for rate in rates:
+            reserving = functools.partial(ReservingAllocator, max_seq_len=max_seq_len)
             engine = Engine(model, block_size=16, num_blocks=kv_tokens // 16, enable_prefix_caching=False,
-                            max_num_seqs=256, device="cpu")
-            if mode == "contiguous":
-                engine.allocator = engine.scheduler.allocator = ReservingAllocator(
-                    kv_tokens // 16, 16, enable_prefix_caching=False, max_seq_len=max_seq_len)
+                            max_num_seqs=256, device="cpu",
+                            allocator_cls=reserving if mode == "contiguous" else None)
             r = serve_trace(engine, prompts, trace, rate)
             results[f"{mode} @ {rate}/s"] = r
             rows.append([mode, rate, f"{r['mean_running']:.1f}", r["peak_running"], f"{r['requests_per_s']:.2f}",

@@ -1183,14 +1183,17 @@ def sample(logits, temperatures, top_ks, top_ps, generators):
 
 class OutputProcessor:
 
-    def __init__(self, config, allocator, scheduler, requests, seq_ids, device):
+    def __init__(self, config, scheduler, requests, seq_ids, device):
         self.config = config
-        self.allocator = allocator
         self.scheduler = scheduler
         self.requests = requests  # the engine's: request_id -> SequenceGroup
         self.seq_ids = seq_ids  # the engine's counter of sequence ids, shared with forks
         self.device = device
         self.num_generated_tokens = 0
+
+    @property
+    def allocator(self):
+        return self.scheduler.allocator
 
     def process(self, scheduled, logits):
         """Advance the scheduled sequences past their new tokens, then give each group whose
@@ -1351,7 +1354,7 @@ class Engine:
     def __init__(self, model, block_size=16, num_blocks=None, kv_cache_bytes=None,
                  num_cpu_blocks=None, preemption_mode="recompute", enable_prefix_caching=True,
                  max_num_seqs=256, max_num_batched_tokens=2048, device=None,
-                 attention_backend=None, swap_space=4):
+                 attention_backend=None, swap_space=4, allocator_cls=None, scheduler_cls=None):
         device, attention_backend = check_engine_settings(
             model, device, attention_backend, preemption_mode, enable_prefix_caching, swap_space,
             block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
@@ -1380,18 +1383,23 @@ class Engine:
             swap_blocks = min(num_blocks, int(swap_space * 2**30) // bytes_per_block)
             num_cpu_blocks = swap_blocks if preemption_mode == "swap" else 0
         num_cpu_blocks = tp_min(num_cpu_blocks, device)
-        self.allocator = BlockAllocator(num_blocks, block_size, num_cpu_blocks,
-                                        enable_prefix_caching)
-        self.scheduler = Scheduler(self.allocator, max_num_seqs, max_num_batched_tokens,
-                                   preemption_mode)
+        # Replaceable parts (vLLM's scheduler_cls): a fork passes its subclass, and edits nothing else
+        allocator = (allocator_cls or BlockAllocator)(num_blocks, block_size, num_cpu_blocks,
+                                                      enable_prefix_caching)
+        self.scheduler = (scheduler_cls or Scheduler)(allocator, max_num_seqs,
+                                                      max_num_batched_tokens, preemption_mode)
         self.model_runner = ModelRunner(self.model, num_blocks, num_cpu_blocks, block_size,
                                         attention_backend == "triton", device)
         self.kv_cache = self.model_runner.kv_cache  # (2, n_layer, num_blocks, block_size, nkv, hs)
         self.requests = {}  # request_id -> SequenceGroup, until it finishes or is aborted
         self.request_ids = itertools.count()
         self.seq_ids = itertools.count()
-        self.output_processor = OutputProcessor(config, self.allocator, self.scheduler,
-                                                self.requests, self.seq_ids, device)
+        self.output_processor = OutputProcessor(config, self.scheduler, self.requests,
+                                                self.seq_ids, device)
+
+    @property
+    def allocator(self):  # one reference, the scheduler's, so no part can hold a stale one
+        return self.scheduler.allocator
 
     def step(self):
         """Run one scheduling step; returns the RequestOutputs of requests that finished in it.

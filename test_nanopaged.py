@@ -1469,6 +1469,29 @@ def test_chained_keys_differ_whenever_prefixes_differ(prefixes):
         assert keys.setdefault(key, blocks) == blocks
 
 
+def test_an_engine_takes_its_parts_by_class():
+    """A fork subclasses a part and passes the class: here bench.py's allocator that reserves
+    max_seq_len at admission (its contiguous mode, which once crashed on a stale allocator
+    reference) and a scheduler that counts its steps. Every part sees the same allocator."""
+    from bench import ReservingAllocator
+
+    class CountingScheduler(nanopaged.Scheduler):
+        num_steps = 0
+
+        def schedule(self):
+            self.num_steps += 1
+            return super().schedule()
+
+    engine = Engine(MODEL, block_size=4, num_blocks=48, scheduler_cls=CountingScheduler,
+                    allocator_cls=functools.partial(ReservingAllocator, max_seq_len=64))
+    assert engine.allocator is engine.scheduler.allocator is engine.output_processor.allocator
+    prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0))
+    assert [o.outputs[0].token_ids for o in outs] == [naive_greedy(MODEL, p, 5) for p in prompts]
+    assert engine.stats()["num_preemptions"] == 0 and engine.scheduler.num_steps >= 10  # 3 at a time
+    assert_all_blocks_free(engine)
+
+
 def test_engine_takes_a_gpt_model():
     with pytest.raises(ValueError, match=r"model must be a GPT .* got Linear"):
         Engine(torch.nn.Linear(2, 2), block_size=4, num_blocks=8)
