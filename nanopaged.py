@@ -101,7 +101,8 @@ class SamplingParams:
         stops = self.stop_token_ids
         stops = [] if stops is None else list(stops) if isinstance(stops, (list, tuple)) else stops
         checks = [("max_tokens", integer(self.max_tokens) and self.max_tokens >= 1, "an int >= 1"),
-                  ("temperature", number(self.temperature) and self.temperature >= 0, "a number >= 0"),
+                  ("temperature", number(self.temperature) and self.temperature >= 0,
+                   "a number >= 0"),
                   ("top_k", integer(self.top_k) and self.top_k >= 0, "an int >= 0 (0 disables it)"),
                   ("top_p", number(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
                   ("seed", self.seed is None or integer(self.seed), "None or an int"),
@@ -1329,7 +1330,8 @@ class OutputProcessor:
         if group.params.beam_width is not None:
             # rank by length-normalised log-probability, so short hypotheses are not favoured
             lp = group.params.length_penalty
-            best = sorted(group.finished, key=lambda h: -h[1] / len(h[0]) ** lp)[:group.params.beam_width]
+            best = sorted(group.finished, key=lambda h: -h[1] / len(h[0]) ** lp)
+            best = best[:group.params.beam_width]
             outputs = [CompletionOutput(i, tokens, reason, logprob)
                        for i, (tokens, logprob, reason) in enumerate(best)]
         else:
@@ -1383,7 +1385,7 @@ class Engine:
             swap_blocks = min(num_blocks, int(swap_space * 2**30) // bytes_per_block)
             num_cpu_blocks = swap_blocks if preemption_mode == "swap" else 0
         num_cpu_blocks = tp_min(num_cpu_blocks, device)
-        # Replaceable parts (vLLM's scheduler_cls): a fork passes its subclass, and edits nothing else
+        # Replaceable parts (vLLM's scheduler_cls): a fork passes its subclass, edits nothing else
         allocator = (allocator_cls or BlockAllocator)(num_blocks, block_size, num_cpu_blocks,
                                                       enable_prefix_caching)
         self.scheduler = (scheduler_cls or Scheduler)(allocator, max_num_seqs,
@@ -1447,7 +1449,8 @@ class Engine:
         groups, waiting, running, swapped, num_preemptions, num_generated = saved
         s, taken = self.scheduler, self.allocator.rollback()
         s.waiting, s.running, s.swapped = deque(waiting), running, swapped
-        s.num_preemptions, self.output_processor.num_generated_tokens = num_preemptions, num_generated
+        s.num_preemptions = num_preemptions
+        self.output_processor.num_generated_tokens = num_generated
         for group, seqs, num_finished, first_token_time, num_preemptions, seq_states in groups:
             group.seqs, group.first_token_time = seqs, first_token_time
             group.num_preemptions = num_preemptions
@@ -1530,8 +1533,8 @@ class Engine:
     def stall_message(self):
         s = self.stats()
         return (f"the engine can make no progress: this step scheduled, preempted and moved "
-                f"nothing, while {s['num_waiting']} waiting and {s['num_swapped']} swapped requests "
-                f"and {s['num_running']} running sequences are unfinished "
+                f"nothing, while {s['num_waiting']} waiting and {s['num_swapped']} swapped "
+                f"requests and {s['num_running']} running sequences are unfinished "
                 f"({s['num_free_blocks']} of {s['num_blocks']} KV blocks free)")
 
     def progress_line(self, done, total, elapsed):
@@ -1729,7 +1732,8 @@ def check_request(prompt, params, config, scheduler, allocator):
     prompt_token_ids = list(prompt)
     for t in params.stop_token_ids:
         if t >= config.vocab_size:
-            raise ValueError(f"stop token id {t} is outside the vocabulary [0, {config.vocab_size})")
+            raise ValueError(f"stop token id {t} is outside the vocabulary "
+                             f"[0, {config.vocab_size})")
     if len(prompt_token_ids) == 0:
         raise ValueError("the prompt is empty: give at least one token id")
     for i, t in enumerate(prompt_token_ids):
