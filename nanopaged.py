@@ -13,8 +13,9 @@ sequences onto the device as the blocks allow and preempts when they run out.
 Sections, in reading order, each built on the ones before it: 1. sequences, requests and
 their lifecycle; 2. the block allocator; 3. the scheduler; 4. the model; 5. tensor
 parallelism, which the model's layers call; 6. the model runner; 7. output processing; 8. the
-engine. Appendices hold what the main line only calls: checkpoint loading, validation of
-settings and requests, metrics; then the demo. The attention kernels live in kernel.py.
+engine. Appendices hold what the main line only calls: validation of settings and requests,
+metrics; then the demo. The attention kernels live in kernel.py, checkpoint loading in
+checkpoints.py.
 Run `python nanopaged.py`, or `torchrun --nproc-per-node 2 nanopaged.py
 --tensor-parallel-size 2` to split the model and its KV cache across two processes.
 """
@@ -22,7 +23,6 @@ Run `python nanopaged.py`, or `torchrun --nproc-per-node 2 nanopaged.py
 import dataclasses
 import hashlib
 import itertools
-import json
 import math
 import os
 import sys
@@ -918,30 +918,9 @@ class GPT(nn.Module):
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32):
         """Load a local Hugging Face folder whose config.json says model_type gpt2, llama, mistral
-        or qwen2, from disk. Needs no network and no transformers."""
-        hf = read_hf_config(path)
-        config = gpt2_config(hf, path) if hf["model_type"] == "gpt2" else llama_config(hf, path)
-        model, sd = cls(config), read_hf_weights(path)
-        with torch.no_grad():
-            for name, param in model.named_parameters():  # a tied lm_head is wte, listed once
-                keys = hf_names(name, hf["model_type"])
-                # GPT-2 stores linear layers as Conv1D, weight (in, out): nn.Linear's transposed
-                transpose = hf["model_type"] == "gpt2" and name.endswith(GPT2_CONV1D)
-                whole = list(param.shape)  # the whole model's: all ranks' slices together
-                if (dim := tp_split_dim(name)) is not None:
-                    whole[dim] *= tp.world_size
-                shapes = [(n, *whole[1:]) for n in config.qkv_widths] if len(keys) == 3 else [whole]
-                for key, shape in zip(keys, shapes):
-                    expected = tuple(shape[::-1] if transpose else shape)
-                    if key not in sd:
-                        raise ValueError(f"{path}: tensor {key!r} is missing from the checkpoint")
-                    if sd[key].shape != expected:
-                        raise ValueError(f"{path}: tensor {key!r} has shape {tuple(sd[key].shape)},"
-                                         f" config.json implies {tuple(expected)}")
-                tensors = [sd[key].t() if transpose else sd[key] for key in keys]
-                tensor = torch.cat(tensors) if len(keys) == 3 else tensors[0]  # q, k, v stacked
-                param.copy_(tp_shard(name, tensor, config))
-        return model.to(dtype).eval()
+        or qwen2, from disk, without a network or transformers (checkpoints.py)."""
+        import checkpoints
+        return checkpoints.load_pretrained(cls, path).to(dtype).eval()
 
 
 # -----------------------------------------------------------------------------
@@ -1546,129 +1525,7 @@ class Engine:
 
 
 # -----------------------------------------------------------------------------
-# Appendix A: loading Hugging Face checkpoints
-#
-# Checkpoints: GPT-2's names are ours less "transformer."; the Llama family's are below, per layer
-# "transformer.h.N." -> "model.layers.N."; three names are q, k, v, stacked in that order in c_attn.
-GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-HF_LLAMA_NAMES = {
-    "transformer.wte.weight": ["model.embed_tokens.weight"],
-    "ln_1.weight": ["input_layernorm.weight"],
-    "attn.c_attn.weight": [f"self_attn.{x}_proj.weight" for x in "qkv"],
-    "attn.c_attn.bias": [f"self_attn.{x}_proj.bias" for x in "qkv"],  # Qwen2
-    "attn.c_proj.weight": ["self_attn.o_proj.weight"],
-    "ln_2.weight": ["post_attention_layernorm.weight"],
-    "mlp.c_fc.weight": ["mlp.up_proj.weight"],
-    "mlp.c_gate.weight": ["mlp.gate_proj.weight"],
-    "mlp.c_proj.weight": ["mlp.down_proj.weight"],
-    "transformer.ln_f.weight": ["model.norm.weight"],
-    "lm_head.weight": ["lm_head.weight"],  # untied heads only
-}
-
-
-def hf_names(name, model_type):
-    if model_type == "gpt2":
-        return [name.removeprefix("transformer.")]
-    if name.startswith("transformer.h."):
-        layer, _, rest = name.removeprefix("transformer.h.").partition(".")
-        return [f"model.layers.{layer}.{key}" for key in HF_LLAMA_NAMES[rest]]
-    return HF_LLAMA_NAMES[name]
-
-
-def read_hf_config(path):
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"no checkpoint at {path!r}: config.json not found")
-    with open(os.path.join(path, "config.json")) as f:
-        hf = json.load(f)
-    if hf.get("model_type") not in ("gpt2", "llama", "mistral", "qwen2"):
-        raise ValueError(f"{path}: config.json has model_type={hf.get('model_type')!r}; "
-                         "this GPT loads 'gpt2', 'llama', 'mistral' and 'qwen2'")
-    # Every end-of-text id of config.json and generation_config.json ends a sample (as in vLLM):
-    # Llama 3.1 Instruct lists three in each, Qwen2.5 Instruct adds one in generation_config.json.
-    eos = set()
-    for name in ("config.json", "generation_config.json"):
-        if os.path.isfile(os.path.join(path, name)):
-            with open(os.path.join(path, name)) as f:
-                ids = json.load(f).get("eos_token_id")
-            eos |= {ids} if isinstance(ids, int) else set(ids or ())
-    eos = sorted(t for t in eos if type(t) is int and 0 <= t < hf["vocab_size"])  # in the vocab
-    hf["eos_token_id"] = eos or None
-    return hf
-
-
-def reject(path, hf, key, default, supported, where=""):
-    if hf.get(key, default) not in supported:
-        raise ValueError(f"{path}: config.json sets {where}{key}={hf[key]!r}; this model takes "
-                         "only " + " or ".join(map(repr, supported)))
-
-
-def gpt2_config(hf, path):
-    # reorder_and_upcast_attn computes the scores in fp32, as the kernels always do: no change
-    reject(path, hf, "activation_function", "gelu_new", tuple(ACTIVATIONS))
-    reject(path, hf, "scale_attn_by_inverse_layer_idx", False, (False,))  # a scale per layer
-    reject(path, hf, "add_cross_attention", False, (False,))  # the decoder of an encoder-decoder
-    return GPTConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
-                     n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
-                     layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-                     eos_token_id=hf["eos_token_id"], intermediate_size=hf.get("n_inner"),
-                     activation=hf.get("activation_function", "gelu_new"),
-                     attn_scale=None if hf.get("scale_attn_weights", True) else 1.0,
-                     tie_word_embeddings=hf.get("tie_word_embeddings", True))
-
-
-def llama_config(hf, path):
-    # Published folders have rope_theta and rope_scaling; transformers 5 writes rope_parameters.
-    # A top-level partial_rotary_factor counts too: transformers moves it into rope_parameters.
-    rope = {"rope_theta": hf.get("rope_theta", 10000.0),
-            "partial_rotary_factor": hf.get("partial_rotary_factor", 1.0),
-            **(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
-    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
-    for key, supported in [("rope_type", ("default", "llama3")), ("partial_rotary_factor", (1.0,))]:
-        reject(path, rope, key, supported[0], supported, where="rope_scaling / rope_parameters ")
-    reject(path, hf, "hidden_act", "silu", tuple(ACTIVATIONS))
-    # Only Llama reads attention_bias (q, k, v and o) and mlp_bias; pretraining_tp changes nothing
-    biases = ("attention_bias", "mlp_bias") if hf["model_type"] == "llama" else ()
-    for key in (*biases, "use_sliding_window"):  # Qwen2's window is off unless this is on
-        reject(path, hf, key, False, (False,))
-    max_seq_len = hf.get("max_position_embeddings", 2048)
-    if hf["model_type"] == "mistral" and (hf.get("sliding_window") or max_seq_len) < max_seq_len:
-        raise ValueError(f"{path}: config.json sets sliding_window={hf['sliding_window']}, below "
-                         f"max_position_embeddings={max_seq_len}; this model sees all the context")
-    rope.setdefault("original_max_position_embeddings", max_seq_len)  # as transformers, for llama3
-    return GPTConfig(
-        vocab_size=hf["vocab_size"], max_seq_len=max_seq_len, n_layer=hf["num_hidden_layers"],
-        n_head=hf["num_attention_heads"], n_kv_head=hf.get("num_key_value_heads"),
-        n_embd=hf["hidden_size"], head_dim=hf.get("head_dim"), eos_token_id=hf["eos_token_id"],
-        layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), rope_theta=rope["rope_theta"],
-        rope_scaling=rope if rope["rope_type"] == "llama3" else None, norm="rmsnorm", mlp="swiglu",
-        intermediate_size=hf["intermediate_size"], bias=False, qkv_bias=hf["model_type"] == "qwen2",
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),  # the default of all three
-        activation=hf.get("hidden_act", "silu"))
-
-
-def read_hf_weights(path):
-    """Every tensor of model.safetensors, of the shards its index lists, or of pytorch_model.bin,
-    memory-mapped: each is read as it is copied (or sliced, under tensor parallelism)."""
-    from safetensors.torch import load_file
-    sd, index = {}, os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            for shard in sorted(set(json.load(f)["weight_map"].values())):
-                if not os.path.isfile(os.path.join(path, shard)):
-                    raise ValueError(f"{path}: {shard!r}, a shard the index lists, is missing")
-                sd.update(load_file(os.path.join(path, shard)))
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        sd = load_file(os.path.join(path, "model.safetensors"))
-    elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
-        sd = torch.load(os.path.join(path, "pytorch_model.bin"), map_location="cpu",
-                        weights_only=True, mmap=True)
-    else:
-        raise ValueError(f"{path}: no weights (model.safetensors, its shards or pytorch_model.bin)")
-    return {k.removeprefix("transformer."): v for k, v in sd.items()}  # GPT-2 saves both ways
-
-
-# -----------------------------------------------------------------------------
-# Appendix B: settings and requests a user got wrong, as ValueErrors
+# Appendix A: settings and requests a user got wrong, as ValueErrors
 
 
 def check_engine_settings(model, device, attention_backend, preemption_mode,
@@ -1761,7 +1618,7 @@ def check_request(prompt, params, config, scheduler, allocator):
 
 
 # -----------------------------------------------------------------------------
-# Appendix C: metrics
+# Appendix B: metrics
 
 
 def engine_stats(engine):
