@@ -1147,6 +1147,17 @@ def sampling_support(probs, top_ks, top_ps):
     return torch.zeros_like(keep).scatter_(-1, order, keep)
 
 
+def sampling_probs(logits, temperatures, top_ks, top_ps):
+    """The distribution (R, V) each row of logits draws from (all temperatures > 0): softmax of
+    logits / temperature over the row's support, as transformers' processed scores give it."""
+    temperature = torch.tensor(temperatures, device=logits.device)
+    probs = (logits.float() / temperature[:, None]).softmax(dim=-1)                # (R, V)
+    if any(top_ks) or min(top_ps) < 1:  # only filtering needs the sort
+        probs *= sampling_support(probs, top_ks, top_ps)
+        probs /= probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
 def sample(logits, temperatures, top_ks, top_ps, generators):
     """Next token per row of logits (S, V). Greedy rows (temperature 0) take the argmax; the
     others draw with their own generator on the logits' device. A row's draw depends only on its
@@ -1158,10 +1169,8 @@ def sample(logits, temperatures, top_ks, top_ps, generators):
     rows = [i for i, t in enumerate(temperatures) if t > 0]
     if not rows:
         return tokens
-    temperature = torch.tensor([temperatures[i] for i in rows], device=logits.device)
-    probs = (logits[rows].float() / temperature[:, None]).softmax(dim=-1)          # (R, V)
-    if any(top_ks[i] or top_ps[i] < 1 for i in rows):  # only filtering needs the sort
-        probs *= sampling_support(probs, [top_ks[i] for i in rows], [top_ps[i] for i in rows])
+    probs = sampling_probs(logits[rows], *([xs[i] for i in rows]
+                                           for xs in (temperatures, top_ks, top_ps)))  # (R, V)
     # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i,
     # and each row draws its E from its own generator.
     noise = torch.empty_like(probs)
