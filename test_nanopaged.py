@@ -2157,6 +2157,39 @@ def test_sampling_support_and_probabilities_are_transformers_top_k_then_top_p(ro
         torch.testing.assert_close(probs[r], scores.softmax(-1), rtol=1e-6, atol=1e-7)
 
 
+# Two fixed rows: a spread-out one, and a dominant token over a long tail of twelve equal
+# tokens (ties with the k-th token and at the top-p edge).
+DRAW_ROWS = [torch.randn(16, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 1.5,
+             torch.tensor([4.0, 2.5, 2.0, 1.0] + [0.0] * 12, dtype=torch.float64)]
+
+
+@pytest.mark.parametrize("row", [0, 1])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8),
+                                                     (0.9, 6, 0.7)])
+def test_draws_follow_transformers_distribution(row, temperature, top_k, top_p):
+    """4,000 seeded draws, each one row with its own generator, against softmax of transformers'
+    processed scores: none outside the support, and a chi-square test with p > 1e-4 (fixed seeds,
+    so it passes or fails the same way every run)."""
+    logits, N = DRAW_ROWS[row], 4000
+    gens = [nanopaged.sample_generator(11, i, 0, "cpu") for i in range(N)]
+    tokens = nanopaged.sample(logits.expand(N, -1), [temperature] * N, [top_k] * N, [top_p] * N,
+                              gens)
+    counts = torch.bincount(tokens, minlength=len(logits)).double()                  # (V,)
+    scores = transformers_scores(logits, temperature, top_k, top_p)
+    assert counts[scores.isinf()].sum() == 0  # no draw outside the support
+    expected = scores.double().softmax(-1) * N
+    # tokens expected fewer than 5 times are pooled into one cell, as chi-square needs
+    rare = scores.isfinite() & (expected < 5)
+    common = scores.isfinite() & ~rare
+    observed = torch.cat([counts[common], counts[rare].sum()[None]])
+    expected = torch.cat([expected[common], expected[rare].sum()[None]])
+    observed, expected = observed[expected > 0], expected[expected > 0]
+    assert len(expected) >= 2
+    chi2 = ((observed - expected) ** 2 / expected).sum()
+    p_value = torch.special.gammaincc((len(expected) - 1) / torch.tensor(2.0), chi2 / 2)  # chi2.sf
+    assert p_value > 1e-4, (chi2, counts, expected)
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.integers(0, 2**31), st.lists(st.tuples(st.sampled_from([0.0, 0.5, 1.0, 2.0]),
                                                  st.integers(0, 6), st.sampled_from([1.0, 0.9, 0.5, 0.1])),
