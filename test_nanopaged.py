@@ -2231,6 +2231,30 @@ def test_sample_sorts_only_to_filter(monkeypatch):
         nanopaged.sample(logits, [1.0, 0.0, 0.7], [0, 0, 0], [1.0, 1.0, 0.9], gens)
 
 
+@settings(max_examples=25, deadline=None)
+@given(prompt=st.lists(st.integers(0, 31), min_size=1, max_size=8), n=st.integers(1, 4),
+       seed=st.integers(0, 2**31), filters=st.sampled_from([(1.0, 0, 1.0), (0.8, 5, 0.9)]),
+       stops=st.lists(st.integers(0, 31), max_size=4), spare_blocks=st.sampled_from([0, 64]))
+def test_samples_come_back_in_index_order_with_their_tokens_logprob_under_the_model(
+        prompt, n, seed, filters, stops, spare_blocks):
+    """Every sample's cumulative_logprob is the sum of its tokens' log-probabilities under the
+    model (the raw model, as vLLM reports it, not the filtered distribution it drew from), and
+    outputs[i] is sample i however the samples finished (stop tokens end them out of order; a
+    pool of just the blocks the request may need or a roomy one)."""
+    temperature, top_k, top_p = filters
+    params = SamplingParams(max_tokens=6, n=n, seed=seed, temperature=temperature, top_k=top_k,
+                            top_p=top_p, stop_token_ids=stops)
+    num_blocks = n * nanopaged.cdiv(len(prompt) + 6, 2) + spare_blocks
+    engine = Engine(MODEL, block_size=2, num_blocks=num_blocks)
+    outputs = engine.generate([prompt], params)[0].outputs
+    assert [c.index for c in outputs] == list(range(n))
+    for c in outputs:
+        logprobs = [naive_logprobs(MODEL, prompt + c.token_ids[:t])[token].item()
+                    for t, token in enumerate(c.token_ids)]
+        assert c.cumulative_logprob == pytest.approx(sum(logprobs), rel=1e-6, abs=1e-5)  # float32
+    assert_all_blocks_free(engine)
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.tuples(st.one_of(st.integers(0, 5), st.integers(0, 2**64 - 1)), st.integers(0, 12),
                           st.integers(0, 12)), min_size=2, max_size=12, unique=True))
