@@ -1133,12 +1133,12 @@ def sample_generator(seed, index, position, device):
 
 
 def sampling_support(scores, top_ks, top_ps):
-    """Mask (R, V) of the tokens each row of scores (logits / temperature) can draw, filtered as
-    transformers' TopKLogitsWarper then TopPLogitsWarper (and vLLM) do: top-k keeps the tokens
-    scoring at least the k-th highest score (0 keeps all; ties with it stay in); top-p then
-    renormalises what top-k kept and, in ascending order, keeps a token if the probability up to
-    and including it exceeds 1 - top_p, and always the likeliest: the smallest set whose mass
-    reaches top_p. Equal scores at that edge are ranked by the very sort transformers calls."""
+    """Mask (R, V) of the tokens each row of scores (logits / temperature) can draw, as
+    transformers' TopKLogitsWarper then TopPLogitsWarper (and vLLM) filter: the tokens scoring at
+    least the k-th highest (0 keeps all; ties with it stay in), then of those, renormalised, the
+    smallest set whose probability reaches top_p (the token that crosses it is in): in ascending
+    order a token stays if the mass up to and with it is > 1 - top_p, and the likeliest always
+    does. Equal scores at that edge fall as the same sort that transformers calls orders them."""
     V = scores.shape[-1]
     top_k = torch.tensor([min(k or V, V) for k in top_ks], device=scores.device)
     # 1 - top_p rounded from a Python float, as transformers compares it
@@ -1154,8 +1154,7 @@ def sampling_support(scores, top_ks, top_ps):
 def sampling_probs(logits, temperatures, top_ks, top_ps):
     """The distribution (R, V) each row of logits draws from (all temperatures > 0): softmax of
     logits / temperature over the row's support, as transformers' processed scores give it."""
-    temperature = torch.tensor(temperatures, device=logits.device)
-    scores = logits.float() / temperature[:, None]                                   # (R, V)
+    scores = logits.float() / torch.tensor(temperatures, device=logits.device)[:, None]  # (R, V)
     if any(top_ks) or min(top_ps) < 1:  # only filtering needs the sort
         scores = scores.masked_fill(~sampling_support(scores, top_ks, top_ps), -math.inf)
     return scores.softmax(dim=-1)

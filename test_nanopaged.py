@@ -2147,7 +2147,7 @@ def sampling_batches(draw):
 
 @settings(max_examples=300, deadline=None)
 @given(sampling_batches())
-def test_sampling_support_and_probabilities_are_transformers_top_k_then_top_p(rows):
+def test_sampling_matches_transformers_top_k_then_top_p(rows):
     logits = torch.stack([r[0] for r in rows])                                      # (R, V)
     temperatures, top_ks, top_ps = ([r[i] for r in rows] for i in (1, 2, 3))
     probs = nanopaged.sampling_probs(logits, temperatures, top_ks, top_ps)          # (R, V)
