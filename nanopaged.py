@@ -83,8 +83,8 @@ def blocks_held(seqs):
 class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0  # 0 is greedy
-    top_k: int = 0  # keep the k likeliest tokens; 0 keeps all
-    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
+    top_k: int = 0  # keep the k likeliest tokens and ties with the k-th; 0 keeps all
+    top_p: float = 1.0  # then of those, renormalised, the smallest set reaching top_p
     seed: int | None = None  # token t of sample i is drawn by a generator seeded by (seed, i, t)
     n: int = 1  # parallel samples of one prompt, sharing its blocks
     beam_width: int | None = None  # beam search, this many beams; temperature, top_k, top_p unused
@@ -1122,19 +1122,32 @@ def sample_generator(seed, index, position, device):
     return torch.Generator(device).manual_seed(int.from_bytes(digest, "little"))
 
 
-def sampling_support(probs, top_ks, top_ps):
-    """Mask (R, V) of the tokens each row can draw: its top_k likeliest (0 keeps all), and of those
-    the smallest set whose probability reaches top_p (1 keeps all): the token that crosses top_p is
-    in, the next one out. Equal probabilities rank by token id."""
-    V = probs.shape[-1]
-    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)       # (R, V)
-    top_k = torch.tensor([k or V for k in top_ks], device=probs.device)
-    top_p = torch.tensor(top_ps, dtype=probs.dtype, device=probs.device)
-    cumsum = sorted_probs.cumsum(dim=-1)
-    mass_before = torch.cat([torch.zeros_like(cumsum[:, :1]), cumsum[:, :-1]], dim=-1)  # (R, V)
-    keep = torch.arange(V, device=probs.device) < top_k[:, None]
-    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)  # at 1 rounding cuts no tail
+def sampling_support(scores, top_ks, top_ps):
+    """Mask (R, V) of the tokens each row of scores (logits / temperature) can draw, as
+    transformers' TopKLogitsWarper then TopPLogitsWarper (and vLLM) filter: the tokens scoring at
+    least the k-th highest (0 keeps all; ties with it stay in), then of those, renormalised, the
+    smallest set whose probability reaches top_p (the token that crosses it is in): in ascending
+    order a token stays if the mass up to and with it is > 1 - top_p, and the likeliest always
+    does. Equal scores at that edge fall as the same sort that transformers calls orders them."""
+    V = scores.shape[-1]
+    top_k = torch.tensor([min(k or V, V) for k in top_ks], device=scores.device)
+    # 1 - top_p rounded from a Python float, as transformers compares it
+    threshold = torch.tensor([1 - p for p in top_ps], dtype=scores.dtype, device=scores.device)
+    kth = scores.sort(dim=-1, descending=True).values.gather(-1, top_k[:, None] - 1)   # (R, 1)
+    scores = scores.masked_fill(scores < kth, -math.inf)
+    sorted_scores, order = scores.sort(dim=-1)                                       # (R, V)
+    keep = sorted_scores.softmax(dim=-1).cumsum(dim=-1) > threshold[:, None]
+    keep[:, -1] = True
     return torch.zeros_like(keep).scatter_(-1, order, keep)
+
+
+def sampling_probs(logits, temperatures, top_ks, top_ps):
+    """The distribution (R, V) each row of logits draws from (all temperatures > 0): softmax of
+    logits / temperature over the row's support, as transformers' processed scores give it."""
+    scores = logits.float() / torch.tensor(temperatures, device=logits.device)[:, None]  # (R, V)
+    if any(top_ks) or min(top_ps) < 1:  # only filtering needs the sort
+        scores = scores.masked_fill(~sampling_support(scores, top_ks, top_ps), -math.inf)
+    return scores.softmax(dim=-1)
 
 
 def sample(logits, temperatures, top_ks, top_ps, generators):
@@ -1148,10 +1161,8 @@ def sample(logits, temperatures, top_ks, top_ps, generators):
     rows = [i for i, t in enumerate(temperatures) if t > 0]
     if not rows:
         return tokens
-    temperature = torch.tensor([temperatures[i] for i in rows], device=logits.device)
-    probs = (logits[rows].float() / temperature[:, None]).softmax(dim=-1)          # (R, V)
-    if any(top_ks[i] or top_ps[i] < 1 for i in rows):  # only filtering needs the sort
-        probs *= sampling_support(probs, [top_ks[i] for i in rows], [top_ps[i] for i in rows])
+    probs = sampling_probs(logits[rows], *([xs[i] for i in rows]
+                                           for xs in (temperatures, top_ks, top_ps)))  # (R, V)
     # Exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i,
     # and each row draws its E from its own generator.
     noise = torch.empty_like(probs)

@@ -2283,42 +2283,84 @@ def test_a_swapped_request_comes_back_only_within_both_budgets(limit, budget):
 # -- sampling: the support of the draw, seeds, stops -------------------------------------------
 
 
+def transformers_scores(logits, temperature, top_k, top_p):
+    """A row's scores after transformers' TemperatureLogitsWarper -> TopKLogitsWarper ->
+    TopPLogitsWarper, as generate() chains them (top_k 0 and top_p 1 add no warper): the oracle
+    of what sampling may draw. -inf marks a token it cannot draw."""
+    warpers = pytest.importorskip("transformers.generation.logits_process")
+    chain = [warpers.TemperatureLogitsWarper(float(temperature))]
+    chain += [warpers.TopKLogitsWarper(top_k)] if top_k > 0 else []
+    chain += [warpers.TopPLogitsWarper(top_p)] if top_p < 1 else []
+    scores = logits.float()[None]                                                   # (1, V)
+    for warper in chain:
+        scores = warper(None, scores)
+    return scores[0]
+
+
 @st.composite
-def probability_rows(draw):
-    """Probabilities in multiples of 1/64, so every partial sum is exact and top_p can sit
-    exactly on a boundary; ties are common, and one token may take a large share."""
-    counts = draw(st.lists(st.integers(1, 5), min_size=1, max_size=11))
-    counts.insert(draw(st.integers(0, len(counts))), 64 - sum(counts))
-    top_k = draw(st.integers(0, len(counts) + 1))
-    on_a_boundary = st.integers(1, 64).map(lambda i: i / 64)
-    top_p = draw(st.one_of(on_a_boundary, st.floats(0, 1, exclude_min=True)))
-    return counts, top_k, top_p
-
-
-def reference_support(counts, top_k, top_p):
-    """The top-k set intersected with the smallest set whose probability reaches top_p, both read
-    off the tokens ranked by probability, equal ones by token id; 0 and 1 switch them off."""
-    ranked = sorted(range(len(counts)), key=lambda t: (-counts[t], t))
-    top_k_set = set(ranked[:top_k or len(counts)])
-    top_p_set, mass = set(), Fraction(0)
-    for t in ranked:
-        if mass >= Fraction(top_p) and top_p < 1:  # the token that crossed top_p is in, the next out
-            break
-        top_p_set.add(t)
-        mass += Fraction(counts[t], 64)
-    return top_k_set & top_p_set
+def sampling_batches(draw):
+    """Rows of logits over one vocabulary, each with its temperature, top_k and top_p. Logits
+    are normal draws (no ties), rounded ones (ties at the top-k and top-p edges) or logs of
+    small counts with top_p a multiple of 1/64 (ties, and a top_p on a boundary of the sums).
+    Logits within +-8 and temperatures >= 0.25 keep every softmax term a normal float, so a
+    token has probability 0 only if filtered out."""
+    V = draw(st.integers(1, 40))
+    rows = []
+    for _ in range(draw(st.integers(1, 4))):
+        g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+        kind = draw(st.sampled_from(["normal", "rounded", "counts"]))
+        logits = (torch.randn(V, generator=g, dtype=torch.float64) * 3).clamp(-8, 8)
+        counts = torch.randint(1, 6, (V,), generator=g).double()
+        logits = {"normal": logits, "rounded": logits.round(), "counts": counts.log()}[kind]
+        top_p = draw(st.one_of(st.just(1.0), st.floats(0, 1, exclude_min=True),
+                               st.integers(1, 64).map(lambda i: i / 64)))
+        rows.append((logits, draw(st.floats(0.25, 4)), draw(st.integers(0, V + 1)), top_p))
+    return rows
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(probability_rows(), min_size=1, max_size=3))
-def test_sampling_support_is_exactly_top_k_and_top_p(rows):
-    V = max(len(counts) for counts, _, _ in rows)
-    probs = torch.tensor([[c / 64 for c in counts] + [0.0] * (V - len(counts))
-                          for counts, _, _ in rows], dtype=torch.float64)
-    mask = nanopaged.sampling_support(probs, [k for _, k, _ in rows], [p for _, _, p in rows])
-    for r, (counts, top_k, top_p) in enumerate(rows):  # (padding zeros are not the row's tokens)
-        support = set(mask[r, :len(counts)].nonzero().flatten().tolist())
-        assert support == reference_support(counts, top_k, top_p)
+@given(sampling_batches())
+def test_sampling_matches_transformers_top_k_then_top_p(rows):
+    logits = torch.stack([r[0] for r in rows])                                      # (R, V)
+    temperatures, top_ks, top_ps = ([r[i] for r in rows] for i in (1, 2, 3))
+    probs = nanopaged.sampling_probs(logits, temperatures, top_ks, top_ps)          # (R, V)
+    for r, (row, temperature, top_k, top_p) in enumerate(rows):
+        scores = transformers_scores(row, temperature, top_k, top_p)
+        assert (probs[r] > 0).tolist() == scores.isfinite().tolist()  # the same support
+        torch.testing.assert_close(probs[r], scores.softmax(-1), rtol=1e-6, atol=1e-7)
+
+
+# Two fixed rows: a spread-out one, and a dominant token over a long tail of twelve equal
+# tokens (ties with the k-th token and at the top-p edge).
+DRAW_ROWS = [torch.randn(16, generator=torch.Generator().manual_seed(7), dtype=torch.float64) * 1.5,
+             torch.tensor([4.0, 2.5, 2.0, 1.0] + [0.0] * 12, dtype=torch.float64)]
+
+
+@pytest.mark.parametrize("row", [0, 1])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8),
+                                                     (0.9, 6, 0.7)])
+def test_draws_follow_transformers_distribution(row, temperature, top_k, top_p):
+    """4,000 seeded draws, each one row with its own generator, against softmax of transformers'
+    processed scores: none outside the support, and a chi-square test with p > 1e-4 (fixed seeds,
+    so it passes or fails the same way every run)."""
+    logits, N = DRAW_ROWS[row], 4000
+    gens = [nanopaged.sample_generator(11, i, 0, "cpu") for i in range(N)]
+    tokens = nanopaged.sample(logits.expand(N, -1), [temperature] * N, [top_k] * N, [top_p] * N,
+                              gens)
+    counts = torch.bincount(tokens, minlength=len(logits)).double()                  # (V,)
+    scores = transformers_scores(logits, temperature, top_k, top_p)
+    assert counts[scores.isinf()].sum() == 0  # no draw outside the support
+    expected = scores.double().softmax(-1) * N
+    # tokens expected fewer than 5 times are pooled into one cell, as chi-square needs
+    rare = scores.isfinite() & (expected < 5)
+    common = scores.isfinite() & ~rare
+    observed = torch.cat([counts[common], counts[rare].sum()[None]])
+    expected = torch.cat([expected[common], expected[rare].sum()[None]])
+    observed, expected = observed[expected > 0], expected[expected > 0]
+    assert len(expected) >= 2
+    chi2 = ((observed - expected) ** 2 / expected).sum()
+    p_value = torch.special.gammaincc((len(expected) - 1) / torch.tensor(2.0), chi2 / 2)  # chi2.sf
+    assert p_value > 1e-4, (chi2, counts, expected)
 
 
 @settings(max_examples=50, deadline=None)
@@ -2330,8 +2372,7 @@ def test_sample_draws_only_from_the_support_and_greedy_is_the_argmax(seed, rows)
     logits = torch.randn(len(rows), 16, generator=g, dtype=torch.float64).round(decimals=1)  # ties
     temperatures, top_ks, top_ps = map(list, zip(*rows))
     gens = [torch.Generator().manual_seed(seed + i) for i in range(len(rows))]
-    probs = (logits.float() / torch.tensor([t or 1.0 for t in temperatures])[:, None]).softmax(-1)
-    support = nanopaged.sampling_support(probs, top_ks, top_ps)
+    support = nanopaged.sampling_probs(logits, [t or 1.0 for t in temperatures], top_ks, top_ps) > 0
     for _ in range(20):
         tokens = nanopaged.sample(logits, temperatures, top_ks, top_ps, gens)
         for r, t in enumerate(tokens.tolist()):
@@ -2361,6 +2402,30 @@ def test_sample_sorts_only_to_filter(monkeypatch):
     assert nanopaged.sample(logits, [1.0, 0.0, 0.7], [0, 0, 0], [1.0, 1.0, 1.0], gens).shape == (3,)
     with pytest.raises(TypeError):
         nanopaged.sample(logits, [1.0, 0.0, 0.7], [0, 0, 0], [1.0, 1.0, 0.9], gens)
+
+
+@settings(max_examples=25, deadline=None)
+@given(prompt=st.lists(st.integers(0, 31), min_size=1, max_size=8), n=st.integers(1, 4),
+       seed=st.integers(0, 2**31), filters=st.sampled_from([(1.0, 0, 1.0), (0.8, 5, 0.9)]),
+       stops=st.lists(st.integers(0, 31), max_size=4), spare_blocks=st.sampled_from([0, 64]))
+def test_samples_come_back_in_index_order_with_their_tokens_logprob_under_the_model(
+        prompt, n, seed, filters, stops, spare_blocks):
+    """Every sample's cumulative_logprob is the sum of its tokens' log-probabilities under the
+    model (the raw model, as vLLM reports it, not the filtered distribution it drew from), and
+    outputs[i] is sample i however the samples finished (stop tokens end them out of order; a
+    pool of just the blocks the request may need or a roomy one)."""
+    temperature, top_k, top_p = filters
+    params = SamplingParams(max_tokens=6, n=n, seed=seed, temperature=temperature, top_k=top_k,
+                            top_p=top_p, stop_token_ids=stops)
+    num_blocks = n * nanopaged.cdiv(len(prompt) + 6, 2) + spare_blocks
+    engine = Engine(MODEL, block_size=2, num_blocks=num_blocks)
+    outputs = engine.generate([prompt], params)[0].outputs
+    assert [c.index for c in outputs] == list(range(n))
+    for c in outputs:
+        logprobs = [naive_logprobs(MODEL, prompt + c.token_ids[:t])[token].item()
+                    for t, token in enumerate(c.token_ids)]
+        assert c.cumulative_logprob == pytest.approx(sum(logprobs), rel=1e-6, abs=1e-5)  # float32
+    assert_all_blocks_free(engine)
 
 
 @settings(max_examples=100, deadline=None)
