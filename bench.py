@@ -38,7 +38,8 @@ from nanopaged import GPT, BlockAllocator, Engine, GPTConfig, SamplingParams, Se
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SEED = 0
 MAX_SEQ_LEN = 2048  # the paper's OPT models: what "Orca (Max)" reserves for every request
-TRACES = {  # mean prompt / output tokens of the paper's datasets (Fig. 11); lognormal shapes are ours
+# mean prompt / output tokens of the paper's datasets (Fig. 11); lognormal shapes are ours
+TRACES = {
     "ShareGPT-like": dict(prompt_mean=161.3, output_mean=338.0, sigma=1.0),
     "Alpaca-like": dict(prompt_mean=19.3, output_mean=58.5, sigma=0.6),
 }
@@ -58,7 +59,8 @@ def synthetic_trace(name, num_requests, seed=SEED, max_len=MAX_SEQ_LEN):
 def tiny_model(max_seq_len=1024, vocab_size=256):
     """Random weights: the capacity and sharing sections fix output lengths, so quality is moot."""
     torch.manual_seed(SEED)
-    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=vocab_size, max_seq_len=max_seq_len))
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=vocab_size,
+                         max_seq_len=max_seq_len))
 
 
 def random_prompts(trace, vocab_size=256, seed=SEED):
@@ -81,7 +83,8 @@ def print_table(title, header, rows):
 def paged_utilization(trace, block_size):
     """Replay each request through the real allocator: prefill, then one token per step."""
     held = reserved = 0
-    allocator = BlockAllocator(num_blocks=MAX_SEQ_LEN, block_size=block_size, enable_prefix_caching=False)
+    allocator = BlockAllocator(num_blocks=MAX_SEQ_LEN, block_size=block_size,
+                               enable_prefix_caching=False)
     for i, (prompt_len, output_len) in enumerate(trace):
         seq = Sequence(i, [0] * prompt_len, prompt_len)
         allocator.allocate(seq)
@@ -106,17 +109,21 @@ def bench_memory(num_requests=1000):
         "Orca (Pow2)": lambda p, o: 1 << (p + o - 1).bit_length(),
         "Orca (Oracle)": lambda p, o: p + o,
     }
-    paper = {"Orca (Max)": "20.4%", "Orca (Pow2)": "26.8%", "Orca (Oracle)": "38.2%", "paged, block 16": "96.3%"}
+    paper = {"Orca (Max)": "20.4%", "Orca (Pow2)": "26.8%", "Orca (Oracle)": "38.2%",
+             "paged, block 16": "96.3%"}
     results, rows = {}, []
     for name in TRACES:
         trace = synthetic_trace(name, num_requests)
-        util = {scheme: contiguous_utilization(trace, reserve) for scheme, reserve in schemes.items()}
+        util = {scheme: contiguous_utilization(trace, reserve)
+                for scheme, reserve in schemes.items()}
         util.update({f"paged, block {b}": paged_utilization(trace, b) for b in (1, 8, 16, 32, 128)})
         results[name] = util
     for scheme in results["ShareGPT-like"]:
-        rows.append([scheme] + [f"{100 * results[t][scheme]:.1f}%" for t in TRACES] + [paper.get(scheme, "")])
-    print_table(f"KV-cache utilization: token states / reserved slots ({num_requests} requests per trace, "
-                f"max_seq_len {MAX_SEQ_LEN})", ["scheme", *TRACES, "paper (ShareGPT, OPT-13B)"], rows)
+        rows.append([scheme] + [f"{100 * results[t][scheme]:.1f}%" for t in TRACES]
+                    + [paper.get(scheme, "")])
+    print_table(f"KV-cache utilization: token states / reserved slots "
+                f"({num_requests} requests per trace, max_seq_len {MAX_SEQ_LEN})",
+                ["scheme", *TRACES, "paper (ShareGPT, OPT-13B)"], rows)
     plot_bars("memory.png", results, "share of reserved KV memory holding token states")
     return results
 
@@ -165,14 +172,16 @@ class ReservingAllocator(BlockAllocator):
 def serve_trace(engine, prompts, trace, arrival_rate, seed=SEED):
     """Requests arrive as a Poisson process of arrival_rate per second (inf: all at once)."""
     rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1 / arrival_rate, len(prompts)) if arrival_rate != math.inf else np.zeros(len(prompts))
+    gaps = (rng.exponential(1 / arrival_rate, len(prompts)) if arrival_rate != math.inf
+            else np.zeros(len(prompts)))
     arrivals, pending, running = np.cumsum(gaps), list(range(len(prompts))), []
     start, latencies, finished = time.perf_counter(), [], 0
     while finished < len(prompts):
         now = time.perf_counter() - start
         while pending and arrivals[pending[0]] <= now:
             i = pending.pop(0)
-            engine.add_request(prompts[i], SamplingParams(max_tokens=trace[i][1], temperature=0, ignore_eos=True))
+            engine.add_request(prompts[i], SamplingParams(max_tokens=trace[i][1], temperature=0,
+                                                          ignore_eos=True))
         if not engine.scheduler.has_unfinished():
             time.sleep(max(0.0, arrivals[pending[0]] - now))
             continue
@@ -182,36 +191,41 @@ def serve_trace(engine, prompts, trace, arrival_rate, seed=SEED):
         running.append(engine.stats()["num_running"])
     seconds = time.perf_counter() - start
     return dict(requests_per_s=len(prompts) / seconds, mean_running=float(np.mean(running)),
-                peak_running=max(running), mean_latency_s=float(np.mean(latencies)), running_over_steps=running)
+                peak_running=max(running), mean_latency_s=float(np.mean(latencies)),
+                running_over_steps=running)
 
 
 def bench_capacity(num_requests=96, kv_tokens=8192, rates=(4.0, 16.0, math.inf)):
     max_seq_len = 1024
     model = tiny_model(max_seq_len)
-    trace = synthetic_trace("ShareGPT-like", num_requests, max_len=max_seq_len // 2)  # fits the tiny model
+    # fits the tiny model
+    trace = synthetic_trace("ShareGPT-like", num_requests, max_len=max_seq_len // 2)
     prompts = random_prompts(trace)
     results, rows = {}, []
     for mode in ("paged", "contiguous"):
         for rate in rates:
             reserving = functools.partial(ReservingAllocator, max_seq_len=max_seq_len)
-            engine = Engine(model, block_size=16, num_blocks=kv_tokens // 16, enable_prefix_caching=False,
-                            max_num_seqs=256, device="cpu",
+            engine = Engine(model, block_size=16, num_blocks=kv_tokens // 16,
+                            enable_prefix_caching=False, max_num_seqs=256, device="cpu",
                             allocator_cls=reserving if mode == "contiguous" else None)
             r = serve_trace(engine, prompts, trace, rate)
             results[f"{mode} @ {rate}/s"] = r
-            rows.append([mode, rate, f"{r['mean_running']:.1f}", r["peak_running"], f"{r['requests_per_s']:.2f}",
-                         f"{r['mean_latency_s']:.2f}"])
+            rows.append([mode, rate, f"{r['mean_running']:.1f}", r["peak_running"],
+                         f"{r['requests_per_s']:.2f}", f"{r['mean_latency_s']:.2f}"])
     for rate in rates:
         p, c = results[f"paged @ {rate}/s"], results[f"contiguous @ {rate}/s"]
         rows.append(["paged / contiguous", rate, f"{p['mean_running'] / c['mean_running']:.2f}x",
                      f"{p['peak_running'] / c['peak_running']:.2f}x",
                      f"{p['requests_per_s'] / c['requests_per_s']:.2f}x",
                      f"{p['mean_latency_s'] / c['mean_latency_s']:.2f}x"])
-    print_table(f"Capacity at a fixed KV budget of {kv_tokens} token slots ({num_requests} ShareGPT-like requests, "
-                f"max_seq_len {max_seq_len}, tiny random model on CPU)",
-                ["cache", "arrivals/s", "mean running", "peak running", "requests/s", "mean latency s"], rows)
+    print_table(f"Capacity at a fixed KV budget of {kv_tokens} token slots "
+                f"({num_requests} ShareGPT-like requests, max_seq_len {max_seq_len}, "
+                f"tiny random model on CPU)",
+                ["cache", "arrivals/s", "mean running", "peak running", "requests/s",
+                 "mean latency s"], rows)
     plot_concurrency(results)
-    return {k: {m: v for m, v in r.items() if m != "running_over_steps"} for k, r in results.items()}
+    return {k: {m: v for m, v in r.items() if m != "running_over_steps"}
+            for k, r in results.items()}
 
 
 def plot_concurrency(results):
@@ -232,7 +246,8 @@ def plot_concurrency(results):
 
 
 def blocks_with_and_without_sharing(engine, prompts, params):
-    """Serve to the end; sum physical and logical (every sequence its own copy) blocks over steps."""
+    """Serve to the end; sum physical and logical (every sequence its own copy) blocks over
+    steps."""
     for prompt, p in zip(prompts, params):
         engine.add_request(prompt, p)
     used = logical = 0
@@ -251,28 +266,34 @@ def bench_sharing(num_requests=24):
     results, rows = {}, []
     for kind, widths in (("parallel sampling", (2, 4, 6)), ("beam search", (2, 4, 6))):
         for k in widths:
-            params = [SamplingParams(max_tokens=o, ignore_eos=True, seed=i, **(dict(n=k, temperature=1.0)
-                      if kind == "parallel sampling" else dict(beam_width=k))) for i, (_, o) in enumerate(trace)]
-            engine = Engine(model, block_size=16, num_blocks=4096, enable_prefix_caching=False, device="cpu")
+            params = [SamplingParams(max_tokens=o, ignore_eos=True, seed=i,
+                                     **(dict(n=k, temperature=1.0) if kind == "parallel sampling"
+                                        else dict(beam_width=k)))
+                      for i, (_, o) in enumerate(trace)]
+            engine = Engine(model, block_size=16, num_blocks=4096, enable_prefix_caching=False,
+                            device="cpu")
             used, logical = blocks_with_and_without_sharing(engine, prompts, params)
             saved = 1 - used / logical
-            results[f"{kind}, {k}"] = dict(block_steps_shared=used, block_steps_unshared=logical, saving=saved)
+            results[f"{kind}, {k}"] = dict(block_steps_shared=used, block_steps_unshared=logical,
+                                           saving=saved)
             rows.append([kind, k, used, logical, f"{100 * saved:.1f}%"])
-    print_table(f"Memory saved by sharing ({num_requests} Alpaca-like requests, block size 16; block-steps = "
-                "blocks in use summed over engine steps). Paper: 6.1-9.8% parallel sampling, 37.6-55.2% beam "
-                "search on Alpaca", ["workload", "n / width", "shared", "unshared", "saving"], rows)
+    print_table(f"Memory saved by sharing ({num_requests} Alpaca-like requests, block size 16; "
+                "block-steps = blocks in use summed over engine steps). Paper: 6.1-9.8% parallel "
+                "sampling, 37.6-55.2% beam search on Alpaca",
+                ["workload", "n / width", "shared", "unshared", "saving"], rows)
 
     # prefix caching: a few-shot prefix shared by every request (paper, Fig. 16: 80 and 341 tokens)
     rng = random.Random(SEED)
     for shots, prefix_len in (("one-shot", 80), ("five-shot", 341)):
         prefix = [rng.randrange(256) for _ in range(prefix_len)]
-        questions = [[rng.randrange(256) for _ in range(rng.randint(8, 40))] for _ in range(num_requests)]
+        questions = [[rng.randrange(256) for _ in range(rng.randint(8, 40))]
+                     for _ in range(num_requests)]
         prompts_ = [prefix + q for q in questions]
         params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
         timings = {}
         for caching in (True, False):
-            engine = Engine(model, block_size=16, num_blocks=2048, enable_prefix_caching=caching, max_num_seqs=8,
-                            device="cpu")
+            engine = Engine(model, block_size=16, num_blocks=2048, enable_prefix_caching=caching,
+                            max_num_seqs=8, device="cpu")
             start = time.perf_counter()
             engine.generate(prompts_, params)
             timings[caching] = time.perf_counter() - start
@@ -283,9 +304,9 @@ def bench_sharing(num_requests=24):
         results[f"prefix caching, {shots}"] = dict(prefix_len=prefix_len, hit_rate=hit_rate,
                                                    saved_prefill_tokens=saved_tokens,
                                                    speedup=timings[False] / timings[True])
-        print(f"prefix caching, {shots} prefix of {prefix_len} tokens, {num_requests} requests: hit rate "
-              f"{100 * hit_rate:.1f}% of prompt tokens, {saved_tokens} prefill tokens saved, "
-              f"{timings[False] / timings[True]:.2f}x faster than without the cache")
+        print(f"prefix caching, {shots} prefix of {prefix_len} tokens, {num_requests} requests: "
+              f"hit rate {100 * hit_rate:.1f}% of prompt tokens, {saved_tokens} prefill tokens "
+              f"saved, {timings[False] / timings[True]:.2f}x faster than without the cache")
     return results
 
 
@@ -303,16 +324,19 @@ def hf_static_generate(hf, prompts, max_tokens, batch_size):
         input_ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         n = max(max_tokens[b:b + batch_size])
-        out = hf.generate(input_ids, attention_mask=attention_mask, max_new_tokens=n, do_sample=False,
-                          pad_token_id=0)  # the demo model has no end-of-text token: nothing stops early
-        outputs += [row[width:width + m] for row, m in zip(out.tolist(), max_tokens[b:b + batch_size])]
+        # the demo model has no end-of-text token: nothing stops early
+        out = hf.generate(input_ids, attention_mask=attention_mask, max_new_tokens=n,
+                          do_sample=False, pad_token_id=0)
+        outputs += [row[width:width + m]
+                    for row, m in zip(out.tolist(), max_tokens[b:b + batch_size])]
     return outputs
 
 
 def hf_continuous_generate(manager, prompts, max_tokens):
     """transformers' continuous batching with a paged cache: the manager behind generate_batch,
     driven directly because generate_batch takes one max_new_tokens for all requests."""
-    ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in zip(prompts, max_tokens)]
+    ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1)
+           for p, n in zip(prompts, max_tokens)]
     results = {}
     while len(results) < len(ids):
         result = manager.get_result(timeout=1)
@@ -326,21 +350,25 @@ def bench_throughput(num_requests=96, max_num_seqs=32):
     try:
         import transformers
     except ImportError:
-        print("\n--throughput compares with Hugging Face transformers: pip install -r requirements-dev.txt")
+        print("\n--throughput compares with Hugging Face transformers: "
+              "pip install -r requirements-dev.txt")
         return {}
     transformers.logging.set_verbosity_error()
     model = GPT.from_pretrained(DEMO_MODEL)
     hf = transformers.GPT2LMHeadModel.from_pretrained(DEMO_MODEL, dtype=torch.float32).eval()
     # at most 256 tokens a request: a static batch pads every row to its longest prompt plus its
     # longest output, which must stay within the model's 512 positions
-    trace = synthetic_trace("ShareGPT-like", num_requests + 4, max_len=model.config.max_seq_len // 2)
+    trace = synthetic_trace("ShareGPT-like", num_requests + 4,
+                            max_len=model.config.max_seq_len // 2)
     prompts, max_tokens = random_prompts(trace), [o for _, o in trace]
     warm = (prompts[-4:], max_tokens[-4:])  # warm-up requests, never timed
     prompts, max_tokens = prompts[:-4], max_tokens[:-4]
-    blocks = max_num_seqs * -(-model.config.max_seq_len // 16)  # room for every running request: no preemption
+    # room for every running request: no preemption
+    blocks = max_num_seqs * -(-model.config.max_seq_len // 16)
 
     def nanopaged_generate(prompts, max_tokens):
-        engine = Engine(model, block_size=16, num_blocks=blocks, max_num_seqs=max_num_seqs, device="cpu")
+        engine = Engine(model, block_size=16, num_blocks=blocks, max_num_seqs=max_num_seqs,
+                        device="cpu")
         params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
         return [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
 
@@ -349,14 +377,17 @@ def bench_throughput(num_requests=96, max_num_seqs=32):
                    lambda p, m: hf_static_generate(hf, p, m, max_num_seqs)}
     manager = None
     try:  # continuous batching arrived in transformers 4.5x; sized like the engine
-        config = transformers.ContinuousBatchingConfig(max_requests_per_batch=max_num_seqs, max_batch_tokens=2048)
+        config = transformers.ContinuousBatchingConfig(max_requests_per_batch=max_num_seqs,
+                                                       max_batch_tokens=2048)
         config.num_blocks = blocks * 16 // config.page_size
         manager = hf.init_continuous_batching(
-            generation_config=transformers.GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0),
+            generation_config=transformers.GenerationConfig(do_sample=False, eos_token_id=-1,
+                                                            pad_token_id=0),
             continuous_batching_config=config)
         manager.warmup()
         manager.start()
-        systems["HF generate_batch (continuous, paged)"] = lambda p, m: hf_continuous_generate(manager, p, m)
+        systems["HF generate_batch (continuous, paged)"] = \
+            lambda p, m: hf_continuous_generate(manager, p, m)
     except Exception as e:
         print(f"transformers' continuous batching is unavailable: {type(e).__name__}: {e}")
     results, outputs = {}, {}
@@ -367,7 +398,8 @@ def bench_throughput(num_requests=96, max_num_seqs=32):
                 start = time.perf_counter()
                 outputs[name] = generate(prompts, max_tokens)
                 seconds = time.perf_counter() - start
-                assert [len(t) for t in outputs[name]] == max_tokens, f"{name} generated the wrong number of tokens"
+                assert [len(t) for t in outputs[name]] == max_tokens, \
+                    f"{name} generated the wrong number of tokens"
                 results[name] = dict(seconds=seconds, tokens_per_s=sum(max_tokens) / seconds,
                                      requests_per_s=num_requests / seconds)
     finally:
@@ -376,15 +408,17 @@ def bench_throughput(num_requests=96, max_num_seqs=32):
     ours = results["nanopaged (continuous, paged)"]
     rows = []
     for name, r in results.items():
-        agree = sum(a == b for a, b in zip(outputs[name], outputs["nanopaged (continuous, paged)"])) / num_requests
+        agree = sum(a == b for a, b in zip(outputs[name],
+                                           outputs["nanopaged (continuous, paged)"])) / num_requests
         r.update(speedup=ours["tokens_per_s"] / r["tokens_per_s"], same_tokens=agree)
-        rows.append([name, f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.0f}", f"{r['requests_per_s']:.2f}",
-                     f"{r['speedup']:.2f}x", f"{100 * agree:.0f}%"])
+        rows.append([name, f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.0f}",
+                     f"{r['requests_per_s']:.2f}", f"{r['speedup']:.2f}x", f"{100 * agree:.0f}%"])
     plot_throughput(results)
-    print_table(f"Throughput on {'GPU' if torch.cuda.is_available() else 'CPU'}: {num_requests} ShareGPT-like "
-                f"requests ({sum(max_tokens)} tokens), the demo model's weights in fp32, transformers "
-                f"{transformers.__version__}", ["system", "seconds", "tokens/s", "requests/s", "nanopaged / it",
-                                               "same tokens"], rows)
+    print_table(f"Throughput on {'GPU' if torch.cuda.is_available() else 'CPU'}: "
+                f"{num_requests} ShareGPT-like requests ({sum(max_tokens)} tokens), "
+                f"the demo model's weights in fp32, transformers {transformers.__version__}",
+                ["system", "seconds", "tokens/s", "requests/s", "nanopaged / it", "same tokens"],
+                rows)
     return results
 
 
@@ -392,8 +426,10 @@ def bench_throughput(num_requests=96, max_num_seqs=32):
 def plot_throughput(results):
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
-    bars = ax.bar(range(len(results)), [r["tokens_per_s"] for r in results.values()], color="tab:blue")
-    ax.bar_label(bars, [f"{r['tokens_per_s']:.0f} tok/s\nnanopaged {r['speedup']:.2f}x" for r in results.values()])
+    bars = ax.bar(range(len(results)), [r["tokens_per_s"] for r in results.values()],
+                  color="tab:blue")
+    ax.bar_label(bars, [f"{r['tokens_per_s']:.0f} tok/s\nnanopaged {r['speedup']:.2f}x"
+                        for r in results.values()])
     ax.set_xticks(range(len(results)), [name.replace(" (", "\n(") for name in results], fontsize=8)
     ax.set_ylabel("generated tokens / s")
     ax.margins(y=0.2)
@@ -404,25 +440,29 @@ def plot_throughput(results):
 # -----------------------------------------------------------------------------
 # --kernel: paged attention against contiguous attention on the same K/V
 
-KERNEL_SHAPE = dict(n_head=32, n_kv_head=8, head_dim=128, block_size=16)  # Llama-3-8B's attention, vLLM's block
+# Llama-3-8B's attention, vLLM's block
+KERNEL_SHAPE = dict(n_head=32, n_kv_head=8, head_dim=128, block_size=16)
 # Peak HBM bandwidth in GB/s, from NVIDIA's datasheets (nvidia.com/en-us/data-center/<product>/);
 # the first key found in torch.cuda.get_device_name() wins, so PCIe parts come before SXM.
-PEAK_GBPS = {"H200": 4800, "H100 PCIe": 2000, "H100": 3350, "A100-PCIE-40GB": 1555, "A100-SXM4-40GB": 1555,
-             "A100 80GB PCIe": 1935, "A100": 2039, "L40S": 864, "L4": 300, "A10": 600, "RTX 4090": 1008}
+PEAK_GBPS = {"H200": 4800, "H100 PCIe": 2000, "H100": 3350, "A100-PCIE-40GB": 1555,
+             "A100-SXM4-40GB": 1555, "A100 80GB PCIe": 1935, "A100": 2039, "L40S": 864, "L4": 300,
+             "A10": 600, "RTX 4090": 1008}
 
 
 def paged_case(batch, context, dtype, device):
     """batch sequences of context tokens, one new token each, paged through shuffled block tables
     (scattered physical blocks, as in serving), and the same K/V laid out contiguously."""
-    n_head, n_kv, D, bs = (KERNEL_SHAPE[k] for k in ("n_head", "n_kv_head", "head_dim", "block_size"))
+    n_head, n_kv, D, bs = (KERNEL_SHAPE[k]
+                           for k in ("n_head", "n_kv_head", "head_dim", "block_size"))
     torch.manual_seed(SEED)
     blocks_per_seq = -(-context // bs)
     k_cache = torch.randn(batch * blocks_per_seq, bs, n_kv, D, dtype=dtype, device=device)
     v_cache = torch.randn_like(k_cache)
     tables = torch.randperm(batch * blocks_per_seq, device=device).view(batch, blocks_per_seq).int()
-    k = k_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()  # (B, nkv, L, D)
+    # (B, nkv, L, D)
+    k = k_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
     v = v_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
-    q = torch.randn(batch, n_head, D, dtype=dtype, device=device)                        # (B, nh, D)
+    q = torch.randn(batch, n_head, D, dtype=dtype, device=device)  # (B, nh, D)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
     return q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, k, v
@@ -450,8 +490,8 @@ def bench_kernel():
     name = torch.cuda.get_device_name() if on_gpu else platform.processor() or "CPU"
     peak = next((gbps for key, gbps in PEAK_GBPS.items() if key in name), None)
     if not on_gpu:
-        print("\n--kernel: the Triton kernel's latency and bandwidth need a GPU; on this CPU it times the "
-              "torch paged path (the engine's CPU attention) instead")
+        print("\n--kernel: the Triton kernel's latency and bandwidth need a GPU; on this CPU it "
+              "times the torch paged path (the engine's CPU attention) instead")
     paged = kernel.paged_attention if on_gpu else kernel.paged_attention_torch
     grid = [(b, c) for b in (1, 8, 64, 256) for c in (512, 1024, 4096, 16384)] if on_gpu else \
         [(b, c) for b in (1, 8, 32) for c in (256, 1024, 2048)]
@@ -459,42 +499,53 @@ def bench_kernel():
     scale, results, rows = D ** -0.5, {}, []
     for batch, context in grid:
         try:
-            q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, k, v = paged_case(batch, context, dtype, device)
+            q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, k, v = paged_case(batch, context,
+                                                                                   dtype, device)
         except torch.cuda.OutOfMemoryError:
             print(f"batch {batch} x context {context}: skipped, out of GPU memory")
             continue
         calls = {
-            "paged": lambda: paged(q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, scale, max_q_len=1),
-            # contiguous SDPA, the group's query heads stacked on the query axis so each K/V head is read once
-            "sdpa": lambda: F.scaled_dot_product_attention(q.view(batch, n_kv, n_head // n_kv, D), k, v, scale=scale),
+            "paged": lambda: paged(q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, scale,
+                                   max_q_len=1),
+            # contiguous SDPA, the group's query heads stacked on the query axis so each K/V head
+            # is read once
+            "sdpa": lambda: F.scaled_dot_product_attention(q.view(batch, n_kv, n_head // n_kv, D),
+                                                           k, v, scale=scale),
         }
-        if batch * context <= 8192:  # the reference loops over sequences in Python: small shapes only
+        # the reference loops over sequences in Python: small shapes only
+        if batch * context <= 8192:
             flat_k, flat_v = (t.transpose(1, 2).reshape(batch * context, n_kv, D) for t in (k, v))
-            calls["naive"] = lambda: kernel.naive_attention(q, flat_k, flat_v, cu_seqlens_q, seq_lens, scale)
-        if on_gpu and batch <= 8 and context >= 4096:  # Flash-Decoding's case: few sequences, long context
-            calls["paged, no split"] = lambda: paged(q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, scale,
-                                                     max_q_len=1, num_splits=1)
+            calls["naive"] = lambda: kernel.naive_attention(q, flat_k, flat_v, cu_seqlens_q,
+                                                            seq_lens, scale)
+        # Flash-Decoding's case: few sequences, long context
+        if on_gpu and batch <= 8 and context >= 4096:
+            calls["paged, no split"] = lambda: paged(q, k_cache, v_cache, tables, seq_lens,
+                                                     cu_seqlens_q, scale, max_q_len=1, num_splits=1)
         reference = calls["sdpa"]().reshape(batch, n_head, D)
         for label, call in calls.items():  # check before timing (llm.c's rule)
             tol = 1e-4 if dtype == torch.float32 else 5e-3
-            torch.testing.assert_close(call().reshape(batch, n_head, D), reference, atol=tol, rtol=tol,
-                                       msg=lambda m: f"{label} disagrees with SDPA at batch {batch} x {context}: {m}")
-        moved = (k.numel() + v.numel() + 2 * q.numel()) * q.element_size()  # K, V read once; q in, out
+            torch.testing.assert_close(call().reshape(batch, n_head, D), reference, atol=tol,
+                                       rtol=tol, msg=lambda m: f"{label} disagrees with SDPA at "
+                                       f"batch {batch} x {context}: {m}")
+        # K, V read once; q in, out
+        moved = (k.numel() + v.numel() + 2 * q.numel()) * q.element_size()
         r = {label: time_ms(call) for label, call in calls.items()}
         r["paged_GBps"], r["sdpa_GBps"] = moved / r["paged"] / 1e6, moved / r["sdpa"] / 1e6
         results[f"{batch}x{context}"] = r
         pct = (lambda gbps: f"{100 * gbps / peak:.0f}%") if peak else (lambda gbps: "-")
-        rows.append([batch, context, f"{moved / 1e6:.0f}", f"{r['paged']:.3f}", f"{r['paged_GBps']:.0f}",
-                     pct(r["paged_GBps"]), f"{r['sdpa']:.3f}", f"{r['sdpa_GBps']:.0f}",
-                     f"{r['paged'] / r['sdpa']:.2f}x",
+        rows.append([batch, context, f"{moved / 1e6:.0f}", f"{r['paged']:.3f}",
+                     f"{r['paged_GBps']:.0f}", pct(r["paged_GBps"]), f"{r['sdpa']:.3f}",
+                     f"{r['sdpa_GBps']:.0f}", f"{r['paged'] / r['sdpa']:.2f}x",
                      f"{r['paged, no split'] / r['paged']:.2f}x" if "paged, no split" in r else "-",
                      f"{r['naive']:.2f}" if "naive" in r else "-"])
-    print_table(f"Decode attention, {'Triton paged_attention' if on_gpu else 'paged_attention_torch'} vs contiguous "
-                f"SDPA on {name} ({dtype}, n_head {n_head}, n_kv_head {n_kv}, head_dim {D}, block_size "
-                f"{KERNEL_SHAPE['block_size']}, shuffled tables; peak {peak or 'unknown'} GB/s; goal at 64 x 4096: "
+    print_table(f"Decode attention, "
+                f"{'Triton paged_attention' if on_gpu else 'paged_attention_torch'} vs contiguous "
+                f"SDPA on {name} ({dtype}, n_head {n_head}, n_kv_head {n_kv}, head_dim {D}, "
+                f"block_size {KERNEL_SHAPE['block_size']}, shuffled tables; "
+                f"peak {peak or 'unknown'} GB/s; goal at 64 x 4096: "
                 ">= 75% of peak and <= 1.3x SDPA)",
-                ["batch", "context", "MB moved", "paged ms", "GB/s", "% peak", "SDPA ms", "GB/s", "paged/SDPA",
-                 "split-KV speedup", "naive ms"], rows)
+                ["batch", "context", "MB moved", "paged ms", "GB/s", "% peak", "SDPA ms", "GB/s",
+                 "paged/SDPA", "split-KV speedup", "naive ms"], rows)
     return dict(device=name, dtype=str(dtype), peak_GBps=peak, shapes=results)
 
 
@@ -715,7 +766,8 @@ class NoOpModel(nn.Module):
 
     def __init__(self, vocab_size=256, max_seq_len=4096):
         super().__init__()
-        self.config = GPTConfig(n_layer=1, n_head=1, n_embd=8, vocab_size=vocab_size, max_seq_len=max_seq_len)
+        self.config = GPTConfig(n_layer=1, n_head=1, n_embd=8, vocab_size=vocab_size,
+                                max_seq_len=max_seq_len)
         self.dummy = nn.Parameter(torch.zeros(1))
 
     def forward(self, idx, batch, kv_cache):
@@ -741,28 +793,35 @@ def timed_step(engine):
 
 
 def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50):
-    """Median over decode steps (the garbage collector's pauses included) of the engine's own time."""
+    """Median over decode steps (the garbage collector's pauses included) of the engine's own
+    time."""
     results, rows = {}, []
     for n in sizes:
         engine = Engine(NoOpModel(), block_size=16, num_blocks=n * 16, max_num_seqs=n,
                         max_num_batched_tokens=n * prompt_len, device="cpu")
         for _ in range(n):
-            engine.add_request([1] * prompt_len, SamplingParams(max_tokens=steps + 20, temperature=0, ignore_eos=True))
-        for _ in range(10):  # prefill everything, and warm up: from here on every step decodes n sequences
+            engine.add_request([1] * prompt_len,
+                               SamplingParams(max_tokens=steps + 20, temperature=0,
+                                              ignore_eos=True))
+        # prefill everything, and warm up: from here on every step decodes n sequences
+        for _ in range(10):
             engine.step()
-        gc.collect()  # start clean: garbage from the sizes before would bill this one for its collection
-        phases = np.array([timed_step(engine) for _ in range(steps)]) * 1e6 / n  # (steps, 5) us per sequence
+        # start clean: garbage from the sizes before would bill this one for its collection
+        gc.collect()
+        # (steps, 5) us per sequence
+        phases = np.array([timed_step(engine) for _ in range(steps)]) * 1e6 / n
         engine_us = phases[:, [0, 1, 2, 4]].sum(axis=1)  # all but the (no-op) model
         median = dict(zip(("save", "schedule", "prepare", "model", "postprocess"),
                           np.median(phases, axis=0).tolist()))
-        results[n] = dict(engine_us_per_seq=float(np.median(engine_us)), fastest_step_us_per_seq=float(engine_us.min()),
+        results[n] = dict(engine_us_per_seq=float(np.median(engine_us)),
+                          fastest_step_us_per_seq=float(engine_us.min()),
                           **{f"{k}_us_per_seq": v for k, v in median.items()})
         rows.append([n, f"{n * np.median(engine_us) / 1e3:.2f}", f"{np.median(engine_us):.2f}",
                      f"{engine_us.min():.2f}", *(f"{v:.2f}" for v in median.values())])
     print_table(f"Engine overhead per decode step with a no-op model, median of {steps} steps "
                 "(goal: <= 10 us per running sequence)",
-                ["running seqs", "engine ms/step", "us/seq", "fastest step", "save state", "schedule", "prepare",
-                 "(no-op model)", "postprocess"], rows)
+                ["running seqs", "engine ms/step", "us/seq", "fastest step", "save state",
+                 "schedule", "prepare", "(no-op model)", "postprocess"], rows)
     return results
 
 
@@ -776,12 +835,15 @@ def bench_soak(num_requests=10_000, num_blocks=64, block_size=16, arrival_p=0.2,
                         preemption_mode=mode, max_num_seqs=32, device="cpu")
         arrived_at, admitted_at, finished, aborted, peak, step, next_request = {}, {}, 0, 0, 0, 0, 0
         while next_request < num_requests or engine.scheduler.has_unfinished():
-            if next_request < num_requests and rng.random() < arrival_p:  # a little under what the pool serves
+            # a little under what the pool serves
+            if next_request < num_requests and rng.random() < arrival_p:
                 prompt = [rng.randrange(256) for _ in range(rng.randint(1, 96))]
-                params = SamplingParams(max_tokens=rng.randint(1, 96), temperature=0, ignore_eos=True)
+                params = SamplingParams(max_tokens=rng.randint(1, 96), temperature=0,
+                                        ignore_eos=True)
                 arrived_at[engine.add_request(prompt, params)] = step
                 next_request += 1
-            if engine.requests and rng.random() < abort_p:  # anywhere: waiting, mid-prefill, running, swapped
+            # anywhere: waiting, mid-prefill, running, swapped
+            if engine.requests and rng.random() < abort_p:
                 engine.abort(rng.choice(list(engine.requests)))
                 aborted += 1
             finished += len(engine.step())
@@ -791,14 +853,17 @@ def bench_soak(num_requests=10_000, num_blocks=64, block_size=16, arrival_p=0.2,
             peak = max(peak, num_blocks - engine.allocator.num_free_blocks)
         s, waits = engine.stats(), [admitted_at[r] - arrived_at[r] for r in admitted_at]
         assert finished + aborted == num_requests, "a request was lost"
-        assert s["num_free_blocks"] == num_blocks and s["num_free_cpu_blocks"] == s["num_cpu_blocks"], "blocks leaked"
+        assert s["num_free_blocks"] == num_blocks and \
+            s["num_free_cpu_blocks"] == s["num_cpu_blocks"], "blocks leaked"
         assert max(waits) < 0.05 * step, f"a request waited {max(waits)} of {step} steps: starved"
-        results[mode] = r = dict(finished=finished, aborted=aborted, steps=step, preemptions=s["num_preemptions"],
-                                 peak_blocks=peak, max_wait_steps=max(waits), mean_wait_steps=float(np.mean(waits)))
+        results[mode] = r = dict(finished=finished, aborted=aborted, steps=step,
+                                 preemptions=s["num_preemptions"], peak_blocks=peak,
+                                 max_wait_steps=max(waits), mean_wait_steps=float(np.mean(waits)))
         rows.append([mode, *r.values()])
-    print_table(f"Soak: {num_requests} requests of random lengths with random aborts in {num_blocks} blocks of "
-                f"{block_size} (no-op model). Asserted: every request finished or aborted, every block returned, "
-                f"no wait over 5% of the run", ["mode", *r], rows)
+    print_table(f"Soak: {num_requests} requests of random lengths with random aborts in "
+                f"{num_blocks} blocks of {block_size} (no-op model). Asserted: every request "
+                f"finished or aborted, every block returned, no wait over 5% of the run",
+                ["mode", *r], rows)
     return results
 
 
@@ -872,10 +937,10 @@ def bench_tensor_parallel(kv_cache_bytes=4 << 20, num_requests=32, max_tokens=96
                 ["", "KV MiB/rank", "blocks", "seqs that fit", "preemptions", "tokens/s",
                  "time in collectives"], rows)
     print("Each rank holds half the K/V heads, so the same bytes per rank hold twice the blocks "
-          "and twice the\nsequences. On two CPU cores and a model this small, communication dominates: "
-          "each layer's two\nall-reduces (time in collectives includes waiting for the other rank) "
-          "cost more than the halved\nmatmuls save, so tp=2 is slower here; splitting pays on GPUs "
-          "with fast links and large layers.")
+          "and twice the\nsequences. On two CPU cores and a model this small, communication "
+          "dominates: each layer's two\nall-reduces (time in collectives includes waiting for the "
+          "other rank) cost more than the halved\nmatmuls save, so tp=2 is slower here; splitting "
+          "pays on GPUs with fast links and large layers.")
     return results
 
 
@@ -894,19 +959,21 @@ SECTIONS = dict(memory=bench_memory, capacity=bench_capacity, sharing=bench_shar
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    helps = dict(memory="KV-cache utilization: contiguous reservation schemes vs paged, per block size",
-                 capacity="sequences at once and requests/s at a fixed KV budget, paged vs contiguous",
-                 sharing="blocks saved by parallel sampling and beam search; prefix-cache hit rate",
-                 throughput="tokens/s next to transformers' generate and generate_batch (same weights)",
-                 kernel="decode attention latency and bandwidth vs contiguous SDPA (torch path on a CPU)",
-                 overhead="engine time per running sequence per step with a no-op model",
-                 soak="10,000 requests with aborts through a small pool; asserts nothing is lost",
-                 tensor_parallel="KV bytes, blocks and sequences per rank at one budget, tokens/s "
-                 "and time in collectives: tp=1 vs tp=2 on the CPU (gloo)",
-                 aot="with --kernel: compile the Triton kernels for sm_80/86/90 instead (no GPU\n"
-                     "needed); print registers, spills, shared memory, programs per SM and the\n"
-                     "K/V loop's SASS length")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawTextHelpFormatter)
+    helps = dict(
+        memory="KV-cache utilization: contiguous reservation schemes vs paged, per block size",
+        capacity="sequences at once and requests/s at a fixed KV budget, paged vs contiguous",
+        sharing="blocks saved by parallel sampling and beam search; prefix-cache hit rate",
+        throughput="tokens/s next to transformers' generate and generate_batch (same weights)",
+        kernel="decode attention latency and bandwidth vs contiguous SDPA (torch path on a CPU)",
+        overhead="engine time per running sequence per step with a no-op model",
+        soak="10,000 requests with aborts through a small pool; asserts nothing is lost",
+        tensor_parallel="KV bytes, blocks and sequences per rank at one budget, tokens/s "
+        "and time in collectives: tp=1 vs tp=2 on the CPU (gloo)",
+        aot="with --kernel: compile the Triton kernels for sm_80/86/90 instead (no GPU\n"
+            "needed); print registers, spills, shared memory, programs per SM and the\n"
+            "K/V loop's SASS length")
     for name in list(SECTIONS) + ["soak", "aot"]:
         p.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=helps[name])
     args = p.parse_args()

@@ -16,17 +16,20 @@ import nanopaged
 from nanopaged import GPT, Engine, SamplingParams
 
 DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "pydoc-gpt")
-DEMO_PREFIX = "From the Python 3 documentation: "  # two full blocks of 16 bytes, shared by every third request
-DEMO_TOPICS = ["The for statement", "A list", "The import system", "Exceptions", "def ", "class ", "The with statement",
-               "Dictionaries", "Strings", "The while statement", "Coroutines", "Generators", "The return statement",
-               "Boolean operations", "Slicings", "The global statement", "Lambdas", "Integer literals",
-               "The try statement", "Calls", "Comparisons", "Assignment statements", "Keyword arguments",
-               "The assert statement", "Modules", "Sequences", "Numbers", "The if statement"]
+# two full blocks of 16 bytes, shared by every third request
+DEMO_PREFIX = "From the Python 3 documentation: "
+DEMO_TOPICS = ["The for statement", "A list", "The import system", "Exceptions", "def ", "class ",
+               "The with statement", "Dictionaries", "Strings", "The while statement", "Coroutines",
+               "Generators", "The return statement", "Boolean operations", "Slicings",
+               "The global statement", "Lambdas", "Integer literals", "The try statement", "Calls",
+               "Comparisons", "Assignment statements", "Keyword arguments", "The assert statement",
+               "Modules", "Sequences", "Numbers", "The if statement"]
 CELLS = "abcdefghijklmnopqrstuvwxyz"
 
 
 class Tokenizer:
-    """Bytes, unless the model folder has a tokenizer.json and the tokenizers package is installed."""
+    """Bytes, unless the model folder has a tokenizer.json and the tokenizers package is
+    installed."""
 
     def __init__(self, path):
         self.hf = None
@@ -61,21 +64,25 @@ def block_map(engine):
             cells.append("*")  # one prompt prefix, many requests: a prefix-cache hit
         else:
             letter = letters[min(ids)]
-            cells.append(letter.upper() if block.ref_count > 1 else letter)  # forked samples or beams
+            # forked samples or beams
+            cells.append(letter.upper() if block.ref_count > 1 else letter)
     return cells, letters
 
 
 def render_block_map(cells, letters, width=64):
     lines = ["".join(cells[i:i + width]) for i in range(0, len(cells), width)]
     by_letter = [f"{letter}={request_id}" for request_id, letter in letters.items()]
-    lines += ["legend: a-z one sequence's block, A-Z shared by the sequences of one request (fork / beams),",
-              "        * shared across requests (prefix cache), : free but caching a prefix, . free",
+    lines += ["legend: a-z one sequence's block, A-Z shared by the sequences of one request "
+              "(fork / beams),",
+              "        * shared across requests (prefix cache), "
+              ": free but caching a prefix, . free",
               "requests: " + " ".join(by_letter)]
     return "\n".join(lines)
 
 
 def demo_workload(tokenizer, args):
-    """A few dozen requests: mixed lengths, some sharing a prefix, one with n > 1, one beam search."""
+    """A few dozen requests: mixed lengths, some sharing a prefix, one with n > 1, one beam
+    search."""
     prompts, params = [], []
     for i, topic in enumerate(DEMO_TOPICS):
         prompts.append(tokenizer.encode((DEMO_PREFIX if i % 3 == 0 else "") + topic))
@@ -102,14 +109,15 @@ def run_demo(engine, prompts, params, arrivals_per_step=2, progress=True):
         s = engine.stats()
         num_used = s["num_blocks"] - s["num_free_blocks"]
         num_shared = sum(1 for b in engine.allocator.blocks if b.ref_count > 1)
-        timeline.append(dict(used=num_used, logical=s["num_logical_blocks"], running=s["num_running"],
-                             utilization=s["kv_utilization"], shared=num_shared))
+        timeline.append(dict(used=num_used, logical=s["num_logical_blocks"],
+                             running=s["num_running"], utilization=s["kv_utilization"],
+                             shared=num_shared))
         if num_shared and (snapshot is None or num_shared > snapshot["shared"]):
             snapshot = dict(step=len(timeline), shared=num_shared, map=block_map(engine),
                             text=render_block_map(*block_map(engine)))
         if progress and (len(timeline) % 10 == 0 or not engine.scheduler.has_unfinished()):
-            print("\r" + engine.progress_line(len(outputs), len(ids), time.perf_counter() - start) + "\x1b[K",
-                  end="", file=sys.stderr, flush=True)
+            print("\r" + engine.progress_line(len(outputs), len(ids), time.perf_counter() - start)
+                  + "\x1b[K", end="", file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)
     return [outputs[i] for i in ids], timeline, snapshot, time.perf_counter() - start
@@ -119,7 +127,8 @@ def summarize(engine, outputs, timeline, seconds):
     s, config = engine.stats(), engine.config
     busy = [t for t in timeline if t["used"]]
     return dict(
-        requests=len(outputs), generated_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
+        requests=len(outputs),
+        generated_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
         seconds=seconds, tokens_per_second=s["num_generated_tokens"] / seconds,
         kv_utilization=sum(t["utilization"] for t in busy) / max(len(busy), 1),
         peak_blocks_saved=max(t["logical"] - t["used"] for t in timeline),
@@ -134,7 +143,8 @@ def plot_demo(path, snapshot, timeline, engine, width=32):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax_map, ax_use) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw=dict(width_ratios=[1, 1.2]))
+    fig, (ax_map, ax_use) = plt.subplots(1, 2, figsize=(14, 5),
+                                         gridspec_kw=dict(width_ratios=[1, 1.2]))
     cells = snapshot["map"][0] if snapshot else ["."] * engine.allocator.num_blocks
     palette = plt.get_cmap("tab20").colors
     for i, c in enumerate(cells):  # the terminal map, in colour: one colour per request
@@ -143,16 +153,19 @@ def plot_demo(path, snapshot, timeline, engine, width=32):
         y, x = divmod(i, width)
         ax_map.add_patch(plt.Rectangle((x, -y), 1, -1, facecolor=colour, edgecolor="grey", lw=0.3))
         ax_map.text(x + 0.5, -y - 0.5, c, ha="center", va="center", fontsize=7,
-                    color="white" if c == "*" else "black", weight="bold" if c.isupper() else "normal")
+                    color="white" if c == "*" else "black",
+                    weight="bold" if c.isupper() else "normal")
     ax_map.set_xlim(0, width)
     ax_map.set_ylim(-(-(-len(cells) // width)), 0)
     ax_map.set_aspect("equal")
     ax_map.axis("off")
-    ax_map.set_title(f"physical KV blocks at step {snapshot['step'] if snapshot else 0}: a-z one sequence, "
-                     "A-Z shared\nwithin a request, * across requests, : cached free, . free", fontsize=9)
+    ax_map.set_title(f"physical KV blocks at step {snapshot['step'] if snapshot else 0}: "
+                     "a-z one sequence, A-Z shared\nwithin a request, * across requests, "
+                     ": cached free, . free", fontsize=9)
     steps = range(1, len(timeline) + 1)
     ax_use.plot(steps, [t["used"] for t in timeline], label="physical blocks in use")
-    ax_use.plot(steps, [t["logical"] for t in timeline], label="logical blocks (what it would take without sharing)")
+    ax_use.plot(steps, [t["logical"] for t in timeline],
+                label="logical blocks (what it would take without sharing)")
     ax_use.axhline(engine.allocator.num_blocks, color="grey", ls="--", label="pool")
     ax_use.set_xlabel("engine step")
     ax_use.set_ylabel("KV blocks")
@@ -167,29 +180,40 @@ class _ArgumentParser(argparse.ArgumentParser):
 
 
 def main(argv=None):
-    p = _ArgumentParser(description="Serve a mixed workload with PagedAttention and show the KV block pool.")
-    p.add_argument("--model", default=DEMO_MODEL, help="a local Hugging Face folder of a gpt2, llama, mistral or "
+    p = _ArgumentParser(
+        description="Serve a mixed workload with PagedAttention and show the KV block pool.")
+    p.add_argument("--model", default=DEMO_MODEL,
+                   help="a local Hugging Face folder of a gpt2, llama, mistral or "
                    "qwen2 model (default: the built-in byte-level model trained on Python's docs)")
-    p.add_argument("--prompt", action="append", help="a prompt to serve instead of the built-in workload (repeatable)")
-    p.add_argument("--max-tokens", type=int, help="tokens to generate per request (default: 32-192, mixed)")
-    p.add_argument("--temperature", type=float, default=0.8, help="sampling temperature, 0 for greedy")
+    p.add_argument("--prompt", action="append",
+                   help="a prompt to serve instead of the built-in workload (repeatable)")
+    p.add_argument("--max-tokens", type=int,
+                   help="tokens to generate per request (default: 32-192, mixed)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="sampling temperature, 0 for greedy")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold")
-    p.add_argument("--n", type=int, help="parallel samples per prompt (the workload has one request with 3)")
-    p.add_argument("--beam-width", type=int, help="beam search width (the workload has one request with 3)")
+    p.add_argument("--n", type=int,
+                   help="parallel samples per prompt (the workload has one request with 3)")
+    p.add_argument("--beam-width", type=int,
+                   help="beam search width (the workload has one request with 3)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--num-blocks", type=int, default=96, help="KV blocks in the pool; few enough to preempt")
+    p.add_argument("--num-blocks", type=int, default=96,
+                   help="KV blocks in the pool; few enough to preempt")
     p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
                    help="what to do with a request when blocks run out")
-    p.add_argument("--no-prefix-cache", action="store_true", help="turn automatic prefix caching off")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="turn automatic prefix caching off")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks that split every layer and its K/V heads; launch with torchrun "
                    "--nproc-per-node N (rank 0 prints)")
-    p.add_argument("--plot", metavar="FILE.png", help="also draw the block map and KV use over time to an image")
-    p.add_argument("--threads", type=int, help="CPU threads for torch (default: 1 for models under 100M parameters, "
-                   "whose ops are too small to split and crawl when another process shares the cores; "
-                   "torch's default, one per core, for larger models)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="also draw the block map and KV use over time to an image")
+    p.add_argument("--threads", type=int,
+                   help="CPU threads for torch (default: 1 for models under 100M parameters, "
+                   "whose ops are too small to split and crawl when another process shares the "
+                   "cores; torch's default, one per core, for larger models)")
     args = p.parse_args(argv)
     try:
         if args.threads is not None and args.threads < 1:
@@ -201,9 +225,9 @@ def main(argv=None):
         num_params = sum(w.numel() for w in model.parameters())
         if args.threads or num_params < 100e6:
             torch.set_num_threads(args.threads or 1)
-        engine = Engine(model, block_size=args.block_size, num_blocks=args.num_blocks, device=args.device,
-                        preemption_mode=args.preemption, enable_prefix_caching=not args.no_prefix_cache,
-                        max_num_seqs=len(CELLS))
+        engine = Engine(model, block_size=args.block_size, num_blocks=args.num_blocks,
+                        device=args.device, preemption_mode=args.preemption,
+                        enable_prefix_caching=not args.no_prefix_cache, max_num_seqs=len(CELLS))
         tokenizer = Tokenizer(args.model)
         if args.prompt:
             prompts = [tokenizer.encode(text) for text in args.prompt]
@@ -235,15 +259,19 @@ def main(argv=None):
         for c in out.outputs:
             text = tokenizer.decode(c.token_ids)
             more = "..." if len(text) > 80 else ""
-            print(f"[{out.request_id}.{c.index}] {tokenizer.decode(prompt)!r} -> {text[:80]!r}{more}")
-    print(f"\n{summary['generated_tokens']} tokens in {seconds:.1f}s ({summary['tokens_per_second']:.0f} tokens/s), "
-          f"{summary['preemptions']} preemptions")
-    print(f"KV utilization {100 * summary['kv_utilization']:.1f}% (tokens held / slots in allocated blocks); "
+            print(f"[{out.request_id}.{c.index}] {tokenizer.decode(prompt)!r} -> "
+                  f"{text[:80]!r}{more}")
+    print(f"\n{summary['generated_tokens']} tokens in {seconds:.1f}s "
+          f"({summary['tokens_per_second']:.0f} tokens/s), {summary['preemptions']} preemptions")
+    print(f"KV utilization {100 * summary['kv_utilization']:.1f}% "
+          f"(tokens held / slots in allocated blocks); "
           f"sharing saved up to {summary['peak_blocks_saved']} blocks")
-    print(f"concurrency: up to {summary['peak_running']} sequences at once in {summary['num_blocks']} blocks; a "
-          f"contiguous cache reserving max_seq_len={model.config.max_seq_len} per sequence holds "
+    print(f"concurrency: up to {summary['peak_running']} sequences at once in "
+          f"{summary['num_blocks']} blocks; a contiguous cache reserving "
+          f"max_seq_len={model.config.max_seq_len} per sequence holds "
           f"{summary['contiguous_capacity']} in the same memory")
     if args.plot and is_rank_0:
         plot_demo(args.plot, snapshot, timeline, engine)
         print(f"wrote {args.plot}")
-    return dict(outputs=outputs, summary=summary, snapshot=snapshot, engine=engine, tokenizer=tokenizer)
+    return dict(outputs=outputs, summary=summary, snapshot=snapshot, engine=engine,
+                tokenizer=tokenizer)

@@ -19,7 +19,8 @@ from fractions import Fraction
 import torch
 
 if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when kernel.py's @triton.jit runs: import it after
+    # read when kernel.py's @triton.jit runs: import it after
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
@@ -29,7 +30,8 @@ import demo
 import kernel
 import nanopaged
 from kernel import HEAD_DIMS, naive_attention, paged_attention, paged_attention_torch, store_kv
-from nanopaged import GPT, BlockAllocator, Engine, GPTConfig, OutOfBlocksError, SamplingParams, Sequence, chain_hash
+from nanopaged import (GPT, BlockAllocator, Engine, GPTConfig, OutOfBlocksError, SamplingParams,
+                       Sequence, chain_hash)
 
 # -----------------------------------------------------------------------------
 # The kernels: Triton and the torch paged path against naive attention on contiguous K/V
@@ -80,7 +82,8 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, 
         tables.append((tables[0][:shared] if i > 0 else []) + free[:n - shared])
         free = free[n - shared:]
     max_blocks = max(num_blocks_per_seq) + 1  # at least one -1 column of padding
-    block_tables = torch.tensor([t + [-1] * (max_blocks - len(t)) for t in tables], dtype=torch.int32)
+    block_tables = torch.tensor([t + [-1] * (max_blocks - len(t)) for t in tables],
+                                dtype=torch.int32)
 
     # fill the used slots (shared ones once) and gather the contiguous copy slot by slot
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
@@ -107,7 +110,8 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, 
 
 
 def paged_args(b):
-    return b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"], b["cu_seqlens_q"], b["scale"]
+    return (b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"],
+            b["cu_seqlens_q"], b["scale"])
 
 
 def reference(b):
@@ -128,7 +132,8 @@ def assert_close(out, ref):
 )
 def test_triton_matches_naive(b, num_splits, pass_max_q_len):
     # the engine passes max_q_len to avoid a sync; without it the launcher reads cu_seqlens_q
-    max_q_len = int((b["cu_seqlens_q"][1:] - b["cu_seqlens_q"][:-1]).max()) if pass_max_q_len else None
+    max_q_len = (int((b["cu_seqlens_q"][1:] - b["cu_seqlens_q"][:-1]).max()) if pass_max_q_len
+                 else None)
     out = paged_attention(*paged_args(b), max_q_len=max_q_len, num_splits=num_splits)
     assert_close(out, reference(b))
 
@@ -173,19 +178,23 @@ def test_store_kv_writes_exactly_the_given_slots(
     num_slots = num_blocks * block_size
     slots = data.draw(st.lists(st.integers(0, num_slots - 1), max_size=num_slots, unique=True))
     slots = [s if data.draw(st.booleans()) else -1 for s in slots]  # -1: skip the token
-    slot_mapping = torch.tensor(slots, dtype=data.draw(st.sampled_from([torch.int32, torch.int64])), device=DEVICE)
+    slot_mapping = torch.tensor(slots, dtype=data.draw(st.sampled_from([torch.int32, torch.int64])),
+                                device=DEVICE)
     # k and v as the model makes them: views into one fused qkv tensor
     qkv = torch.randn(len(slots), 3, n_kv_head, head_dim, device=DEVICE).to(dtype)
     k, v = qkv[:, 1], qkv[:, 2]
-    k_cache = torch.full((num_blocks, block_size, n_kv_head, head_dim), float("nan"), device=DEVICE, dtype=dtype)
+    k_cache = torch.full((num_blocks, block_size, n_kv_head, head_dim), float("nan"), device=DEVICE,
+                         dtype=dtype)
     v_cache = k_cache.clone()
     store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=use_triton)
     written = torch.zeros(num_slots, dtype=torch.bool, device=DEVICE)
     for i, s in enumerate(slots):
         if s >= 0:
             written[s] = True
-            assert torch.equal(k_cache.flatten(0, 1)[s], k[i]) and torch.equal(v_cache.flatten(0, 1)[s], v[i])
-    assert k_cache.flatten(0, 1)[~written].isnan().all() and v_cache.flatten(0, 1)[~written].isnan().all()
+            assert torch.equal(k_cache.flatten(0, 1)[s], k[i]) and \
+                torch.equal(v_cache.flatten(0, 1)[s], v[i])
+    assert k_cache.flatten(0, 1)[~written].isnan().all() and \
+        v_cache.flatten(0, 1)[~written].isnan().all()
 
 
 def small_batch(head_dim=64, dtype=torch.float32):
@@ -308,7 +317,8 @@ def with_arg(i, value):
     (lambda args: small_batch(dtype=torch.float64), "unsupported dtype"),
     (with_arg(0, lambda q: q[:, :3]), "multiple of n_kv_head"),
     (with_arg(2, lambda v_cache: v_cache[:, :2]), "v_cache"),
-    (with_arg(2, lambda v_cache: v_cache.transpose(0, 1).contiguous().transpose(0, 1)), "same strides"),
+    (with_arg(2, lambda v_cache: v_cache.transpose(0, 1).contiguous().transpose(0, 1)),
+     "same strides"),
     (with_arg(3, lambda block_tables: block_tables.long()), "block_tables must be int32"),
     (with_arg(3, lambda block_tables: block_tables[:1]), "block_tables is"),
     (with_arg(5, lambda cu_seqlens_q: cu_seqlens_q[:2]), "cu_seqlens_q is"),
@@ -339,7 +349,8 @@ class Cache:
         """Write the tokens of seq that are not computed yet, as a model step would."""
         for p in range(seq.num_computed_tokens, len(seq)):
             block_id = seq.block_table[p // self.bs]
-            assert self.allocator.blocks[block_id].ref_count == 1, f"write into shared block {block_id}"
+            assert self.allocator.blocks[block_id].ref_count == 1, \
+                f"write into shared block {block_id}"
             self.device[block_id][p % self.bs] = seq.token_ids[p]
         seq.num_computed_tokens = len(seq)
         self.allocator.cache_full_blocks(seq)
@@ -353,16 +364,17 @@ class Cache:
 
 
 def allocator_state(a):
-    return ([(b.ref_count, b.hash, b.token_ids) for b in a.blocks], list(a.free_block_ids), dict(a.hash_to_block),
-            list(a.cpu_ref_count), list(a.cpu_free_block_ids))
+    return ([(b.ref_count, b.hash, b.token_ids) for b in a.blocks], list(a.free_block_ids),
+            dict(a.hash_to_block), list(a.cpu_ref_count), list(a.cpu_free_block_ids))
 
 
 class AllocatorMachine(RuleBasedStateMachine):
 
-    @initialize(block_size=st.integers(1, 4), num_blocks=st.integers(1, 12), num_cpu_blocks=st.integers(0, 8),
-                caching=st.booleans())
+    @initialize(block_size=st.integers(1, 4), num_blocks=st.integers(1, 12),
+                num_cpu_blocks=st.integers(0, 8), caching=st.booleans())
     def setup(self, block_size, num_blocks, num_cpu_blocks, caching):
-        self.a = BlockAllocator(num_blocks, block_size, num_cpu_blocks, enable_prefix_caching=caching)
+        self.a = BlockAllocator(num_blocks, block_size, num_cpu_blocks,
+                                enable_prefix_caching=caching)
         self.cache = Cache(self.a, num_blocks, num_cpu_blocks, block_size)
         self.on_device, self.on_cpu = [], []  # live sequences, by where their blocks are
         self.next_id = 0
@@ -399,7 +411,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     def allocate(self, data, suffix):
         # Prompts from a 3-letter alphabet, often extending a live sequence, so prefixes repeat.
         live = self.on_device + self.on_cpu
-        prefix = data.draw(st.sampled_from([s.token_ids for s in live])) if live and data.draw(st.booleans()) else []
+        prefix = (data.draw(st.sampled_from([s.token_ids for s in live]))
+                  if live and data.draw(st.booleans()) else [])
         tokens = (prefix[:data.draw(st.integers(0, len(prefix)))] + suffix) or [0]
         seq = Sequence(self.new_id(), tokens, len(tokens))
         if self.a.num_blocks_to_allocate(seq) > self.a.num_free_blocks:
@@ -464,7 +477,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     def move(self, data, source, target, can_move, move, src_pool, dst_pool):
         # a group at once (a parent and its forks, say), so blocks they share stay shared
         seqs = data.draw(st.lists(st.sampled_from(source), min_size=1, unique=True))
-        num_free = self.a.num_free_blocks if move == self.a.swap_in else len(self.a.cpu_free_block_ids)
+        num_free = (self.a.num_free_blocks if move == self.a.swap_in
+                    else len(self.a.cpu_free_block_ids))
         num_blocks = len({b for seq in seqs for b in seq.block_table})
         assert can_move(seqs) == (num_blocks <= num_free)  # exact, not an estimate
         if not can_move(seqs):
@@ -497,8 +511,10 @@ class AllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def free_plus_used_is_everything(self):
         assert set(self.a.free_block_ids) == {b.block_id for b in self.a.blocks if b.ref_count == 0}
-        assert len(self.a.free_block_ids) + sum(b.ref_count > 0 for b in self.a.blocks) == self.a.num_blocks
-        assert set(self.a.cpu_free_block_ids) == {i for i, c in enumerate(self.a.cpu_ref_count) if c == 0}
+        assert len(self.a.free_block_ids) + sum(b.ref_count > 0 for b in self.a.blocks) == \
+            self.a.num_blocks
+        assert set(self.a.cpu_free_block_ids) == \
+            {i for i, c in enumerate(self.a.cpu_ref_count) if c == 0}
 
     @invariant()
     def ref_counts_equal_block_table_entries(self):
@@ -516,7 +532,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     @invariant()
     def every_sequence_reads_back_what_was_appended(self):
         for seq in self.on_device:
-            assert len(seq.block_table) == -(-len(seq) // self.a.block_size), "at most one partial block"
+            assert len(seq.block_table) == -(-len(seq) // self.a.block_size), \
+                "at most one partial block"
             assert self.cache.read(seq, self.cache.device) == seq.token_ids
         for seq in self.on_cpu:
             assert self.cache.read(seq, self.cache.cpu) == seq.token_ids
@@ -553,7 +570,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert len(self.a.cpu_free_block_ids) == len(self.a.cpu_ref_count)
 
 
-AllocatorMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+AllocatorMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40,
+                                              deadline=None)
 test_allocator_state_machine = AllocatorMachine.TestCase
 
 
@@ -611,7 +629,8 @@ def test_last_reference_to_a_cached_block_goes_away_and_comes_back():
     a.free(first)
     assert a.num_free_blocks == 6 and all(a.blocks[b].hash is not None for b in cached)
     again = make_seq(1, [1, 2, 3, 4, 9])  # same two full blocks, different tail
-    assert a.num_blocks_to_allocate(again) == 3  # the two revived blocks come out of the free list too
+    # the two revived blocks come out of the free list too
+    assert a.num_blocks_to_allocate(again) == 3
     a.allocate(again)
     assert again.block_table[:2] == cached and again.num_computed_tokens == 4
     other = make_seq(2, [3, 4, 1, 2, 7])  # the same blocks after a different prefix must not hit
@@ -708,7 +727,8 @@ def naive_logprobs(model, tokens):
 
 
 def naive_greedy(model, prompt, max_tokens):
-    """Greedy decoding by recomputing the whole sequence every token (memoized: tests repeat prompts)."""
+    """Greedy decoding by recomputing the whole sequence every token (memoized: tests repeat
+    prompts)."""
     return list(_naive_greedy(model, tuple(prompt), max_tokens))
 
 
@@ -733,7 +753,8 @@ def drain(engine, max_steps=1000):
 
 def assert_all_blocks_free(engine):
     s = engine.stats()
-    assert s["num_free_blocks"] == s["num_blocks"] and s["num_free_cpu_blocks"] == s["num_cpu_blocks"]
+    assert s["num_free_blocks"] == s["num_blocks"] and \
+        s["num_free_cpu_blocks"] == s["num_cpu_blocks"]
     assert s["num_running"] == s["num_waiting"] == s["num_swapped"] == 0 and not engine.requests
 
 
@@ -745,7 +766,8 @@ def request_mixes(draw):
     prompts, max_tokens = [], []
     for _ in range(draw(st.integers(1, 6))):
         prefix = common[:draw(st.integers(0, len(common)))]
-        prompts.append(prefix + draw(st.lists(st.integers(0, 31), min_size=0 if prefix else 1, max_size=20)))
+        prompts.append(prefix + draw(st.lists(st.integers(0, 31), min_size=0 if prefix else 1,
+                                              max_size=20)))
         max_tokens.append(draw(st.integers(1, 12)))
     worst = max(-(-(len(p) + m) // block_size) for p, m in zip(prompts, max_tokens))
     engine_args = dict(
@@ -753,7 +775,8 @@ def request_mixes(draw):
         num_blocks=worst + draw(st.integers(0, 3 * worst)),  # from "one request at a time" to roomy
         preemption_mode=draw(st.sampled_from(["recompute", "swap"])),
         enable_prefix_caching=draw(st.booleans()),
-        max_num_batched_tokens=draw(st.sampled_from([7, 16, 64])),  # small budgets chunk the prefills
+        # small budgets chunk the prefills
+        max_num_batched_tokens=draw(st.sampled_from([7, 16, 64])),
         max_num_seqs=draw(st.integers(1, 8)),
     )
     return prompts, max_tokens, engine_args
@@ -780,7 +803,8 @@ def test_tight_pool_forces_preemption_and_outputs_do_not_change(mode):
     outputs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
     assert engine.stats()["num_preemptions"] > 0
     assert any(o.num_preemptions for o in outputs)
-    assert [o.outputs[0].token_ids for o in outputs] == [naive_greedy(MODEL, p, 24) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outputs] == \
+        [naive_greedy(MODEL, p, 24) for p in prompts]
     assert_all_blocks_free(engine)
 
 
@@ -789,7 +813,8 @@ def test_gqa_model_generates_like_naive():
     engine = Engine(model, block_size=4, num_blocks=64)
     prompts = [[1, 2, 3], [4] * 9, [5, 6]]
     outputs = engine.generate(prompts, SamplingParams(max_tokens=10, temperature=0))
-    assert [o.outputs[0].token_ids for o in outputs] == [naive_greedy(model, p, 10) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outputs] == \
+        [naive_greedy(model, p, 10) for p in prompts]
 
 
 def test_stop_tokens_and_eos():
@@ -797,12 +822,14 @@ def test_stop_tokens_and_eos():
     free_run = naive_greedy(MODEL, prompt, 12)
     stop = free_run[4]
     engine = Engine(MODEL, block_size=4, num_blocks=32)
-    out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop]))[0].outputs[0]
+    out = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0,
+                                                   stop_token_ids=[stop]))[0].outputs[0]
     assert out.finish_reason == "stop" and out.token_ids == free_run[:free_run.index(stop) + 1]
     MODEL.config.eos_token_id = stop
     try:
         eos = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
-        ignored = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
+        ignored = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0,
+                                                           ignore_eos=True))[0].outputs[0]
     finally:
         MODEL.config.eos_token_id = None
     assert eos.token_ids == out.token_ids and eos.finish_reason == "stop"
@@ -814,7 +841,8 @@ def test_streaming_with_add_request_and_step():
     first = engine.add_request([1, 2, 3], SamplingParams(max_tokens=8, temperature=0))
     engine.step()
     engine.step()
-    second = engine.add_request([9, 9], SamplingParams(max_tokens=3, temperature=0))  # joins mid-flight
+    # joins mid-flight
+    second = engine.add_request([9, 9], SamplingParams(max_tokens=3, temperature=0))
     finished = drain(engine)
     assert finished[first].outputs[0].token_ids == naive_greedy(MODEL, [1, 2, 3], 8)
     assert finished[second].outputs[0].token_ids == naive_greedy(MODEL, [9, 9], 3)
@@ -825,16 +853,21 @@ def test_streaming_with_add_request_and_step():
 
 
 def test_seeded_sampling_ignores_batch_mates_and_preemption():
-    prompt, params = [5, 6, 7, 8, 9], SamplingParams(max_tokens=16, temperature=0.9, top_k=20, top_p=0.9, seed=1234)
-    alone = Engine(MODEL, block_size=4, num_blocks=64).generate([prompt], params)[0].outputs[0].token_ids
+    prompt, params = [5, 6, 7, 8, 9], SamplingParams(max_tokens=16, temperature=0.9, top_k=20,
+                                                     top_p=0.9, seed=1234)
+    alone = (Engine(MODEL, block_size=4, num_blocks=64).generate([prompt], params)[0]
+             .outputs[0].token_ids)
     others = [[(3 * i + j) % 32 for j in range(4 + i)] for i in range(6)]
     for mode in ["recompute", "swap"]:
         engine = Engine(MODEL, block_size=4, num_blocks=14, preemption_mode=mode)
-        outputs = engine.generate(others + [prompt], [SamplingParams(max_tokens=16, temperature=1.0)] * 6 + [params])
+        outputs = engine.generate(others + [prompt],
+                                  [SamplingParams(max_tokens=16, temperature=1.0)] * 6 + [params])
         assert engine.stats()["num_preemptions"] > 0
         assert outputs[-1].outputs[0].token_ids == alone
-    unseeded = Engine(MODEL, block_size=4, num_blocks=64).generate([prompt] * 4, SamplingParams(max_tokens=16))
-    assert len({tuple(o.outputs[0].token_ids) for o in unseeded}) > 1  # without a seed, samples differ
+    unseeded = Engine(MODEL, block_size=4, num_blocks=64).generate([prompt] * 4,
+                                                                   SamplingParams(max_tokens=16))
+    # without a seed, samples differ
+    assert len({tuple(o.outputs[0].token_ids) for o in unseeded}) > 1
 
 
 def test_sampling_respects_top_k_and_top_p():
@@ -864,7 +897,8 @@ def no_writes_into_shared_blocks(monkeypatch):
             if engine.kv_cache.data_ptr() <= k_cache.data_ptr() < engine.kv_cache[1].data_ptr():
                 for slot in slot_mapping.tolist():
                     block = engine.allocator.blocks[slot // engine.block_size]
-                    assert block.ref_count == 1, f"write into block {block.block_id} with ref count {block.ref_count}"
+                    assert block.ref_count == 1, \
+                        f"write into block {block.block_id} with ref count {block.ref_count}"
         real_store_kv(k, v, k_cache, v_cache, slot_mapping, **kwargs)
 
     real_store_kv = nanopaged.store_kv
@@ -928,31 +962,37 @@ def test_beam_search_equals_naive_beam_search(model, width, stop, no_writes_into
     prompt = [3, 14, 15, 9, 2, 6]
     engine = Engine(model, block_size=2, num_blocks=128, preemption_mode="swap")
     no_writes_into_shared_blocks(engine)
-    out = engine.generate([prompt], SamplingParams(max_tokens=8, beam_width=width, stop_token_ids=list(stop)))[0]
+    out = engine.generate([prompt], SamplingParams(max_tokens=8, beam_width=width,
+                                                   stop_token_ids=list(stop)))[0]
     expected = naive_beam_search(model, prompt, width, 8, stop)
     assert [(c.token_ids, c.finish_reason) for c in out.outputs] == [(t, r) for t, _, r in expected]
-    assert [c.cumulative_logprob for c in out.outputs] == pytest.approx([s for _, s, _ in expected], abs=1e-9)
+    assert [c.cumulative_logprob for c in out.outputs] == \
+        pytest.approx([s for _, s, _ in expected], abs=1e-9)
     if width == 1:  # beam search of width 1 is greedy decoding
         assert out.outputs[0].token_ids == naive_greedy(model, prompt, 8)
     assert_all_blocks_free(engine)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(prompt=st.lists(st.integers(0, 99), min_size=1, max_size=8), width=st.integers(1, 4),
        max_tokens=st.integers(3, 10), length_penalty=st.sampled_from([0.0, 1.0, 2.0]),
-       met_at=st.tuples(st.integers(0, 3), st.integers(0, 9)), family=st.sampled_from(["gpt2", "llama"]))
-def test_beam_search_equals_transformers_beam_search(hf_folder, prompt, width, max_tokens, length_penalty,
-                                                     met_at, family):
-    """transformers is the oracle: generate(num_beams=w, num_return_sequences=w, early_stopping=True,
-    length_penalty=...), with an end token the beams meet (a token of one of its own beams)."""
+       met_at=st.tuples(st.integers(0, 3), st.integers(0, 9)),
+       family=st.sampled_from(["gpt2", "llama"]))
+def test_beam_search_equals_transformers_beam_search(hf_folder, prompt, width, max_tokens,
+                                                     length_penalty, met_at, family):
+    """transformers is the oracle: generate(num_beams=w, num_return_sequences=w,
+    early_stopping=True, length_penalty=...), with an end token the beams meet (a token of one of
+    its own beams)."""
     path, hf = hf_folder(family)
     hf64, model = _double(hf), _from_pretrained64(str(path))
 
     def hf_beams(eos):
-        out = hf64.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                            num_beams=width, num_return_sequences=width, do_sample=False, early_stopping=True,
-                            length_penalty=length_penalty, max_new_tokens=max_tokens, eos_token_id=eos,
+        out = hf64.generate(torch.tensor([prompt]),
+                            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                            num_beams=width, num_return_sequences=width, do_sample=False,
+                            early_stopping=True, length_penalty=length_penalty,
+                            max_new_tokens=max_tokens, eos_token_id=eos,
                             pad_token_id=eos if eos is not None else 0)
         beams = [row[len(prompt):].tolist() for row in out]
         return [b[:b.index(eos) + 1] if eos in b else b for b in beams]
@@ -967,7 +1007,8 @@ def test_beam_search_equals_transformers_beam_search(hf_folder, prompt, width, m
     # and so the tests' plain reference, which the fixed cases above compare with, agrees with it
     expected = naive_beam_search(model, prompt, width, max_tokens, [eos], length_penalty)
     assert [(c.token_ids, c.finish_reason) for c in out.outputs] == [(t, r) for t, _, r in expected]
-    assert [c.cumulative_logprob for c in out.outputs] == pytest.approx([s for _, s, _ in expected], abs=1e-9)
+    assert [c.cumulative_logprob for c in out.outputs] == \
+        pytest.approx([s for _, s, _ in expected], abs=1e-9)
 
 
 @functools.cache
@@ -983,13 +1024,17 @@ def _from_pretrained64(path):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_beam_search_and_parallel_samples_survive_preemption(mode):
     prompts = [[(5 * i + j) % 32 for j in range(6 + i)] for i in range(4)]
-    params = [SamplingParams(max_tokens=10, beam_width=3), SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=7),
-              SamplingParams(max_tokens=10, temperature=0), SamplingParams(max_tokens=10, beam_width=2)]
+    params = [SamplingParams(max_tokens=10, beam_width=3),
+              SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=7),
+              SamplingParams(max_tokens=10, temperature=0),
+              SamplingParams(max_tokens=10, beam_width=2)]
     ample = Engine(MODEL, block_size=2, num_blocks=256).generate(prompts, params)
-    engine = Engine(MODEL, block_size=2, num_blocks=27, preemption_mode=mode, max_num_batched_tokens=8)
+    engine = Engine(MODEL, block_size=2, num_blocks=27, preemption_mode=mode,
+                    max_num_batched_tokens=8)
     tight = engine.generate(prompts, params)
     assert engine.stats()["num_preemptions"] > 0
-    assert [[c.token_ids for c in o.outputs] for o in tight] == [[c.token_ids for c in o.outputs] for o in ample]
+    assert [[c.token_ids for c in o.outputs] for o in tight] == \
+        [[c.token_ids for c in o.outputs] for o in ample]
     assert_all_blocks_free(engine)
 
 
@@ -1000,13 +1045,15 @@ def test_prefix_caching_on_and_off_give_identical_outputs(model, no_writes_into_
     params = SamplingParams(max_tokens=6, temperature=0)
     results = {}
     for caching in (True, False):
-        engine = Engine(model, block_size=4, num_blocks=64, enable_prefix_caching=caching, max_num_seqs=2)
+        engine = Engine(model, block_size=4, num_blocks=64, enable_prefix_caching=caching,
+                        max_num_seqs=2)
         no_writes_into_shared_blocks(engine)
         results[caching] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
         hits = engine.stats()["prefix_cache_hit_tokens"]
         assert hits > 0 if caching else hits == 0
         assert_all_blocks_free(engine)
-        assert engine.stats()["num_cached_blocks"] > 0 if caching else engine.stats()["num_cached_blocks"] == 0
+        assert engine.stats()["num_cached_blocks"] > 0 if caching else \
+            engine.stats()["num_cached_blocks"] == 0
     assert results[True] == results[False] == [naive_greedy(model, p, 6) for p in prompts]
 
 
@@ -1015,8 +1062,10 @@ def test_prompt_fully_in_the_cache_still_gets_its_next_token():
     prompt = list(range(8))  # exactly two blocks
     first = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0))[0]
     second = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0))[0]
-    assert engine.stats()["prefix_cache_hit_tokens"] == 4  # the block with the last token is recomputed
-    assert first.outputs[0].token_ids == second.outputs[0].token_ids == naive_greedy(MODEL, prompt, 3)
+    # the block with the last token is recomputed
+    assert engine.stats()["prefix_cache_hit_tokens"] == 4
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids == \
+        naive_greedy(MODEL, prompt, 3)
 
 
 # -----------------------------------------------------------------------------
@@ -1152,8 +1201,10 @@ class RecordingEngine(Engine):
         process = self.output_processor.process
 
         def record(scheduled, logits):
-            done = [seq for seq, num_new in scheduled if seq.num_computed_tokens + num_new == len(seq)]
-            self.logits.update({tuple(s.token_ids): row for s, row in zip(done, logits, strict=True)})
+            done = [seq for seq, num_new in scheduled
+                    if seq.num_computed_tokens + num_new == len(seq)]
+            self.logits.update({tuple(s.token_ids): row
+                                for s, row in zip(done, logits, strict=True)})
             return process(scheduled, logits)
         self.output_processor.process = record
 
@@ -1203,7 +1254,8 @@ def test_from_pretrained_reads_pytorch_model_bin(hf_folder, tmp_path):
     (tmp_path / "config.json").write_text((path / "config.json").read_text())
     idx = torch.randint(100, (1, 10))
     with torch.no_grad():
-        torch.testing.assert_close(GPT.from_pretrained(str(tmp_path))(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(GPT.from_pretrained(str(tmp_path))(idx), hf(idx).logits,
+                                   atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name,key,size,message", [
@@ -1331,7 +1383,8 @@ def serves_normally(engine):
     ([1, -1], SamplingParams(), "prompt token 1 is -1"),
     ([1, 2.5], SamplingParams(), "prompt token 1 is 2.5"),
     ([1] * 60, SamplingParams(max_tokens=5), r"= 65 exceeds the model's max_seq_len \(64\)"),
-    ([1] * 30, SamplingParams(max_tokens=30), "may need 15 KV blocks .* but the pool has 12: it could never run"),
+    ([1] * 30, SamplingParams(max_tokens=30),
+     "may need 15 KV blocks .* but the pool has 12: it could never run"),
     ([1] * 11, SamplingParams(max_tokens=6, n=3), r"may need 15 KV blocks \(3 x 17 tokens"),
     ([1], SamplingParams(n=9), r"n/beam_width \(9\) exceeds max_num_seqs .*at most 8 sequences"),
     ([1], "greedy", "params must be a SamplingParams"),
@@ -1390,11 +1443,13 @@ def test_a_batch_with_one_bad_prompt_is_rejected_whole():
 @pytest.mark.parametrize("kwargs,message", [
     (dict(block_size=0), r"block_size must be an integer >= 1, got 0"),
     (dict(num_blocks=0), r"num_blocks must be an integer >= 1, got 0"),
-    (dict(num_blocks=None, kv_cache_bytes=1000), r"kv_cache_bytes=1000 is smaller than one KV block \(4096 bytes"),
+    (dict(num_blocks=None, kv_cache_bytes=1000),
+     r"kv_cache_bytes=1000 is smaller than one KV block \(4096 bytes"),
     (dict(preemption_mode="evict"), "preemption_mode must be 'recompute' or 'swap'"),
     (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
     (dict(attention_backend="flash"), "attention_backend must be 'triton' or 'torch'"),
-    (dict(attention_backend="triton"), r"Triton kernel takes head sizes .* model has head size 8 in torch.float64"),
+    (dict(attention_backend="triton"),
+     r"Triton kernel takes head sizes .* model has head size 8 in torch.float64"),
     (dict(num_cpu_blocks=-1), "num_cpu_blocks must be an integer >= 0, got -1"),
     (dict(num_cpu_blocks=2.0), "num_cpu_blocks must be an integer >= 0, got 2.0"),
     (dict(num_blocks=None, kv_cache_bytes=-1), "kv_cache_bytes must be an integer >= 1, got -1"),
@@ -1410,36 +1465,43 @@ def test_bad_engine_settings(kwargs, message):
 
 @pytest.mark.parametrize("swap_space", [0, 2**-20, 2**-10])
 def test_the_swap_space_is_sized_in_bytes(swap_space):
-    engine = Engine(MODEL, block_size=4, num_blocks=64, preemption_mode="swap", swap_space=swap_space)
+    engine = Engine(MODEL, block_size=4, num_blocks=64, preemption_mode="swap",
+                    swap_space=swap_space)
     bytes_per_block = engine.kv_cache[:, :, 0].numel() * engine.kv_cache.itemsize
     assert engine.allocator.num_blocks == 64  # at most the device pool's count
-    assert len(engine.allocator.cpu_ref_count) == min(64, int(swap_space * 2**30) // bytes_per_block)
+    assert len(engine.allocator.cpu_ref_count) == \
+        min(64, int(swap_space * 2**30) // bytes_per_block)
     assert engine.model_runner.cpu_kv_cache.shape[0] == len(engine.allocator.cpu_ref_count)
-    assert Engine(MODEL, block_size=4, num_blocks=64).model_runner.cpu_kv_cache.shape[0] == 0  # recompute
+    # recompute
+    assert Engine(MODEL, block_size=4, num_blocks=64).model_runner.cpu_kv_cache.shape[0] == 0
 
 
 @pytest.mark.parametrize("swap_space", [10**6, -1, "4", True])
 def test_a_swap_space_the_host_cannot_hold_is_a_clear_error(swap_space):
-    with pytest.raises(ValueError, match=r"swap_space must be a number of GiB in \[0, [0-9.]+\] \(70% of "
-                                         rf"this host's [0-9.]+ GiB\), got {re.escape(repr(swap_space))}"):
+    with pytest.raises(ValueError, match=r"swap_space must be a number of GiB in \[0, [0-9.]+\] "
+                                         r"\(70% of this host's [0-9.]+ GiB\), "
+                                         rf"got {re.escape(repr(swap_space))}"):
         Engine(MODEL, block_size=4, num_blocks=8, preemption_mode="swap", swap_space=swap_space)
 
 
 def test_prefix_cache_keys_do_not_trust_pythons_hash(monkeypatch):
     """Keys were Python's hash of (key before, tokens): a collision crafted for it shared another
     prompt's K/V (vLLM's CVE-2025-25183). Here the weakest such hash, blind to the prefix, makes
-    block [3, 4] after [1, 2] collide with [3, 4] at the start of a prompt; SHA-256 keys ignore it."""
+    block [3, 4] after [1, 2] collide with [3, 4] at the start of a prompt; SHA-256 keys ignore
+    it."""
     import builtins
     monkeypatch.setattr(nanopaged, "hash", lambda key: builtins.hash(key[1]), raising=False)
     engine = Engine(MODEL, block_size=2, num_blocks=16)
     greedy = SamplingParams(max_tokens=4, temperature=0)
     for prompt in ([1, 2, 3, 4, 9], [3, 4, 9]):
-        assert engine.generate([prompt], greedy)[0].outputs[0].token_ids == naive_greedy(MODEL, prompt, 4)
+        assert engine.generate([prompt], greedy)[0].outputs[0].token_ids == \
+            naive_greedy(MODEL, prompt, 4)
     assert engine.allocator.num_hit_tokens == 0
 
 
 @settings(max_examples=40, deadline=None)
-@given(prompts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=9), min_size=2, max_size=6),
+@given(prompts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=9),
+                        min_size=2, max_size=6),
        block_size=st.sampled_from([1, 2, 3]), name=st.sampled_from(["gpt2", "llama"]))
 def test_generation_is_right_even_if_every_prefix_key_collides(prompts, block_size, name):
     """Patch the key to a constant: a block already cached under it is reused (published twin or
@@ -1452,17 +1514,20 @@ def test_generation_is_right_even_if_every_prefix_key_collides(prompts, block_si
         for i in range(0, len(prompts), 2):  # two at a time: twins are published in one step
             for prompt, out in zip(prompts[i:i + 2], engine.generate(prompts[i:i + 2], greedy)):
                 tokens = naive_greedy(model, prompt, 3)
-                logprob = sum(naive_logprobs(model, prompt + tokens[:j])[t].item() for j, t in enumerate(tokens))
+                logprob = sum(naive_logprobs(model, prompt + tokens[:j])[t].item()
+                              for j, t in enumerate(tokens))
                 assert out.outputs[0].token_ids == tokens  # and the logits, to sampling's rounding:
                 assert out.outputs[0].cumulative_logprob == pytest.approx(logprob, abs=1e-5)  # fp32
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=2), min_size=1, max_size=3),
+@given(st.lists(st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=2),
+                         min_size=1, max_size=3),
                 min_size=2, max_size=10))
 def test_chained_keys_differ_whenever_prefixes_differ(prefixes):
     keys = {}
-    for blocks in prefixes:  # short blocks of three tokens: equal blocks after other prefixes abound
+    # short blocks of three tokens: equal blocks after other prefixes abound
+    for blocks in prefixes:
         key = None
         for block in blocks:
             key = chain_hash(key, block)
@@ -1488,7 +1553,8 @@ def test_an_engine_takes_its_parts_by_class():
     prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
     outs = engine.generate(prompts, SamplingParams(max_tokens=5, temperature=0))
     assert [o.outputs[0].token_ids for o in outs] == [naive_greedy(MODEL, p, 5) for p in prompts]
-    assert engine.stats()["num_preemptions"] == 0 and engine.scheduler.num_steps >= 10  # 3 at a time
+    # 3 at a time
+    assert engine.stats()["num_preemptions"] == 0 and engine.scheduler.num_steps >= 10
     assert_all_blocks_free(engine)
 
 
@@ -1497,7 +1563,8 @@ def test_engine_takes_a_gpt_model():
         Engine(torch.nn.Linear(2, 2), block_size=4, num_blocks=8)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error for a machine without a GPU")
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="checks the error for a machine without a GPU")
 def test_cuda_without_a_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match="no CUDA GPU is available"):
         Engine(MODEL, block_size=4, num_blocks=8, device="cuda")
@@ -1505,9 +1572,11 @@ def test_cuda_without_a_gpu_is_a_clear_error():
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_abort_anywhere_returns_every_block(mode):
-    engine = Engine(MODEL, block_size=2, num_blocks=24, preemption_mode=mode, max_num_batched_tokens=6)
+    engine = Engine(MODEL, block_size=2, num_blocks=24, preemption_mode=mode,
+                    max_num_batched_tokens=6)
     long_prompt = list(range(20))
-    ids = [engine.add_request(long_prompt, SamplingParams(max_tokens=20, temperature=0)) for _ in range(3)]
+    ids = [engine.add_request(long_prompt, SamplingParams(max_tokens=20, temperature=0))
+           for _ in range(3)]
     ids.append(engine.add_request([5, 6], SamplingParams(max_tokens=10, n=3, temperature=1.0)))
     engine.step()  # the first prompt is mid-prefill (6 of 20 tokens), the rest wait
     assert engine.requests[ids[0]].seqs[0].num_computed_tokens == 6
@@ -1550,19 +1619,22 @@ def test_a_model_error_inside_a_step_loses_nothing(monkeypatch):
             outputs.update({o.request_id: o for o in engine.step()})
         except RuntimeError:
             pass
-    assert [outputs[i].outputs[0].token_ids for i in range(4)] == [naive_greedy(MODEL, p, 10) for p in prompts]
+    assert [outputs[i].outputs[0].token_ids for i in range(4)] == \
+        [naive_greedy(MODEL, p, 10) for p in prompts]
     assert_all_blocks_free(engine)
 
 
 def engine_state(engine):
     """Everything a step may change, by request id and sample index (not by object)."""
     s, a = engine.scheduler, engine.allocator
-    groups = {rid: ([(seq.index, list(seq.token_ids), seq.num_computed_tokens, list(seq.block_table),
-                      list(seq.block_hashes), seq.cumulative_logprob, seq.finish_reason) for seq in g.seqs],
-                    len(g.finished), g.first_token_time, g.num_preemptions) for rid, g in engine.requests.items()}
+    groups = {rid: ([(seq.index, list(seq.token_ids), seq.num_computed_tokens,
+                      list(seq.block_table), list(seq.block_hashes), seq.cumulative_logprob,
+                      seq.finish_reason) for seq in g.seqs],
+                    len(g.finished), g.first_token_time, g.num_preemptions)
+              for rid, g in engine.requests.items()}
     queues = [[g.request_id for g in q] for q in (s.waiting, s.running, s.swapped)]
-    return (groups, queues, s.num_preemptions, allocator_state(a), a.num_hit_tokens, a.num_queried_tokens,
-            engine.output_processor.num_generated_tokens)
+    return (groups, queues, s.num_preemptions, allocator_state(a), a.num_hit_tokens,
+            a.num_queried_tokens, engine.output_processor.num_generated_tokens)
 
 
 def test_a_failing_request_does_not_strand_its_batch_mates(monkeypatch):
@@ -1591,29 +1663,35 @@ def test_a_failing_request_does_not_strand_its_batch_mates(monkeypatch):
 
 # Where a step can fail: (owner, function name). The failure is raised before or after the call.
 FAILURE_POINTS = [(nanopaged.Scheduler, "schedule"), (BlockAllocator, "allocate"),
-                  (BlockAllocator, "append_slot"), (BlockAllocator, "swap_out"), (BlockAllocator, "swap_in"),
-                  (nanopaged.ModelRunner, "copy_blocks"), (GPT, "forward"), (BlockAllocator, "cache_full_blocks"),
+                  (BlockAllocator, "append_slot"), (BlockAllocator, "swap_out"),
+                  (BlockAllocator, "swap_in"), (nanopaged.ModelRunner, "copy_blocks"),
+                  (GPT, "forward"), (BlockAllocator, "cache_full_blocks"),
                   (nanopaged, "sample"), (nanopaged.OutputProcessor, "stop_reason"),
-                  (nanopaged.OutputProcessor, "fork"), (nanopaged.OutputProcessor, "beam_search_step"),
+                  (nanopaged.OutputProcessor, "fork"),
+                  (nanopaged.OutputProcessor, "beam_search_step"),
                   (BlockAllocator, "free"), (nanopaged.OutputProcessor, "output")]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 31), min_size=1, max_size=10), st.integers(1, 6),
-                                   st.sampled_from(["greedy", "seeded", "n=2", "beam=2"])), min_size=1, max_size=6),
+@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 31), min_size=1, max_size=10),
+                                   st.integers(1, 6),
+                                   st.sampled_from(["greedy", "seeded", "n=2", "beam=2"])),
+                         min_size=1, max_size=6),
        point=st.sampled_from(FAILURE_POINTS), call=st.integers(1, 12), after=st.booleans(),
        block_size=st.sampled_from([1, 2, 4]), spare=st.integers(0, 6),
        mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans())
-def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, after, block_size, spare,
-                                                      mode, caching):
+def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, after, block_size,
+                                                      spare, mode, caching):
     """Raise once, at a random call of a random function inside a step: the step leaves every
     request, queue and block as it found them (but for K/V the failed step may have overwritten:
     blocks it handed out leave the prefix cache, and a request that held one is recomputed);
     the next steps serve every request to the same output as a run without the failure."""
     params = [SamplingParams(max_tokens=m, temperature=0 if kind == "greedy" else 1.0, seed=i,
-                             n=2 if kind == "n=2" else 1, beam_width=2 if kind == "beam=2" else None,
+                             n=2 if kind == "n=2" else 1,
+                             beam_width=2 if kind == "beam=2" else None,
                              stop_token_ids=[7]) for i, (_, m, kind) in enumerate(requests)]
-    worst = max(p.num_seqs * -(-(len(r[0]) + p.max_tokens) // block_size) for r, p in zip(requests, params))
+    worst = max(p.num_seqs * -(-(len(r[0]) + p.max_tokens) // block_size)
+                for r, p in zip(requests, params))
 
     def run(engine, inject):
         ids = [engine.add_request(r[0], p) for r, p in zip(requests, params)]
@@ -1655,7 +1733,8 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
 
     def rollback(self):  # what the failed step handed out, and which block held or cached then
         taken.clear()
-        taken.update(b for b in self.taken if self.saved_blocks[b].ref_count or self.saved_blocks[b].hash)
+        taken.update(b for b in self.taken
+                     if self.saved_blocks[b].ref_count or self.saved_blocks[b].hash)
         return real_rollback(self)
 
     with pytest.MonkeyPatch.context() as mp:
@@ -1671,12 +1750,14 @@ def test_an_engine_that_cannot_make_progress_raises_at_once(monkeypatch):
     the queues, not a loop that never ends."""
     engine = Engine(MODEL, block_size=4, num_blocks=16)
     monkeypatch.setattr(BlockAllocator, "num_free_blocks", property(lambda self: 0))
-    message = (r"the engine can make no progress: this step scheduled, preempted and moved nothing, "
-               r"while 2 waiting and 0 swapped requests and 0 running sequences are unfinished \(0 of 16 KV")
+    message = (r"the engine can make no progress: this step scheduled, preempted and moved "
+               r"nothing, while 2 waiting and 0 swapped requests and 0 running sequences are "
+               r"unfinished \(0 of 16 KV")
     with pytest.raises(RuntimeError, match=message):
         engine.generate([[1, 2], [3]], SamplingParams(max_tokens=4))
     monkeypatch.undo()
-    assert len(engine.scheduler.waiting) == 2 and drain(engine) and assert_all_blocks_free(engine) is None
+    assert len(engine.scheduler.waiting) == 2 and drain(engine) and \
+        assert_all_blocks_free(engine) is None
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -1686,16 +1767,17 @@ class EngineMachine(RuleBasedStateMachine):
                 mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
                 max_num_seqs=st.integers(2, 5))
     def setup(self, block_size, num_blocks, mode, caching, max_num_seqs):
-        self.engine = Engine(MODEL, block_size=block_size, num_blocks=num_blocks, preemption_mode=mode,
-                             enable_prefix_caching=caching, max_num_batched_tokens=8,
-                             max_num_seqs=max_num_seqs)
+        self.engine = Engine(MODEL, block_size=block_size, num_blocks=num_blocks,
+                             preemption_mode=mode, enable_prefix_caching=caching,
+                             max_num_batched_tokens=8, max_num_seqs=max_num_seqs)
         self.unfinished, self.expected = set(), {}
 
     @rule(prompt=st.lists(st.integers(0, 7), min_size=1, max_size=9), max_tokens=st.integers(1, 6),
           kind=st.sampled_from(["greedy", "greedy", "n=2", "beam=2"]))
     def add(self, prompt, max_tokens, kind):
         params = SamplingParams(max_tokens=max_tokens, temperature=0 if kind == "greedy" else 1.0,
-                                n=2 if kind == "n=2" else 1, beam_width=2 if kind == "beam=2" else None)
+                                n=2 if kind == "n=2" else 1,
+                                beam_width=2 if kind == "beam=2" else None)
         try:
             request_id = self.engine.add_request(prompt, params)
         except ValueError:  # too big for this pool: rejected up front, and nothing changed
@@ -1756,9 +1838,11 @@ test_engine_state_machine = EngineMachine.TestCase
 def test_engine_on_the_triton_kernel_generates_like_naive():
     # the engine's GPU path (Triton attention and KV store), here under the interpreter on a CPU
     torch.manual_seed(3)
-    model = GPT(GPTConfig(n_layer=2, n_head=2, n_kv_head=1, n_embd=32, vocab_size=32, max_seq_len=64))
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_kv_head=1, n_embd=32, vocab_size=32,
+                          max_seq_len=64))
     prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10] * 12]
-    engine = Engine(model, block_size=4, num_blocks=24, attention_backend="triton", max_num_batched_tokens=10)
+    engine = Engine(model, block_size=4, num_blocks=24, attention_backend="triton",
+                    max_num_batched_tokens=10)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
     assert [o.outputs[0].token_ids for o in outputs] == [naive_greedy(model, p, 6) for p in prompts]
     assert_all_blocks_free(engine)
@@ -1776,17 +1860,21 @@ def test_demo_serves_its_workload_and_reports_true_numbers(capsys, tmp_path):
     prompts = [report["tokenizer"].encode((demo.DEMO_PREFIX if i % 3 == 0 else "") + topic)
                for i, topic in enumerate(demo.DEMO_TOPICS)]
     assert [o.prompt_token_ids for o in outputs] == prompts
-    assert [len(o.outputs) for o in outputs] == [3 if i in (3, 7) else 1 for i in range(len(prompts))]
-    assert all(len(c.token_ids) == 12 and all(0 <= t < 256 for t in c.token_ids) for o in outputs for c in o.outputs)
+    assert [len(o.outputs) for o in outputs] == \
+        [3 if i in (3, 7) else 1 for i in range(len(prompts))]
+    assert all(len(c.token_ids) == 12 and all(0 <= t < 256 for t in c.token_ids)
+               for o in outputs for c in o.outputs)
     model = engine.model
-    assert outputs[1].outputs[0].token_ids == naive_greedy(model, prompts[1], 12)  # greedy, so checkable
+    # greedy, so checkable
+    assert outputs[1].outputs[0].token_ids == naive_greedy(model, prompts[1], 12)
     # the summary is the engine's own account, and says so in print
     s = engine.stats()
     assert summary["preemptions"] == s["num_preemptions"] > 0
     assert summary["generated_tokens"] == sum(len(c.token_ids) for o in outputs for c in o.outputs)
     assert summary["contiguous_capacity"] == 24 * 16 // 256 < summary["peak_running"]
     assert summary["peak_blocks_saved"] > 0 and 0.5 < summary["kv_utilization"] <= 1
-    assert f"{summary['preemptions']} preemptions" in printed and "physical KV blocks at step" in printed
+    assert f"{summary['preemptions']} preemptions" in printed and \
+        "physical KV blocks at step" in printed
     assert f"holds {summary['contiguous_capacity']} in the same memory" in printed
     assert s["num_free_blocks"] == s["num_blocks"] and not engine.requests
     assert (tmp_path / "demo.png").stat().st_size > 10_000
@@ -1806,8 +1894,8 @@ def test_demo_serves_its_workload_and_reports_true_numbers(capsys, tmp_path):
     (["--prompt", "x", "--n", "0"], r"\bn must be an int >= 1, got 0"),
 ])
 def test_demo_bad_flags_end_with_one_clear_line(flags, message):
-    run = subprocess.run([sys.executable, "nanopaged.py", *flags], capture_output=True, text=True, timeout=300,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "nanopaged.py", *flags], capture_output=True, text=True,
+                         timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
     assert run.returncode != 0 and "Traceback" not in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and run.stderr.startswith("nanopaged: error:")
     assert re.search(message, run.stderr), run.stderr
@@ -1815,11 +1903,14 @@ def test_demo_bad_flags_end_with_one_clear_line(flags, message):
 
 def test_running_nanopaged_py_loads_the_module_once():
     """`python nanopaged.py` runs demo.py, which imports nanopaged: that must be the running
-    module, not a second copy with classes of its own (a GPT of one would not be a GPT of the other)."""
-    run = subprocess.run([sys.executable, "-X", "importtime", "nanopaged.py", "--help"], capture_output=True,
-                         text=True, timeout=300, cwd=os.path.dirname(os.path.abspath(__file__)))
+    module, not a second copy with classes of its own (a GPT of one would not be a GPT of the
+    other)."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "nanopaged.py", "--help"],
+                         capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))
     assert run.returncode == 0 and "Traceback" not in run.stderr, run.stderr
-    imported = [line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")]
+    imported = [line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines()
+                if line.startswith("import time:")]
     assert "demo" in imported and "nanopaged" not in imported
 
 
@@ -1842,8 +1933,8 @@ def test_demo_takes_text_prompts_through_a_model_folders_tokenizer(hf_folder, tm
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tokenizer.save(str(tmp_path / "tokenizer.json"))
-    report = nanopaged.main(["--model", str(tmp_path), "--prompt", "hello paged world", "--max-tokens", "5",
-                             "--temperature", "0", "--num-blocks", "8"])
+    report = nanopaged.main(["--model", str(tmp_path), "--prompt", "hello paged world",
+                             "--max-tokens", "5", "--temperature", "0", "--num-blocks", "8"])
     out = report["outputs"][0]
     assert out.prompt_token_ids == [1, 2, 3] and len(out.outputs[0].token_ids) == 5
     assert "'hello paged world' -> " in capsys.readouterr().out
@@ -1855,7 +1946,8 @@ def test_hundreds_of_requests_in_a_pool_a_few_sequences_deep(mode):
     prompts = [[rng.randrange(32) for _ in range(rng.randint(1, 12))] for _ in range(200)]
     params = [SamplingParams(max_tokens=rng.randint(1, 10), temperature=0) for _ in prompts]
     ample = Engine(MODEL, block_size=4, num_blocks=2048).generate(prompts, params)
-    engine = Engine(MODEL, block_size=4, num_blocks=16, preemption_mode=mode)  # about three sequences deep
+    # about three sequences deep
+    engine = Engine(MODEL, block_size=4, num_blocks=16, preemption_mode=mode)
     tight = engine.generate(prompts, params)
     assert engine.stats()["num_preemptions"] > 10
     assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in ample]
@@ -1905,7 +1997,8 @@ def test_beam_search_breaks_ties_by_earlier_beam_then_smaller_token(width):
     with torch.no_grad():
         for p in model.parameters():
             p.zero_()  # every logit 0: every candidate of every step ties
-    out = Engine(model, block_size=4, num_blocks=32).generate([[1, 2]], SamplingParams(max_tokens=3, beam_width=width))
+    out = Engine(model, block_size=4, num_blocks=32).generate(
+        [[1, 2]], SamplingParams(max_tokens=3, beam_width=width))
     # each step keeps beam 0's extensions by tokens 0, 1, ...; the last step's width best finish
     assert [c.token_ids for c in out[0].outputs] == [[0, 0, t] for t in range(width)]
 
@@ -2082,11 +2175,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         if s.waiting and not out.preempted and not s._is_older(s.swapped, s.waiting):
             g = s.waiting[0]
             need = sum(a.num_blocks_to_allocate(seq) for seq in g.seqs)
-            fits = left > 0 and need + spare <= a.num_free_blocks and num_seqs + g.params.num_seqs <= S
+            fits = left > 0 and need + spare <= a.num_free_blocks and \
+                num_seqs + g.params.num_seqs <= S
             assert not fits, "admission left out"
         # (as step 2 saw it: an older request waiting then, even if admitted since, holds it back)
         recomputed = any(g in pre["swapped"] for g in [*s.waiting, *admitted])  # no room even alone
-        if (s.swapped and not out.preempted and not recomputed and not s._is_older(pre["waiting"], s.swapped)
+        if (s.swapped and not out.preempted and not recomputed
+                and not s._is_older(pre["waiting"], s.swapped)
                 and not s._is_older(s.waiting, s.swapped)):
             g = s.swapped[0]  # the budget as it stood before step 3's prefill chunks
             prefill_tokens = sum(n for seq, n in out.scheduled
@@ -2146,8 +2241,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         for queue, pool in ((self.s.running, self.runner.kv_cache[0, 0]),
                             (self.s.swapped, self.runner.cpu_kv_cache[:, 0, 0])):
             for seq in (seq for g in queue for seq in g.seqs):
-                held = [pool[seq.block_table[p // bs], p % bs].item() for p in range(seq.num_computed_tokens)]
-                assert held == [t + 4 * p for p, t in enumerate(seq.token_ids[:seq.num_computed_tokens])]
+                held = [pool[seq.block_table[p // bs], p % bs].item()
+                        for p in range(seq.num_computed_tokens)]
+                assert held == [t + 4 * p
+                                for p, t in enumerate(seq.token_ids[:seq.num_computed_tokens])]
 
     @invariant()
     def queues_keep_arrival_order(self):
@@ -2176,7 +2273,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                     if a.blocks[block_id].hash is not None:
                         assert computed and a.blocks[block_id].token_ids == chunk
                     if computed and a.enable_prefix_caching:
-                        assert key in a.hash_to_block, f"block {i} of seq {seq.seq_id} is not cached"
+                        assert key in a.hash_to_block, \
+                            f"block {i} of seq {seq.seq_id} is not cached"
 
     def teardown(self):
         if not hasattr(self, "a"):
@@ -2218,17 +2316,18 @@ def test_a_request_recomputed_for_lack_of_swap_space_resumes_before_younger_swap
 
 
 @settings(max_examples=60, deadline=None)
-@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=5), st.integers(2, 6),
-                                   st.sampled_from([1, 3, 3])), min_size=4, max_size=10),
+@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=5),
+                                   st.integers(2, 6), st.sampled_from([1, 3, 3])),
+                         min_size=4, max_size=10),
        block_size=st.integers(2, 3), num_blocks=st.integers(8, 14), seed=st.integers(0, 99))
-def test_swaps_and_copies_in_one_step_keep_every_token_where_its_table_says(requests, block_size, num_blocks,
-                                                                              seed):
+def test_swaps_and_copies_in_one_step_keep_every_token_where_its_table_says(requests, block_size,
+                                                                              num_blocks, seed):
     """Swap-heavy runs of the scheduler machine (several groups swapped out in a step, copy-on-write
     beside swaps): ModelRunner.copy_blocks, in its order, leaves every computed token of every
     running or swapped sequence in the slot its block table names."""
     m = SchedulerMachine()
-    m.setup(block_size=block_size, num_blocks=num_blocks, num_cpu_blocks=16, mode="swap", caching=True,
-            max_num_seqs=9, max_num_batched_tokens=16, watermark=0.01)
+    m.setup(block_size=block_size, num_blocks=num_blocks, num_cpu_blocks=16, mode="swap",
+            caching=True, max_num_seqs=9, max_num_batched_tokens=16, watermark=0.01)
     for prompt, max_tokens, n in requests:
         m.add(prompt, max_tokens, n, stop=False)
     rng, moves = random.Random(seed), Counter()
@@ -2247,7 +2346,8 @@ def test_swaps_and_copies_in_one_step_keep_every_token_where_its_table_says(requ
         m.step(rng)
         m.every_computed_token_is_where_its_block_table_says()
     assert not m.groups
-    event(f"steps with swap-outs and copies: {min(moves['both'], 2)}+, several out: {min(moves['several out'], 2)}+")
+    event(f"steps with swap-outs and copies: {min(moves['both'], 2)}+, "
+          f"several out: {min(moves['several out'], 2)}+")
     m.teardown()
 
 
@@ -2365,7 +2465,8 @@ def test_draws_follow_transformers_distribution(row, temperature, top_k, top_p):
 
 @settings(max_examples=50, deadline=None)
 @given(st.integers(0, 2**31), st.lists(st.tuples(st.sampled_from([0.0, 0.5, 1.0, 2.0]),
-                                                 st.integers(0, 6), st.sampled_from([1.0, 0.9, 0.5, 0.1])),
+                                                 st.integers(0, 6),
+                                                 st.sampled_from([1.0, 0.9, 0.5, 0.1])),
                                        min_size=1, max_size=4))
 def test_sample_draws_only_from_the_support_and_greedy_is_the_argmax(seed, rows):
     g = torch.Generator().manual_seed(seed)
@@ -2381,7 +2482,8 @@ def test_sample_draws_only_from_the_support_and_greedy_is_the_argmax(seed, rows)
 
 @settings(max_examples=50, deadline=None)
 @given(st.integers(0, 2**31), st.lists(st.tuples(st.sampled_from([0.0, 0.7, 1.0]),
-                                                 st.sampled_from([0, 3]), st.sampled_from([1.0, 0.6])),
+                                                 st.sampled_from([0, 3]),
+                                                 st.sampled_from([1.0, 0.6])),
                                        min_size=2, max_size=5))
 def test_a_rows_draw_ignores_the_other_rows(seed, rows):
     logits = torch.randn(len(rows), 40, generator=torch.Generator().manual_seed(seed))
@@ -2429,8 +2531,9 @@ def test_samples_come_back_in_index_order_with_their_tokens_logprob_under_the_mo
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.tuples(st.one_of(st.integers(0, 5), st.integers(0, 2**64 - 1)), st.integers(0, 12),
-                          st.integers(0, 12)), min_size=2, max_size=12, unique=True))
+@given(st.lists(st.tuples(st.one_of(st.integers(0, 5), st.integers(0, 2**64 - 1)),
+                          st.integers(0, 12), st.integers(0, 12)),
+                min_size=2, max_size=12, unique=True))
 def test_distinct_seed_index_and_position_triples_draw_distinct_streams(triples):
     # (1, 12, 3) and (11, 2, 3) would spell alike joined without separators
     triples += [(1, 12, 3), (11, 2, 3), (1, 1, 23)]
@@ -2467,8 +2570,9 @@ def test_a_seeded_request_ignores_batch_mates_preemption_and_prefix_caching(
        seed=st.integers(0, 99))
 def test_stop_tokens_always_stop_and_max_tokens_is_exact(
         prompt, max_tokens, stops, eos, ignore_eos, kind, seed):
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if kind == "greedy" else 1, seed=seed,
-                            n=2 if kind == "n=2" else 1, beam_width=2 if kind == "beam=2" else None,
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if kind == "greedy" else 1,
+                            seed=seed, n=2 if kind == "n=2" else 1,
+                            beam_width=2 if kind == "beam=2" else None,
                             stop_token_ids=stops, ignore_eos=ignore_eos)
     eos_ids = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)  # as HF
     ends = set(stops) | (set() if ignore_eos else eos_ids)
@@ -2636,8 +2740,10 @@ def tp_failure_worker(rank, port, folder):
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     nanopaged.init_tensor_parallel(2, timeout_s=300, device="cpu")
-    model = GPT(TP_CONFIG).double().load_full_state_dict(torch.load(os.path.join(folder, "full.pt")))
-    results = dict(num_blocks=Engine(model, block_size=4, kv_cache_bytes=65536 * (1 + rank)).allocator.num_blocks)
+    model = GPT(TP_CONFIG).double().load_full_state_dict(
+        torch.load(os.path.join(folder, "full.pt")))
+    results = dict(num_blocks=Engine(model, block_size=4,
+                                     kv_cache_bytes=65536 * (1 + rank)).allocator.num_blocks)
     engine = Engine(model, block_size=4, num_blocks=32)
     for i in range(3):
         engine.add_request([1 + i, 2, 3], SamplingParams(max_tokens=8, temperature=0))
@@ -2645,7 +2751,8 @@ def tp_failure_worker(rank, port, folder):
 
     def forward(self, *args, **kwargs):
         calls[0] += 1
-        if rank == 0 and calls[0] == 3:  # mid-serving, with rank 1 already in the step's first all-reduce
+        # mid-serving, with rank 1 already in the step's first all-reduce
+        if rank == 0 and calls[0] == 3:
             raise RuntimeError("CUDA out of memory (simulated) on rank 0")
         return real_forward(self, *args, **kwargs)
 
@@ -2666,7 +2773,8 @@ def test_a_failure_on_one_rank_ends_every_rank_at_once_and_pools_agree(tmp_path)
     torch.manual_seed(0)
     torch.save(GPT(TP_CONFIG).double().state_dict(), tmp_path / "full.pt")
     ctx, port = torch.multiprocessing.get_context("spawn"), free_port()
-    ranks = [ctx.Process(target=tp_failure_worker, args=(rank, port, str(tmp_path))) for rank in (0, 1)]
+    ranks = [ctx.Process(target=tp_failure_worker, args=(rank, port, str(tmp_path)))
+             for rank in (0, 1)]
     for p in ranks:
         p.start()
     for p in ranks:  # well within the group's 300 s timeout, which no rank may wait out
@@ -2676,7 +2784,8 @@ def test_a_failure_on_one_rank_ends_every_rank_at_once_and_pools_agree(tmp_path)
     assert [p.exitcode for p in ranks] == [0, 0]
     rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     # rank 1's budget is twice rank 0's, but both take rank 0's count: the same block ids everywhere
-    bytes_per_block = math.prod(nanopaged.kv_block_shape(TP_CONFIG, 4)) * 8 // 2  # half the K/V heads
+    # half the K/V heads
+    bytes_per_block = math.prod(nanopaged.kv_block_shape(TP_CONFIG, 4)) * 8 // 2
     assert rank0["num_blocks"] == rank1["num_blocks"] == 65536 // bytes_per_block
     assert "simulated" in rank0["error"] and "Connection" in rank1["error"]  # closed or reset
     assert rank0["steps"] == rank1["steps"] == 3  # rank 1 learnt of it in the very step that failed
@@ -2691,13 +2800,16 @@ def test_the_process_group_backend_follows_the_engines_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda i: backends.append(f"set_device({i})"))
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
-    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend, **kw: backends.append(backend))
+    monkeypatch.setattr(torch.distributed, "init_process_group",
+                        lambda backend, **kw: backends.append(backend))
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
-    monkeypatch.setattr(nanopaged, "tp", nanopaged.SimpleNamespace(rank=0, world_size=1, failed=None))
+    monkeypatch.setattr(nanopaged, "tp",
+                        nanopaged.SimpleNamespace(rank=0, world_size=1, failed=None))
     for device in ("cpu", "cuda", None, "cuda:1"):
         nanopaged.init_tensor_parallel(2, device=device)
-    assert backends == ["gloo", "set_device(0)", "nccl", "set_device(0)", "nccl", "set_device(0)", "nccl"]
+    assert backends == ["gloo", "set_device(0)", "nccl", "set_device(0)", "nccl",
+                        "set_device(0)", "nccl"]
 
 
 @pytest.mark.parametrize("size,env,message", [
