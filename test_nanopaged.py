@@ -1771,6 +1771,19 @@ class EngineMachine(RuleBasedStateMachine):
                              preemption_mode=mode, enable_prefix_caching=caching,
                              max_num_batched_tokens=8, max_num_seqs=max_num_seqs)
         self.unfinished, self.expected = set(), {}
+        s, schedule = self.engine.scheduler, self.engine.scheduler.schedule
+
+        # every step's SchedulerOutput, with samples and beams beside single sequences
+        def checked_schedule():
+            before = {g.request_id for g in s.running}
+            out = schedule()
+            assert out.num_batched_tokens == sum(n for _, n in out.scheduled) <= 8
+            assert sum(len(g.seqs) for g in s.running) <= s.max_num_seqs
+            started = [g for g in s.running if g.request_id not in before]
+            assert not (out.preempted and (started or out.blocks_to_swap_in)), "after preempting"
+            return out
+
+        s.schedule = checked_schedule
 
     @rule(prompt=st.lists(st.integers(0, 7), min_size=1, max_size=9), max_tokens=st.integers(1, 6),
           kind=st.sampled_from(["greedy", "greedy", "n=2", "beam=2"]))
