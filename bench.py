@@ -186,8 +186,9 @@ def serve_trace(engine, prompts, trace, arrival_rate, seed=SEED):
             time.sleep(max(0.0, arrivals[pending[0]] - now))
             continue
         for out in engine.step():
-            finished += 1
-            latencies.append(out.latency)
+            if out.finished:
+                finished += 1
+                latencies.append(out.latency)
         running.append(engine.stats()["num_running"])
     seconds = time.perf_counter() - start
     return dict(requests_per_s=len(prompts) / seconds, mean_running=float(np.mean(running)),
@@ -846,7 +847,7 @@ def bench_soak(num_requests=10_000, num_blocks=64, block_size=16, arrival_p=0.2,
             if engine.requests and rng.random() < abort_p:
                 engine.abort(rng.choice(list(engine.requests)))
                 aborted += 1
-            finished += len(engine.step())
+            finished += sum(out.finished for out in engine.step())
             step += 1
             for group in engine.scheduler.running:
                 admitted_at.setdefault(group.request_id, step)

@@ -105,7 +105,7 @@ def run_demo(engine, prompts, params, arrivals_per_step=2, progress=True):
         for prompt, sp in pending[:arrivals_per_step]:
             ids.append(engine.add_request(prompt, sp))
         pending = pending[arrivals_per_step:]
-        outputs.update({o.request_id: o for o in engine.step()})
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
         s = engine.stats()
         num_used = s["num_blocks"] - s["num_free_blocks"]
         num_shared = sum(1 for b in engine.allocator.blocks if b.ref_count > 1)

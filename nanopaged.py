@@ -91,6 +91,8 @@ class SamplingParams:
     length_penalty: float = 1.0  # beams rank by sum of log-probabilities / length ** this
     stop_token_ids: list[int] | None = None  # these end a sample or beam; None: none (vLLM)
     ignore_eos: bool = False  # keep going past the model's end-of-text token
+    logprobs: int | None = None  # per generated token, the k likeliest tokens' log-probabilities
+    # and the drawn one's, under the model (before temperature and filters), as vLLM returns them
 
     def __post_init__(self):
         def integer(x):  # bool is an int to Python, never to a user
@@ -112,7 +114,10 @@ class SamplingParams:
                   ("length_penalty", number(self.length_penalty), "a number"),
                   ("stop_token_ids", isinstance(stops, list)
                    and all(integer(t) and t >= 0 for t in stops), "None or a list of token ids"),
-                  ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False")]
+                  ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
+                  ("logprobs", self.logprobs is None or integer(self.logprobs)
+                   and self.logprobs >= 0 and self.beam_width is None,
+                   "None or an int >= 0, without beam_width")]
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} must be {allowed}, "
@@ -141,6 +146,7 @@ class Sequence:
         self.block_table = []  # physical block ids; device blocks, or CPU blocks while swapped out
         self.block_hashes = []  # prefix-cache keys of its full computed blocks
         self.cumulative_logprob = 0.0
+        self.logprobs = []  # per generated token {token id: log-probability}, when asked for
         self.finish_reason = None
 
     def __len__(self):
@@ -160,6 +166,7 @@ class Sequence:
         child.num_computed_tokens = self.num_computed_tokens
         child.block_hashes = list(self.block_hashes)
         child.cumulative_logprob = self.cumulative_logprob
+        child.logprobs = list(self.logprobs)
         return child
 
 
@@ -186,8 +193,9 @@ class SequenceGroup:
 class CompletionOutput:
     index: int
     token_ids: list[int]
-    finish_reason: str  # "length" or "stop"
+    finish_reason: str | None  # "length" or "stop"; None while the sequence runs
     cumulative_logprob: float
+    logprobs: list[dict[int, float]] | None = None  # per token, with SamplingParams.logprobs
 
 
 @dataclass
@@ -198,6 +206,7 @@ class RequestOutput:
     time_to_first_token: float  # seconds from add_request to the first sampled token
     latency: float  # seconds from add_request to the last
     num_preemptions: int
+    finished: bool = True  # step() also returns unfinished requests that gained a token
 
 
 # -----------------------------------------------------------------------------
@@ -1188,7 +1197,7 @@ class OutputProcessor:
 
     def process(self, scheduled, logits):
         """Advance the scheduled sequences past their new tokens, then give each group whose
-        sequences got logits its next token. Returns the RequestOutputs of groups now done."""
+        sequences got logits its next token. Returns a RequestOutput for each such group."""
         row_of = {}  # seq_id -> its row of logits, for sequences whose last token is now in
         for seq, num_new in scheduled:
             seq.num_computed_tokens += num_new
@@ -1212,7 +1221,7 @@ class OutputProcessor:
         if to_sample:
             self.sample_tokens(to_sample, logits)
         self.scheduler.remove_finished()
-        return [self.output(g) for g in ready if g.is_finished]
+        return [self.output(g) for g in ready]
 
     def sample_tokens(self, to_sample, logits):
         """Draw one token for each (group, seq, row of logits); finish the seqs that stop."""
@@ -1227,10 +1236,15 @@ class OutputProcessor:
         # gives each the same sum), so greedy picks, beams and stops agree; a random draw may
         # not (unseeded, each rank has its own seed), so all take rank 0's tokens.
         tokens = broadcast(tokens)
-        logprobs = logits.float().log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
-        for (group, seq, _), token, logprob in zip(to_sample, tokens.tolist(), logprobs.tolist()):
+        logprobs = logits.float().log_softmax(-1)                                      # (S, V)
+        chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
+        top = logprobs.topk(max(p.logprobs or 0 for p in params))  # for those who asked
+        for r, ((group, seq, _), token) in enumerate(zip(to_sample, tokens.tolist())):
             seq.token_ids.append(token)
-            seq.cumulative_logprob += logprob
+            seq.cumulative_logprob += chosen[r]
+            if (k := group.params.logprobs) is not None:
+                seq.logprobs.append({token: chosen[r]} | dict(zip(top.indices[r, :k].tolist(),
+                                                                   top.values[r, :k].tolist())))
             reason = self.stop_reason(seq, group.params)
             if reason:
                 seq.finish_reason = reason
@@ -1316,21 +1330,29 @@ class OutputProcessor:
         self.num_generated_tokens += len(survivors) + len(group.finished) - num_finished
 
     def output(self, group):
-        self.requests.pop(group.request_id)
-        if group.params.beam_width is not None:
+        """The request as it stands: finished, or still running with the tokens it has so far."""
+        if group.is_finished:
+            self.requests.pop(group.request_id)
+        if group.params.beam_width is not None and group.is_finished:
             # rank by length-normalised log-probability, so short hypotheses are not favoured
             lp = group.params.length_penalty
             best = sorted(group.finished, key=lambda h: -h[1] / len(h[0]) ** lp)
             best = best[:group.params.beam_width]
             outputs = [CompletionOutput(i, tokens, reason, logprob)
                        for i, (tokens, logprob, reason) in enumerate(best)]
+        elif group.params.beam_width is not None:  # the live beams, best first
+            outputs = [CompletionOutput(i, seq.output_token_ids, None, seq.cumulative_logprob)
+                       for i, seq in enumerate(group.seqs)]
         else:
+            asked = group.params.logprobs is not None
             outputs = [CompletionOutput(seq.index, seq.output_token_ids, seq.finish_reason,
-                                        seq.cumulative_logprob)
-                       for seq in sorted(group.finished, key=lambda s: s.index)]
+                                        seq.cumulative_logprob,
+                                        list(seq.logprobs) if asked else None)
+                       for seq in sorted(group.finished + group.seqs, key=lambda s: s.index)]
         return RequestOutput(group.request_id, group.prompt_token_ids, outputs,
                              group.first_token_time - group.arrival_time,
-                             time.perf_counter() - group.arrival_time, group.num_preemptions)
+                             time.perf_counter() - group.arrival_time, group.num_preemptions,
+                             group.is_finished)
 
 
 # -----------------------------------------------------------------------------
@@ -1394,10 +1416,11 @@ class Engine:
         return self.scheduler.allocator
 
     def step(self):
-        """Run one scheduling step; returns the RequestOutputs of requests that finished in it.
-        A step is all or nothing: if anything in it raises (the model, sampling, a stop rule),
-        rollback() puts every request, queue and block back as the step found them and the error
-        propagates; the next step computes the same tokens again."""
+        """Run one scheduling step; returns a RequestOutput for each request that gained tokens
+        in it (.finished says which are done: outputs stream). A step is all or nothing: if
+        anything in it raises (the model, sampling, a stop rule), rollback() puts every request,
+        queue and block back as the step found them and the error propagates; the next step
+        computes the same tokens again."""
         if tp.failed:
             raise RuntimeError(f"tensor parallelism was shut down after {tp.failed}; the ranks "
                                "cannot agree on the state any more: start them again")
@@ -1425,8 +1448,9 @@ class Engine:
         a.begin()
         reachable = itertools.islice(s.waiting, min(s.max_num_seqs, a.num_free_blocks))
         groups = [(g, list(g.seqs), len(g.finished), g.first_token_time, g.num_preemptions,
-                   [(seq, len(seq.token_ids), seq.num_computed_tokens, list(seq.block_table),
-                     list(seq.block_hashes), seq.cumulative_logprob, seq.finish_reason)
+                   [(seq, len(seq.token_ids), len(seq.logprobs), seq.num_computed_tokens,
+                     list(seq.block_table), list(seq.block_hashes), seq.cumulative_logprob,
+                     seq.finish_reason)
                     for seq in g.seqs])
                   for g in itertools.chain(s.running, s.swapped, reachable)]
         return (groups, list(s.waiting), list(s.running), list(s.swapped), s.num_preemptions,
@@ -1445,8 +1469,8 @@ class Engine:
             group.seqs, group.first_token_time = seqs, first_token_time
             group.num_preemptions = num_preemptions
             del group.finished[num_finished:]
-            for seq, n, *state in seq_states:
-                del seq.token_ids[n:]
+            for seq, n, num_logprobs, *state in seq_states:
+                del seq.token_ids[n:], seq.logprobs[num_logprobs:]
                 (seq.num_computed_tokens, seq.block_table, seq.block_hashes,
                  seq.cumulative_logprob, seq.finish_reason) = state
             self.requests[group.request_id] = group
@@ -1507,8 +1531,7 @@ class Engine:
         ids = [self._enqueue(prompt, p) for prompt, p in zip(checked, params)]
         outputs, start, last_print = {}, time.perf_counter(), 0.0
         while any(i not in outputs for i in ids):
-            for output in self.step():
-                outputs[output.request_id] = output
+            outputs.update((o.request_id, o) for o in self.step() if o.finished)
             if progress and (time.perf_counter() - last_print > 0.1 or len(outputs) == len(ids)):
                 last_print = time.perf_counter()
                 line = self.progress_line(len(outputs), len(ids), last_print - start)
@@ -1598,6 +1621,8 @@ def check_request(prompt, params, config, scheduler, allocator):
         raise ValueError(f"a prompt is a list or tuple of token ids or a 1-D integer tensor, "
                          f"got {type(prompt).__name__}")
     prompt_token_ids = list(prompt)
+    if (params.logprobs or 0) > config.vocab_size:
+        raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary ({config.vocab_size})")
     for t in params.stop_token_ids:
         if t >= config.vocab_size:
             raise ValueError(f"stop token id {t} is outside the vocabulary "

@@ -747,7 +747,7 @@ def drain(engine, max_steps=1000):
     for _ in range(max_steps):
         if not engine.scheduler.has_unfinished():
             return outputs
-        outputs.update({o.request_id: o for o in engine.step()})
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
     pytest.fail(f"requests still unfinished after {max_steps} steps: {engine.stats()}")
 
 
@@ -834,6 +834,78 @@ def test_stop_tokens_and_eos():
         MODEL.config.eos_token_id = None
     assert eos.token_ids == out.token_ids and eos.finish_reason == "stop"
     assert ignored.token_ids == free_run and ignored.finish_reason == "length"
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 31), min_size=1, max_size=8),
+                                   st.integers(1, 6), st.sampled_from(["greedy", "n=2", "beam=2"])),
+                         min_size=1, max_size=5),
+       mode=st.sampled_from(["recompute", "swap"]))
+def test_step_streams_every_request_that_gained_tokens(requests, mode):
+    """step() returns one RequestOutput per request that gained tokens in it: a sample's tokens
+    only grow, a request is finished exactly once and last, and the finished outputs equal
+    generate()'s (in a pool tight enough to preempt)."""
+    params = [SamplingParams(max_tokens=m, temperature=0 if kind != "n=2" else 1.0, seed=i,
+                             n=2 if kind == "n=2" else 1,
+                             beam_width=2 if kind == "beam=2" else None,
+                             logprobs=1 if kind == "n=2" else None)
+              for i, (_, m, kind) in enumerate(requests)]
+    settings_ = dict(block_size=2, num_blocks=24, preemption_mode=mode, max_num_batched_tokens=8)
+    expected = Engine(MODEL, **settings_).generate([p for p, _, _ in requests], params)
+    engine = Engine(MODEL, **settings_)
+    ids = [engine.add_request(p, sp) for (p, _, _), sp in zip(requests, params)]
+    last, finished = {}, {}
+    for _ in range(500):  # bounded: see drain
+        if not engine.requests:
+            break
+        longest = {rid: max(map(len, g.seqs)) for rid, g in engine.requests.items()}
+        outs = engine.step()
+        assert len({o.request_id for o in outs}) == len(outs)
+        for o in outs:
+            assert o.request_id not in finished, "an output after the request finished"
+            total = sum(len(c.token_ids) for c in o.outputs)
+            if o.request_id in last and params[o.request_id].beam_width is None:
+                before = last[o.request_id]
+                assert total > sum(len(c.token_ids) for c in before.outputs), "gained nothing"
+                for c, b in zip(o.outputs, before.outputs):  # samples only grow
+                    assert c.index == b.index and c.token_ids[:len(b.token_ids)] == b.token_ids
+            reasons = {c.finish_reason for c in o.outputs}  # a sample may stop before the others
+            assert reasons <= {"stop", "length"} if o.finished else None in reasons
+            last[o.request_id] = o
+            if o.finished:
+                finished[o.request_id] = o
+        gained = {rid for rid in longest if rid not in engine.requests
+                  or max(map(len, engine.requests[rid].seqs)) > longest[rid]}
+        assert {o.request_id for o in outs} == gained
+    assert [finished[i].outputs for i in ids] == [o.outputs for o in expected]
+
+
+def test_logprobs_are_the_models_as_transformers_computes_them(hf_folder):
+    """SamplingParams.logprobs=k: per generated token, the k likeliest tokens' log-probabilities
+    and the drawn token's, under the model itself (vLLM's raw logprobs): transformers' logits of
+    the same sequence, log-softmaxed, are the oracle, for greedy and sampled requests alike."""
+    for name in ("gpt2", "llama"):
+        path, hf = hf_folder(name)
+        model = GPT.from_pretrained(str(path))
+        prompt = [(7 * j + 3) % 97 for j in range(9)]
+        params = [SamplingParams(max_tokens=6, temperature=0, logprobs=3),
+                  SamplingParams(max_tokens=6, temperature=0.8, top_k=5, seed=1, logprobs=0)]
+        for out in Engine(model, block_size=4, num_blocks=64).generate([prompt] * 2, params):
+            tokens = out.outputs[0].token_ids
+            with torch.no_grad():
+                ref = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+            ref = ref.log_softmax(-1)                                                 # (T, V)
+            k = params[out.request_id].logprobs
+            assert len(out.outputs[0].logprobs) == len(tokens)
+            for t, (token, logprobs) in enumerate(zip(tokens, out.outputs[0].logprobs)):
+                want = {token} | set(ref[t].topk(k).indices.tolist()) if k else {token}
+                assert set(logprobs) == want
+                for i, lp in logprobs.items():
+                    assert lp == pytest.approx(ref[t, i].item(), abs=1e-4)
+            assert out.outputs[0].cumulative_logprob == pytest.approx(
+                sum(ref[t, tok].item() for t, tok in enumerate(tokens)), abs=1e-3)
+    with pytest.raises(ValueError, match=r"logprobs=33 exceeds the vocabulary \(32\)"):
+        Engine(MODEL, block_size=4, num_blocks=8).add_request([1], SamplingParams(logprobs=33))
 
 
 def test_streaming_with_add_request_and_step():
@@ -1417,6 +1489,8 @@ def test_bad_requests_are_rejected_before_taking_blocks(prompt, params, message)
     (dict(stop_token_ids="ab"), r"stop_token_ids must be None or a list of token ids"),
     (dict(ignore_eos="yes"), r"ignore_eos must be True or False, got 'yes'"),
     (dict(length_penalty=None), r"length_penalty must be a number, got None"),
+    (dict(logprobs=-1), r"logprobs must be None or an int >= 0, without beam_width, got -1"),
+    (dict(logprobs=2, beam_width=2), r"logprobs must be None or an int >= 0, without beam_width"),
     (dict(n=2, beam_width=2), "not both"),
 ])
 def test_bad_sampling_params(kwargs, message):
@@ -1656,7 +1730,7 @@ def test_a_failing_request_does_not_strand_its_batch_mates(monkeypatch):
         engine.step()
     assert engine_state(engine) == before
     engine.abort(bad)
-    outputs = [o for _ in range(20) if engine.requests for o in engine.step()]
+    outputs = [o for _ in range(20) if engine.requests for o in engine.step() if o.finished]
     assert [o.outputs[0].token_ids for o in outputs] == [naive_greedy(MODEL, [1, 2, 3], 6)]
     assert outputs[0].request_id == good and assert_all_blocks_free(engine) is None
 
@@ -1689,7 +1763,8 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
     params = [SamplingParams(max_tokens=m, temperature=0 if kind == "greedy" else 1.0, seed=i,
                              n=2 if kind == "n=2" else 1,
                              beam_width=2 if kind == "beam=2" else None,
-                             stop_token_ids=[7]) for i, (_, m, kind) in enumerate(requests)]
+                             stop_token_ids=[7], logprobs=2 if kind == "seeded" else None)
+              for i, (_, m, kind) in enumerate(requests)]
     worst = max(p.num_seqs * -(-(len(r[0]) + p.max_tokens) // block_size)
                 for r, p in zip(requests, params))
 
@@ -1710,7 +1785,8 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
                     exact.append(1)
         assert not engine.requests and (failures == 1 or not inject or not fired)
         assert_all_blocks_free(engine)
-        return [[(c.token_ids, c.finish_reason) for c in outputs[i].outputs] for i in ids]
+        return [[(c.token_ids, c.finish_reason, c.logprobs) for c in outputs[i].outputs]
+                for i in ids]
 
     settings_ = dict(block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
                      enable_prefix_caching=caching, max_num_batched_tokens=6, max_num_seqs=4)
@@ -1804,6 +1880,8 @@ class EngineMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         for out in self.engine.step():
+            if not out.finished:
+                continue
             self.unfinished.remove(out.request_id)
             if out.request_id in self.expected:
                 assert out.outputs[0].token_ids == self.expected[out.request_id]
