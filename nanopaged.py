@@ -93,6 +93,7 @@ class SamplingParams:
     ignore_eos: bool = False  # keep going past the model's end-of-text token
     logprobs: int | None = None  # per generated token, the k likeliest tokens' log-probabilities
     # and the drawn one's, under the model (before temperature and filters), as vLLM returns them
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     def __post_init__(self):
         def integer(x):  # bool is an int to Python, never to a user
@@ -117,7 +118,10 @@ class SamplingParams:
                   ("ignore_eos", isinstance(self.ignore_eos, bool), "True or False"),
                   ("logprobs", self.logprobs is None or integer(self.logprobs)
                    and self.logprobs >= 0 and self.beam_width is None,
-                   "None or an int >= 0, without beam_width")]
+                   "None or an int >= 0, without beam_width"),
+                  ("prompt_logprobs", self.prompt_logprobs is None
+                   or integer(self.prompt_logprobs) and self.prompt_logprobs >= 0,
+                   "None or an int >= 0")]
         for name, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} must be {allowed}, "
@@ -147,7 +151,8 @@ class Sequence:
         self.block_hashes = []  # prefix-cache keys of its full computed blocks
         self.cumulative_logprob = 0.0
         self.logprobs = []  # per generated token {token id: log-probability}, when asked for
-        self.finish_reason = None
+        self.prompt_logprobs = []  # when asked for: None (the first token), then one per prompt
+        self.finish_reason = None  # token as it is computed; its group reports them
 
     def __len__(self):
         return len(self.token_ids)
@@ -159,6 +164,14 @@ class Sequence:
     @property
     def num_output_tokens(self):
         return len(self.token_ids) - self.num_prompt_tokens
+
+    def prompt_logprob_positions(self, start, end):
+        """Positions in [start, end) whose logits give a prompt logprob still missing: the logits
+        after position p are the distribution of prompt token p + 1."""
+        if not self.prompt_logprobs:
+            return range(0)
+        return range(max(start, len(self.prompt_logprobs) - 1),
+                     min(end, self.num_prompt_tokens - 1))
 
     def fork(self, seq_id, index):
         """A copy that shares everything generated so far; the allocator shares its blocks."""
@@ -183,6 +196,7 @@ class SequenceGroup:
         self.first_token_time = None
         self.num_preemptions = 0
         self.seed = None  # sampled requests: token t of sample i draws from (seed, i, t)
+        self.prompt_logprobs = seq.prompt_logprobs  # the same list, filled by the prefill
 
     @property
     def is_finished(self):
@@ -207,6 +221,7 @@ class RequestOutput:
     latency: float  # seconds from add_request to the last
     num_preemptions: int
     finished: bool = True  # step() also returns unfinished requests that gained a token
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with prompt_logprobs
 
 
 # -----------------------------------------------------------------------------
@@ -299,10 +314,12 @@ class BlockAllocator:
 
     # -- whole sequences ------------------------------------------------------------------
 
-    def _cached_prefix(self, token_ids):
-        """Physical blocks that already hold the longest run of full leading blocks of token_ids."""
-        hits, h = [], None
-        if not self.enable_prefix_caching:
+    def _cached_prefix(self, seq):
+        """Physical blocks that already hold the longest run of full leading blocks of seq."""
+        hits, h, token_ids = [], None, seq.token_ids
+        # A cached block has no logits: a sequence still owed prompt logprobs computes its whole
+        # prompt (as vLLM does), and publishes its blocks for others as usual.
+        if not self.enable_prefix_caching or seq.prompt_logprob_positions(0, len(seq)):
             return hits
         # The last token is always computed again, because sampling needs its logits; so its
         # block is never taken from the cache and never written while shared.
@@ -329,13 +346,13 @@ class BlockAllocator:
 
     def num_blocks_to_allocate(self, seq):
         """Free blocks allocate(seq) would take."""
-        return self._num_free_blocks_taken(seq, self._cached_prefix(seq.token_ids))
+        return self._num_free_blocks_taken(seq, self._cached_prefix(seq))
 
     def allocate(self, seq):
         """Give a new (or recomputing) sequence a block table covering all its tokens, reusing
         cached prefix blocks. Sets seq.num_computed_tokens to the tokens found in the cache."""
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
-        hits = self._cached_prefix(seq.token_ids)
+        hits = self._cached_prefix(seq)
         num_taken = self._num_free_blocks_taken(seq, hits)
         if num_taken > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {num_taken} blocks, "
@@ -1090,7 +1107,7 @@ class ModelRunner:
         bs = self.block_size
         max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
         input_ids, positions, slot_mapping, block_tables, seq_lens = [], [], [], [], []
-        cu_seqlens_q, logits_indices = [0], []
+        cu_seqlens_q, logits_indices, prompt_rows = [0], [], []
         for seq, num_new in scheduled:
             table = seq.block_table
             start = seq.num_computed_tokens
@@ -1104,13 +1121,16 @@ class ModelRunner:
             cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
             if end == len(seq):  # its last token is in: we need the logits that follow it
                 logits_indices.append(cu_seqlens_q[-1] - 1)
+            prompt_rows += [cu_seqlens_q[-1] - end + p  # rows after the sampling rows
+                            for p in seq.prompt_logprob_positions(start, end)]
 
         def tensor(x, dtype=torch.int64):
             return torch.tensor(x, dtype=dtype, device=self.device)
         block_tables = tensor(block_tables, torch.int32).view(len(scheduled), max_blocks)
         return Batch(tensor(input_ids), tensor(positions), tensor(slot_mapping), block_tables,
                      tensor(seq_lens, torch.int32), tensor(cu_seqlens_q, torch.int32),
-                     max(n for _, n in scheduled), tensor(logits_indices), self.use_triton)
+                     max(n for _, n in scheduled), tensor(logits_indices + prompt_rows),
+                     self.use_triton)
 
 
 # -----------------------------------------------------------------------------
@@ -1181,6 +1201,16 @@ def sample(logits, temperatures, top_ks, top_ps, generators):
     return tokens
 
 
+def log_probs(logits):
+    """Log-softmax in float32 at least (16-bit logits would round the logprobs), else as given."""
+    return logits.log_softmax(-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+
+
+def logprob_entry(token, logprob, top, r, k):
+    """vLLM's logprobs entry: {token that came: its logprob}, then the k likeliest of row r."""
+    return {token: logprob} | dict(zip(top.indices[r, :k].tolist(), top.values[r, :k].tolist()))
+
+
 class OutputProcessor:
 
     def __init__(self, config, scheduler, requests, seq_ids, device):
@@ -1199,11 +1229,16 @@ class OutputProcessor:
         """Advance the scheduled sequences past their new tokens, then give each group whose
         sequences got logits its next token. Returns a RequestOutput for each such group."""
         row_of = {}  # seq_id -> its row of logits, for sequences whose last token is now in
+        owed = []  # (seq, position p): prompt logprobs, from the rows after those of row_of
         for seq, num_new in scheduled:
+            start = seq.num_computed_tokens
+            owed += [(seq, p) for p in seq.prompt_logprob_positions(start, start + num_new)]
             seq.num_computed_tokens += num_new
             self.allocator.cache_full_blocks(seq)
             if seq.num_computed_tokens == len(seq):
                 row_of[seq.seq_id] = len(row_of)
+        if owed:
+            self.record_prompt_logprobs(owed, logits[len(row_of):])
         # The scheduler completes all sequences of a group in the same step.
         ready = list({seq.request_id: self.requests[seq.request_id] for seq, _ in scheduled
                       if seq.seq_id in row_of}.values())
@@ -1236,15 +1271,14 @@ class OutputProcessor:
         # gives each the same sum), so greedy picks, beams and stops agree; a random draw may
         # not (unseeded, each rank has its own seed), so all take rank 0's tokens.
         tokens = broadcast(tokens)
-        logprobs = logits.float().log_softmax(-1)                                      # (S, V)
+        logprobs = log_probs(logits)                                                   # (S, V)
         chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
         top = logprobs.topk(max(p.logprobs or 0 for p in params))  # for those who asked
         for r, ((group, seq, _), token) in enumerate(zip(to_sample, tokens.tolist())):
             seq.token_ids.append(token)
             seq.cumulative_logprob += chosen[r]
             if (k := group.params.logprobs) is not None:
-                seq.logprobs.append({token: chosen[r]} | dict(zip(top.indices[r, :k].tolist(),
-                                                                   top.values[r, :k].tolist())))
+                seq.logprobs.append(logprob_entry(token, chosen[r], top, r, k))
             reason = self.stop_reason(seq, group.params)
             if reason:
                 seq.finish_reason = reason
@@ -1252,6 +1286,15 @@ class OutputProcessor:
                 group.seqs.remove(seq)
                 group.finished.append(seq)
         self.num_generated_tokens += len(to_sample)
+
+    def record_prompt_logprobs(self, owed, logits):
+        """Prompt token p + 1's logprob and the k likeliest, from the logits after position p."""
+        logprobs = log_probs(logits)                                                   # (P, V)
+        ks = [self.requests[seq.request_id].params.prompt_logprobs for seq, _ in owed]
+        top = logprobs.topk(max(ks))
+        for r, ((seq, p), k) in enumerate(zip(owed, ks)):
+            token = seq.token_ids[p + 1]
+            seq.prompt_logprobs.append(logprob_entry(token, logprobs[r, token].item(), top, r, k))
 
     def stop_ids(self, params):
         """The tokens that end a sequence: the request's, and every end-of-text id unless
@@ -1352,7 +1395,7 @@ class OutputProcessor:
         return RequestOutput(group.request_id, group.prompt_token_ids, outputs,
                              group.first_token_time - group.arrival_time,
                              time.perf_counter() - group.arrival_time, group.num_preemptions,
-                             group.is_finished)
+                             group.is_finished, list(group.prompt_logprobs) or None)
 
 
 # -----------------------------------------------------------------------------
@@ -1448,7 +1491,8 @@ class Engine:
         a.begin()
         reachable = itertools.islice(s.waiting, min(s.max_num_seqs, a.num_free_blocks))
         groups = [(g, list(g.seqs), len(g.finished), g.first_token_time, g.num_preemptions,
-                   [(seq, len(seq.token_ids), len(seq.logprobs), seq.num_computed_tokens,
+                   [(seq, len(seq.token_ids), len(seq.logprobs), len(seq.prompt_logprobs),
+                     seq.num_computed_tokens,
                      list(seq.block_table), list(seq.block_hashes), seq.cumulative_logprob,
                      seq.finish_reason)
                     for seq in g.seqs])
@@ -1469,8 +1513,9 @@ class Engine:
             group.seqs, group.first_token_time = seqs, first_token_time
             group.num_preemptions = num_preemptions
             del group.finished[num_finished:]
-            for seq, n, num_logprobs, *state in seq_states:
+            for seq, n, num_logprobs, num_prompt_logprobs, *state in seq_states:
                 del seq.token_ids[n:], seq.logprobs[num_logprobs:]
+                del seq.prompt_logprobs[num_prompt_logprobs:]
                 (seq.num_computed_tokens, seq.block_table, seq.block_hashes,
                  seq.cumulative_logprob, seq.finish_reason) = state
             self.requests[group.request_id] = group
@@ -1490,6 +1535,8 @@ class Engine:
         request_id = next(self.request_ids)
         seq = Sequence(next(self.seq_ids), prompt_token_ids, len(prompt_token_ids),
                        request_id=request_id)
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs.append(None)  # the first prompt token has nothing before it
         group = SequenceGroup(request_id, prompt_token_ids, params, seq)
         if params.beam_width is None and params.temperature > 0:
             # without a seed, a seed drawn from torch's global RNG
@@ -1621,8 +1668,10 @@ def check_request(prompt, params, config, scheduler, allocator):
         raise ValueError(f"a prompt is a list or tuple of token ids or a 1-D integer tensor, "
                          f"got {type(prompt).__name__}")
     prompt_token_ids = list(prompt)
-    if (params.logprobs or 0) > config.vocab_size:
-        raise ValueError(f"logprobs={params.logprobs} exceeds the vocabulary ({config.vocab_size})")
+    for name in ("logprobs", "prompt_logprobs"):
+        if (getattr(params, name) or 0) > config.vocab_size:
+            raise ValueError(f"{name}={getattr(params, name)} exceeds the vocabulary "
+                             f"({config.vocab_size})")
     for t in params.stop_token_ids:
         if t >= config.vocab_size:
             raise ValueError(f"stop token id {t} is outside the vocabulary "

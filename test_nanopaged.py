@@ -880,32 +880,105 @@ def test_step_streams_every_request_that_gained_tokens(requests, mode):
     assert [finished[i].outputs for i in ids] == [o.outputs for o in expected]
 
 
+def assert_logprobs(entries, tokens, ref, k, abs_tol):
+    """entries[t] is vLLM's {tokens[t]: its logprob} plus the k likeliest, by ref[t] (T, V)."""
+    assert len(entries) == len(tokens)
+    for t, (token, logprobs) in enumerate(zip(tokens, entries)):
+        assert set(logprobs) == {token} | set(ref[t].topk(k).indices.tolist())
+        for i, lp in logprobs.items():
+            assert lp == pytest.approx(ref[t, i].item(), abs=abs_tol)
+
+
 def test_logprobs_are_the_models_as_transformers_computes_them(hf_folder):
     """SamplingParams.logprobs=k: per generated token, the k likeliest tokens' log-probabilities
-    and the drawn token's, under the model itself (vLLM's raw logprobs): transformers' logits of
-    the same sequence, log-softmaxed, are the oracle, for greedy and sampled requests alike."""
+    and the drawn token's, under the model itself (vLLM's raw logprobs); prompt_logprobs=k the
+    same per prompt token after the first. Transformers' logits of the same sequence,
+    log-softmaxed, are the oracle, for greedy and sampled requests alike."""
     for name in ("gpt2", "llama"):
         path, hf = hf_folder(name)
         model = GPT.from_pretrained(str(path))
         prompt = [(7 * j + 3) % 97 for j in range(9)]
-        params = [SamplingParams(max_tokens=6, temperature=0, logprobs=3),
+        params = [SamplingParams(max_tokens=6, temperature=0, logprobs=3, prompt_logprobs=2),
                   SamplingParams(max_tokens=6, temperature=0.8, top_k=5, seed=1, logprobs=0)]
-        for out in Engine(model, block_size=4, num_blocks=64).generate([prompt] * 2, params):
-            tokens = out.outputs[0].token_ids
+        engine = Engine(model, block_size=4, num_blocks=64, max_num_batched_tokens=4)
+        for out in engine.generate([prompt] * 2, params):
+            tokens, p = out.outputs[0].token_ids, params[out.request_id]
             with torch.no_grad():
-                ref = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
-            ref = ref.log_softmax(-1)                                                 # (T, V)
-            k = params[out.request_id].logprobs
-            assert len(out.outputs[0].logprobs) == len(tokens)
-            for t, (token, logprobs) in enumerate(zip(tokens, out.outputs[0].logprobs)):
-                want = {token} | set(ref[t].topk(k).indices.tolist()) if k else {token}
-                assert set(logprobs) == want
-                for i, lp in logprobs.items():
-                    assert lp == pytest.approx(ref[t, i].item(), abs=1e-4)
+                ref = hf(torch.tensor([prompt + tokens])).logits[0].log_softmax(-1)  # (T, V)
+            assert_logprobs(out.outputs[0].logprobs, tokens, ref[len(prompt) - 1:], p.logprobs,
+                            1e-4)
             assert out.outputs[0].cumulative_logprob == pytest.approx(
-                sum(ref[t, tok].item() for t, tok in enumerate(tokens)), abs=1e-3)
-    with pytest.raises(ValueError, match=r"logprobs=33 exceeds the vocabulary \(32\)"):
-        Engine(MODEL, block_size=4, num_blocks=8).add_request([1], SamplingParams(logprobs=33))
+                sum(ref[len(prompt) - 1 + t, tok].item() for t, tok in enumerate(tokens)),
+                abs=1e-3)
+            if p.prompt_logprobs is None:
+                assert out.prompt_logprobs is None
+            else:
+                assert out.prompt_logprobs[0] is None
+                assert_logprobs(out.prompt_logprobs[1:], prompt[1:], ref, p.prompt_logprobs, 1e-4)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"{name}=33 exceeds the vocabulary \(32\)"):
+            Engine(MODEL, block_size=4, num_blocks=8).add_request([1], SamplingParams(**{name: 33}))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(st.sampled_from([(), (5, 6, 7, 8, 9, 10)]),
+                                   st.lists(st.integers(0, 31), min_size=1, max_size=9),
+                                   st.integers(1, 4), st.sampled_from([None, 0, 3]),
+                                   st.sampled_from([None, 1]),
+                                   st.sampled_from(["greedy", "seeded", "n=2", "beam=2"])),
+                         min_size=1, max_size=5),
+       model=st.sampled_from(["gpt2", "llama"]), block_size=st.sampled_from([2, 4]),
+       budget=st.sampled_from([3, 7, 64]), mode=st.sampled_from(["recompute", "swap"]),
+       caching=st.booleans(), spare=st.integers(0, 6))
+def test_logprobs_do_not_depend_on_how_the_prompt_was_served(requests, model, block_size, budget,
+                                                              mode, caching, spare):
+    """Prompt and sample logprobs are the naive model's log-softmax of the same sequence however
+    the prompt was served: chunked prefill, preemption in either mode, a prefix-cache hit (a
+    request owed prompt logprobs takes none; the others may, on the same prefix), batch-mates."""
+    model = MODELS[model]
+    prompts = [list(prefix) + suffix for prefix, suffix, *_ in requests]
+    params = [SamplingParams(max_tokens=m, temperature=0 if kind in ("greedy", "beam=2") else 1.0,
+                             seed=i, n=2 if kind == "n=2" else 1,
+                             beam_width=2 if kind == "beam=2" else None,
+                             prompt_logprobs=pk, logprobs=None if kind == "beam=2" else k)
+              for i, (_, _, m, pk, k, kind) in enumerate(requests)]
+    worst = max(p.num_seqs * -(-(len(t) + p.max_tokens) // block_size)
+                for t, p in zip(prompts, params))
+    engine = Engine(model, block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
+                    enable_prefix_caching=caching, max_num_batched_tokens=budget)
+    engine.generate(prompts[:1], SamplingParams(max_tokens=1))  # leaves its prompt in the cache
+    for prompt, p, out in zip(prompts, params, engine.generate(prompts, params)):
+        with torch.no_grad():
+            ref = model(torch.tensor([prompt + out.outputs[0].token_ids]))[0].log_softmax(-1)
+        if p.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+        else:
+            assert out.prompt_logprobs[0] is None
+            assert_logprobs(out.prompt_logprobs[1:], prompt[1:], ref, p.prompt_logprobs, 1e-9)
+        for c in out.outputs:
+            if p.logprobs is None:
+                assert c.logprobs is None
+                continue
+            with torch.no_grad():
+                ref = model(torch.tensor([prompt + c.token_ids]))[0, len(prompt) - 1:]
+            assert_logprobs(c.logprobs, c.token_ids, ref.log_softmax(-1), p.logprobs, 1e-9)
+    assert_all_blocks_free(engine)
+
+
+def test_a_request_owed_prompt_logprobs_takes_no_cache_hits_but_publishes_its_blocks():
+    """A cached block has no logits, so a request with prompt_logprobs computes its whole prompt;
+    its blocks still enter the prefix cache for the requests after it."""
+    engine, prompt = Engine(MODEL, block_size=4, num_blocks=32), list(range(1, 14))
+    a = engine.allocator
+
+    def hits(params):
+        before = a.num_hit_tokens
+        engine.generate([prompt], params)
+        return a.num_hit_tokens - before
+    assert hits(SamplingParams(max_tokens=2, prompt_logprobs=1)) == 0  # nothing cached yet
+    assert hits(SamplingParams(max_tokens=2)) == 12  # its 3 full prompt blocks were published
+    assert hits(SamplingParams(max_tokens=2, prompt_logprobs=0)) == 0
+    assert hits(SamplingParams(max_tokens=2, logprobs=2)) == 12
 
 
 def test_streaming_with_add_request_and_step():
@@ -1491,6 +1564,7 @@ def test_bad_requests_are_rejected_before_taking_blocks(prompt, params, message)
     (dict(length_penalty=None), r"length_penalty must be a number, got None"),
     (dict(logprobs=-1), r"logprobs must be None or an int >= 0, without beam_width, got -1"),
     (dict(logprobs=2, beam_width=2), r"logprobs must be None or an int >= 0, without beam_width"),
+    (dict(prompt_logprobs=1.0), r"prompt_logprobs must be None or an int >= 0, got 1.0"),
     (dict(n=2, beam_width=2), "not both"),
 ])
 def test_bad_sampling_params(kwargs, message):
@@ -1763,7 +1837,8 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
     params = [SamplingParams(max_tokens=m, temperature=0 if kind == "greedy" else 1.0, seed=i,
                              n=2 if kind == "n=2" else 1,
                              beam_width=2 if kind == "beam=2" else None,
-                             stop_token_ids=[7], logprobs=2 if kind == "seeded" else None)
+                             stop_token_ids=[7], logprobs=2 if kind == "seeded" else None,
+                             prompt_logprobs=1 if kind in ("greedy", "n=2") else None)
               for i, (_, m, kind) in enumerate(requests)]
     worst = max(p.num_seqs * -(-(len(r[0]) + p.max_tokens) // block_size)
                 for r, p in zip(requests, params))
@@ -1785,7 +1860,8 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
                     exact.append(1)
         assert not engine.requests and (failures == 1 or not inject or not fired)
         assert_all_blocks_free(engine)
-        return [[(c.token_ids, c.finish_reason, c.logprobs) for c in outputs[i].outputs]
+        return [(outputs[i].prompt_logprobs,
+                 [(c.token_ids, c.finish_reason, c.logprobs) for c in outputs[i].outputs])
                 for i in ids]
 
     settings_ = dict(block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
