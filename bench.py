@@ -424,6 +424,37 @@ def bench_throughput(num_requests=96, max_num_seqs=32):
 
 
 
+def bench_logprobs(num_requests=32, max_tokens=64, k=5, repeats=3):
+    """The cost of SamplingParams(logprobs=k) and prompt_logprobs=k: greedy tokens/s on the
+    built-in model, each setting timed `repeats` times in turn (best kept), same tokens."""
+    model = GPT.from_pretrained(DEMO_MODEL)
+    trace = synthetic_trace("ShareGPT-like", num_requests, max_len=model.config.max_seq_len // 2)
+    prompts = random_prompts(trace)
+    settings = {"none": {}, f"logprobs={k}": dict(logprobs=k),
+                f"prompt_logprobs={k}": dict(prompt_logprobs=k),
+                "both": dict(logprobs=k, prompt_logprobs=k)}
+    best, tokens = {name: math.inf for name in settings}, {}
+    for _ in range(repeats):
+        for name, extra in settings.items():
+            engine = Engine(model, block_size=16, num_blocks=1024, device="cpu")
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **extra)
+            start = time.perf_counter()
+            outs = engine.generate(prompts, params)
+            best[name] = min(best[name], time.perf_counter() - start)
+            tokens[name] = [o.outputs[0].token_ids for o in outs]
+    results, rows = {}, []
+    for name, seconds in best.items():
+        assert tokens[name] == tokens["none"], f"{name} changed the greedy tokens"
+        results[name] = dict(seconds=seconds, tokens_per_s=num_requests * max_tokens / seconds,
+                             relative=best["none"] / seconds)
+        rows.append([name, f"{seconds:.2f}", f"{results[name]['tokens_per_s']:.0f}",
+                     f"{results[name]['relative']:.2f}x"])
+    print_table(f"Logprobs: {num_requests} requests, {sum(len(p) for p in prompts)} prompt and "
+                f"{num_requests * max_tokens} generated tokens, greedy, built-in model (best of "
+                f"{repeats})", ["setting", "seconds", "tokens/s", "speed vs none"], rows)
+    return results
+
+
 def plot_throughput(results):
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -955,8 +986,8 @@ def machine():
 
 
 SECTIONS = dict(memory=bench_memory, capacity=bench_capacity, sharing=bench_sharing,
-                throughput=bench_throughput, kernel=bench_kernel, overhead=bench_overhead,
-                tensor_parallel=bench_tensor_parallel)
+                throughput=bench_throughput, logprobs=bench_logprobs, kernel=bench_kernel,
+                overhead=bench_overhead, tensor_parallel=bench_tensor_parallel)
 
 
 def main():
@@ -967,6 +998,7 @@ def main():
         capacity="sequences at once and requests/s at a fixed KV budget, paged vs contiguous",
         sharing="blocks saved by parallel sampling and beam search; prefix-cache hit rate",
         throughput="tokens/s next to transformers' generate and generate_batch (same weights)",
+        logprobs="tokens/s with logprobs=5 and prompt_logprobs=5 against without",
         kernel="decode attention latency and bandwidth vs contiguous SDPA (torch path on a CPU)",
         overhead="engine time per running sequence per step with a no-op model",
         soak="10,000 requests with aborts through a small pool; asserts nothing is lost",
