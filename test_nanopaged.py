@@ -965,6 +965,20 @@ def test_logprobs_do_not_depend_on_how_the_prompt_was_served(requests, model, bl
     assert_all_blocks_free(engine)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_prompt_logprobs_are_recorded_once_when_the_request_is_preempted(mode):
+    """The youngest request is preempted while it decodes, after its prompt logprobs are in:
+    recomputing its prompt must not record them again, nor change them."""
+    params = SamplingParams(max_tokens=8, temperature=0, prompt_logprobs=2)
+    engine = Engine(MODEL, block_size=2, num_blocks=10, preemption_mode=mode)
+    engine.add_request([1, 2, 3, 4], SamplingParams(max_tokens=12, temperature=0))
+    young = engine.add_request([5, 6, 7, 8, 9], params)
+    out = drain(engine)[young]
+    solo = Engine(MODEL, block_size=2, num_blocks=10).generate([[5, 6, 7, 8, 9]], params)[0]
+    assert engine.stats()["num_preemptions"] == 1 and len(out.prompt_logprobs) == 5
+    assert out.prompt_logprobs == solo.prompt_logprobs
+
+
 def test_a_request_owed_prompt_logprobs_takes_no_cache_hits_but_publishes_its_blocks():
     """A cached block has no logits, so a request with prompt_logprobs computes its whole prompt;
     its blocks still enter the prefix cache for the requests after it."""
@@ -1777,7 +1791,8 @@ def engine_state(engine):
     s, a = engine.scheduler, engine.allocator
     groups = {rid: ([(seq.index, list(seq.token_ids), seq.num_computed_tokens,
                       list(seq.block_table), list(seq.block_hashes), seq.cumulative_logprob,
-                      seq.finish_reason) for seq in g.seqs],
+                      seq.finish_reason, list(seq.logprobs), list(seq.prompt_logprobs))
+                     for seq in g.seqs],
                     len(g.finished), g.first_token_time, g.num_preemptions)
               for rid, g in engine.requests.items()}
     queues = [[g.request_id for g in q] for q in (s.waiting, s.running, s.swapped)]
