@@ -251,7 +251,8 @@ def main(argv=None):
                    help="a local Hugging Face folder of a gpt2, llama, mistral or "
                    "qwen2 model (default: the built-in byte-level model trained on Python's docs)")
     p.add_argument("--prompt", action="append",
-                   help="a prompt to serve instead of the built-in workload (repeatable)")
+                   help="a prompt to serve instead of the built-in workload, its answer printed as "
+                   "it is generated (repeatable)")
     p.add_argument("--chat", action="store_true",
                    help="send each prompt as a user message through the model folder's chat "
                    "template (needs jinja2)")
@@ -344,14 +345,15 @@ def main(argv=None):
     if snapshot:
         print(f"\nphysical KV blocks at step {snapshot['step']}, when the most blocks were shared:")
         print(snapshot["text"])
-    print()
     shown = [i for i, (o, sp) in enumerate(zip(outputs, params)) if i < 5 or sp.num_seqs > 1]
+    lines = []
     for prompt, out in [(prompts[i], outputs[i]) for i in shown]:
         for c in out.outputs[1 if stream else 0:]:  # the first sample (or beam) streamed
             text = tokenizer.decode(c.token_ids)
             more = "..." if len(text) > 80 else ""
-            print(f"[{out.request_id}.{c.index}] {tokenizer.decode(prompt)!r} -> "
-                  f"{text[:80]!r}{more}")
+            lines.append(f"[{out.request_id}.{c.index}] {tokenizer.decode(prompt)!r} -> "
+                         f"{text[:80]!r}{more}")
+    print("\n" + "\n".join(lines) if lines else "", end="\n" if lines else "")
     print(f"\n{summary['generated_tokens']} tokens in {seconds:.1f}s "
           f"({summary['tokens_per_second']:.0f} tokens/s), {summary['preemptions']} preemptions")
     print(f"KV utilization {100 * summary['kv_utilization']:.1f}% "

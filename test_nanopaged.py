@@ -1984,6 +1984,7 @@ def test_demo_serves_its_workload_and_reports_true_numbers(capsys, tmp_path):
     (["--beam-width", "0"], r"beam_width must be None or an int >= 1, got 0"),
     (["--prompt", "x", "--max-tokens", "0"], r"max_tokens must be an int >= 1, got 0"),
     (["--prompt", "x", "--n", "0"], r"\bn must be an int >= 1, got 0"),
+    (["--chat"], r"pydoc-gpt: no chat template \(chat_template.jinja, or chat_template in "),
 ])
 def test_demo_bad_flags_end_with_one_clear_line(flags, message):
     run = subprocess.run([sys.executable, "nanopaged.py", *flags], capture_output=True, text=True,
