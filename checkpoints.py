@@ -2,9 +2,12 @@
 checkpoints: GPT.from_pretrained's reader of local Hugging Face folders (gpt2, llama, mistral,
 qwen2), without transformers or a network. A checkpoint either loads with logits equal to
 transformers' or is refused with a ValueError naming the config.json field it would get wrong.
-nanopaged.py imports it only when a folder is loaded.
+Also what else a folder says about serving it: its dtype, its sampling defaults
+(generation_config.json) and its chat template. nanopaged.py imports it only when a folder is
+loaded.
 """
 
+import datetime
 import json
 import os
 
@@ -132,10 +135,51 @@ def read_hf_weights(path):
     return {k.removeprefix("transformer."): v for k, v in sd.items()}  # GPT-2 saves both ways
 
 
-def load_pretrained(cls, path):
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def choose_dtype(dtype, hf, device, bf16_supported=None):
+    """The torch dtype to load a checkpoint in (a pure function of its arguments, hence
+    testable without a GPU). dtype: "auto", "float32", "float16", "bfloat16" or a floating torch
+    dtype; hf: config.json as a dict; device: where the model will run; bf16_supported: whether
+    that GPU multiplies bf16 (None: ask torch). "auto" is the checkpoint's own dtype (torch_dtype,
+    or dtype as transformers 5 writes it) on a GPU, as vLLM, with vLLM's fallback to float16 on a
+    GPU without bf16 (before Ampere); float32 on a CPU, where most chips multiply bf16 and fp16
+    slowly (no matrix units for them) and the saved bytes buy nothing."""
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError("dtype must be 'auto', " + ", ".join(map(repr, DTYPES))
+                         + f" or a floating torch dtype, got {dtype!r}")
+    device = torch.device(device)
+    if device.type == "cuda" and bf16_supported is None:
+        bf16_supported = torch.cuda.is_bf16_supported()
+    if dtype == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        field = "torch_dtype" if "torch_dtype" in hf else "dtype"
+        dtype = hf.get(field) or "float32"
+        if dtype not in DTYPES:
+            raise ValueError(f"config.json sets {field}={dtype!r}; dtype='auto' takes "
+                             + " or ".join(map(repr, DTYPES)) + " (pass dtype= to choose)")
+        if dtype == "bfloat16" and not bf16_supported:
+            return torch.float16
+    elif dtype == "bfloat16" and device.type == "cuda" and not bf16_supported:
+        raise ValueError(f"dtype='bfloat16' but this GPU ({device}) has no bf16 arithmetic; "
+                         "use dtype='float16' or 'float32'")
+    return DTYPES[dtype]
+
+
+def load_pretrained(cls, path, dtype="auto", device=None):
     """A cls (nanopaged.GPT) with the weights of the folder at path, each tensor checked against
-    the shape config.json implies and sliced for this rank as it is read."""
+    the shape config.json implies and sliced for this rank as it is read, in the dtype
+    choose_dtype picks for the device (None: a GPU if there is one, as Engine's default)."""
     hf = read_hf_config(path)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dtype = choose_dtype(dtype, hf, device)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
     config = gpt2_config(hf, path) if hf["model_type"] == "gpt2" else llama_config(hf, path)
     model, sd = cls(config), read_hf_weights(path)
     with torch.no_grad():
@@ -157,4 +201,75 @@ def load_pretrained(cls, path):
             tensors = [sd[key].t() if transpose else sd[key] for key in keys]
             tensor = torch.cat(tensors) if len(keys) == 3 else tensors[0]  # q, k, v stacked
             param.copy_(tp_shard(name, tensor, config))
-    return model
+    return model.to(dtype)
+
+
+def generation_defaults(path):
+    """The sampling defaults the folder's generation_config.json sets, as SamplingParams keyword
+    arguments: SamplingParams(**generation_defaults(path), max_tokens=...). Read as transformers'
+    generate() reads the file: without do_sample=true it is greedy (temperature 0); with it,
+    temperature, top_k and top_p, each transformers' default (1.0, 50, 1.0) where the file is
+    silent; max_new_tokens where the file sets it. {} without the file (a folder that says
+    nothing leaves SamplingParams' own defaults, vLLM's). Its end ids need nothing here: they
+    join config.json's in model.config.eos_token_id when the model loads (read_hf_config)."""
+    if not os.path.isfile(os.path.join(path, "generation_config.json")):
+        return {}
+    with open(os.path.join(path, "generation_config.json")) as f:
+        gen = json.load(f)
+    params = {} if gen.get("max_new_tokens") is None else {"max_tokens": gen["max_new_tokens"]}
+    if gen.get("do_sample") is not True:
+        return params | {"temperature": 0.0}
+    defaults = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # transformers' when unset
+    return params | {key: default if gen.get(key) is None else gen[key]
+                     for key, default in defaults.items()}
+
+
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                  "mask_token")  # what transformers hands a chat template as variables
+
+
+def render_chat(path, messages, add_generation_prompt=True):
+    """The text of messages ([{"role": "user", "content": ...}, ...]) through the folder's chat
+    template (chat_template.jinja, or chat_template in tokenizer_config.json), rendered as
+    transformers' apply_chat_template(messages, tokenize=False) renders it: jinja2's sandbox with
+    trim_blocks and lstrip_blocks, raise_exception, strftime_now, a tojson that leaves non-ASCII
+    alone, and the special tokens of tokenizer_config.json as variables. Tokenize it without
+    adding special tokens: the template wrote them. A ValueError without jinja2 or a template."""
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        raise ValueError("a chat template needs jinja2: pip install jinja2") from None
+    config = {}
+    if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    template = config.get("chat_template")
+    if os.path.isfile(os.path.join(path, "chat_template.jinja")):  # the newer place wins
+        with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
+            template = f.read()
+    if isinstance(template, list):  # several named templates: the default one
+        template = {t["name"]: t["template"] for t in template}.get("default")
+    if not isinstance(template, str):
+        raise ValueError(f"{path}: no chat template (chat_template.jinja, or chat_template in "
+                         "tokenizer_config.json); this model takes raw prompts")
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, \
+        sort_keys=False: json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
+                                    separators=separators, sort_keys=sort_keys)
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)  # Llama 3.1
+    # older files store a special token as an AddedToken's dict: its text is "content"
+    tokens = {k: v["content"] if isinstance(v, dict) else v for k, v in config.items()
+              if k in SPECIAL_TOKENS and v is not None}
+    try:
+        return env.from_string(template).render(messages=messages, tools=None, documents=None,
+                                                add_generation_prompt=add_generation_prompt,
+                                                **tokens)
+    except jinja2.TemplateError as e:  # a syntax error, or the template's own raise_exception
+        raise ValueError(f"{path}: chat template: {e}") from None

@@ -2,7 +2,9 @@
 demo.py: what `python nanopaged.py` runs. A mixed workload on the built-in byte-level model
 (shared prefixes, parallel samples, a beam search) served in a KV pool small enough to
 preempt, with a live progress line, a map of the physical block pool at the moment of most
-sharing, and a summary against a contiguous cache. `python nanopaged.py --help` for flags.
+sharing, and a summary against a contiguous cache. With --prompt it serves those prompts instead
+and streams their text as it is generated; --model serves a Hugging Face folder (its dtype,
+its generation_config.json and, with --chat, its chat template). `python nanopaged.py --help`.
 """
 
 import argparse
@@ -12,6 +14,7 @@ import time
 
 import torch
 
+import checkpoints
 import nanopaged
 from nanopaged import GPT, Engine, SamplingParams
 
@@ -25,6 +28,8 @@ DEMO_TOPICS = ["The for statement", "A list", "The import system", "Exceptions",
                "Comparisons", "Assignment statements", "Keyword arguments", "The assert statement",
                "Modules", "Sequences", "Numbers", "The if statement"]
 CELLS = "abcdefghijklmnopqrstuvwxyz"
+# what the sampling flags default to when neither they nor generation_config.json set them
+SAMPLING_DEFAULTS = dict(temperature=0.8, top_k=0, top_p=0.95)
 
 
 class Tokenizer:
@@ -40,11 +45,65 @@ class Tokenizer:
             except ImportError:
                 pass
 
-    def encode(self, text):
-        return self.hf.encode(text).ids if self.hf else list(text.encode("utf-8"))
+    def encode(self, text, add_special_tokens=True):  # False for a chat template's text
+        if self.hf:
+            return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+        return list(text.encode("utf-8"))
 
     def decode(self, ids):
         return self.hf.decode(ids) if self.hf else bytes(ids).decode("utf-8", errors="replace")
+
+
+class IncrementalDecoder:
+    """The text of a growing list of token ids, piece by piece, as vLLM's detokenizer and
+    transformers' TextStreamer hand it out: decode every id so far and return what is new, but
+    hold back text that ends in U+FFFD, the replacement character a decoder puts for a
+    multi-byte UTF-8 character whose last bytes are still in tokens to come (a byte-level model
+    emits one byte per token, a BPE model may split an emoji across two). final=True hands out
+    the rest, broken or not. The pieces join to the decode of all the ids."""
+
+    def __init__(self, decode):
+        self.decode, self.ids, self.text = decode, [], ""
+
+    def push(self, new_ids, final=False):
+        self.ids += new_ids
+        text = self.decode(self.ids)
+        if text.endswith("\ufffd") and not final:
+            return ""
+        piece, self.text = text[len(self.text):], text
+        return piece
+
+
+class Streamer:
+    """Prints each request's first sample as its tokens arrive, one request after another in
+    the order given: the one on screen streams live while the later ones' text waits (they
+    are generated alongside it) until it finishes. A beam search prints its best beam at the
+    end: the best so far is not a prefix of the best at the end."""
+
+    def __init__(self, tokenizer, texts, params):
+        self.texts, self.params, self.current = texts, params, 0
+        self.decoders = [IncrementalDecoder(tokenizer.decode) for _ in texts]
+        self.pieces, self.finished = [[] for _ in texts], [False] * len(texts)
+        self.header(0)
+
+    def header(self, i):
+        print(f"[{i}.0] {self.texts[i]!r} -> ", end="", flush=True)
+
+    def __call__(self, i, output):
+        decoder = self.decoders[i]
+        if self.params[i].beam_width is None or output.finished:
+            new_ids = output.outputs[0].token_ids[len(decoder.ids):]
+            self.pieces[i].append(decoder.push(new_ids, final=output.finished))
+        self.finished[i] = output.finished
+        while self.current < len(self.texts):  # catch up: print what the request on screen has
+            print("".join(self.pieces[self.current]), end="", flush=True)
+            self.pieces[self.current] = []
+            if not self.finished[self.current]:
+                break
+            print()
+            self.current += 1
+            if self.current < len(self.texts):
+                self.header(self.current)
 
 
 def block_map(engine):
@@ -92,20 +151,26 @@ def demo_workload(tokenizer, args):
         kind = dict(n=n) if i == 3 else dict(beam_width=width) if i == 7 else {}
         max_tokens = (32, 64, 128, 192)[i % 4] if args.max_tokens is None else args.max_tokens
         params.append(SamplingParams(max_tokens=max_tokens, seed=args.seed + i,
-                                     temperature=args.temperature, top_p=args.top_p, **kind))
+                                     temperature=args.temperature, top_k=args.top_k,
+                                     top_p=args.top_p, **kind))
     return prompts, params
 
 
-def run_demo(engine, prompts, params, arrivals_per_step=2, progress=True):
+def run_demo(engine, prompts, params, arrivals_per_step=2, progress=True, on_output=None):
     """Serve the requests step by step as they arrive, a few per step as at a server, recording
-    KV use and the moment of most sharing."""
+    KV use and the moment of most sharing; on_output(i, output) sees every output of request i
+    (the i-th prompt) that gained tokens."""
     ids, pending = [], list(zip(prompts, params))
     outputs, timeline, snapshot, start = {}, [], None, time.perf_counter()
     while pending or engine.scheduler.has_unfinished():
         for prompt, sp in pending[:arrivals_per_step]:
             ids.append(engine.add_request(prompt, sp))
         pending = pending[arrivals_per_step:]
-        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+        for o in engine.step():
+            if on_output:
+                on_output(ids.index(o.request_id), o)
+            if o.finished:
+                outputs[o.request_id] = o
         s = engine.stats()
         num_used = s["num_blocks"] - s["num_free_blocks"]
         num_shared = sum(1 for b in engine.allocator.blocks if b.ref_count > 1)
@@ -186,12 +251,25 @@ def main(argv=None):
                    help="a local Hugging Face folder of a gpt2, llama, mistral or "
                    "qwen2 model (default: the built-in byte-level model trained on Python's docs)")
     p.add_argument("--prompt", action="append",
-                   help="a prompt to serve instead of the built-in workload (repeatable)")
+                   help="a prompt to serve instead of the built-in workload, its answer printed as "
+                   "it is generated (repeatable)")
+    p.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message through the model folder's chat "
+                   "template (needs jinja2)")
+    p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
+                   help="weights and KV cache (default auto: the checkpoint's own on a GPU, "
+                   "float32 on a CPU)")
+    # None: not given. The sampling flags override the folder's generation_config.json.
     p.add_argument("--max-tokens", type=int,
-                   help="tokens to generate per request (default: 32-192, mixed)")
-    p.add_argument("--temperature", type=float, default=0.8,
-                   help="sampling temperature, 0 for greedy")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling threshold")
+                   help="tokens to generate per request (default: generation_config.json's "
+                   "max_new_tokens, else 64 for --prompt, 32-192 mixed for the workload)")
+    p.add_argument("--temperature", type=float,
+                   help="sampling temperature, 0 for greedy (default: generation_config.json's, "
+                   f"greedy without do_sample; else {SAMPLING_DEFAULTS['temperature']})")
+    p.add_argument("--top-k", type=int, help="keep the k likeliest tokens, 0 for all (default: "
+                   f"generation_config.json's, else {SAMPLING_DEFAULTS['top_k']})")
+    p.add_argument("--top-p", type=float, help="nucleus sampling threshold (default: "
+                   f"generation_config.json's, else {SAMPLING_DEFAULTS['top_p']})")
     p.add_argument("--n", type=int,
                    help="parallel samples per prompt (the workload has one request with 3)")
     p.add_argument("--beam-width", type=int,
@@ -221,7 +299,11 @@ def main(argv=None):
         nanopaged.init_tensor_parallel(args.tensor_parallel_size, device=args.device)
         if nanopaged.tp.rank > 0:  # every rank serves the same requests; one of them speaks
             sys.stdout = open(os.devnull, "w")
-        model = GPT.from_pretrained(args.model)
+        model = GPT.from_pretrained(args.model, dtype=args.dtype, device=args.device)
+        # flags first, then the folder's generation_config.json, then ours
+        for key, value in (SAMPLING_DEFAULTS | checkpoints.generation_defaults(args.model)).items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
         num_params = sum(w.numel() for w in model.parameters())
         if args.threads or num_params < 100e6:
             torch.set_num_threads(args.threads or 1)
@@ -234,33 +316,44 @@ def main(argv=None):
             max_tokens = 64 if args.max_tokens is None else args.max_tokens
             n = 1 if args.n is None else args.n
             params = [SamplingParams(max_tokens=max_tokens, temperature=args.temperature,
-                                     top_p=args.top_p, n=n, beam_width=args.beam_width,
-                                     seed=args.seed + i)
+                                     top_k=args.top_k, top_p=args.top_p, n=n,
+                                     beam_width=args.beam_width, seed=args.seed + i)
                       for i in range(len(prompts))]
         else:
             prompts, params = demo_workload(tokenizer, args)
+        if args.chat:  # the same requests, each prompt now the text of one user message
+            texts = args.prompt or [tokenizer.decode(p) for p in prompts]
+            prompts = [tokenizer.encode(checkpoints.render_chat(
+                args.model, [{"role": "user", "content": text}]), add_special_tokens=False)
+                for text in texts]
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             engine.check_request(prompt, sp)
     except ValueError as e:
         sys.exit(f"nanopaged: error: {e}")
     ranks = f" on each of {nanopaged.tp.world_size} ranks" if nanopaged.tp.world_size > 1 else ""
-    print(f"model {args.model}: {num_params / 1e6:.1f}M parameters{ranks}, "
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    print(f"model {args.model}: {num_params / 1e6:.1f}M parameters in {dtype}{ranks}, "
           f"max_seq_len {model.config.max_seq_len}; KV pool {engine.allocator.num_blocks} blocks x "
           f"{engine.block_size} tokens on {engine.device}{ranks}; {len(prompts)} requests")
     is_rank_0 = nanopaged.tp.rank == 0
-    outputs, timeline, snapshot, seconds = run_demo(engine, prompts, params, progress=is_rank_0)
+    # --prompt: stream the text as it comes (no progress line to tear it); the workload: the line
+    stream = Streamer(tokenizer, args.prompt, params) if args.prompt else None
+    outputs, timeline, snapshot, seconds = run_demo(engine, prompts, params,
+                                                    progress=is_rank_0 and not stream,
+                                                    on_output=stream)
     summary = summarize(engine, outputs, timeline, seconds)
     if snapshot:
         print(f"\nphysical KV blocks at step {snapshot['step']}, when the most blocks were shared:")
         print(snapshot["text"])
-    print()
     shown = [i for i, (o, sp) in enumerate(zip(outputs, params)) if i < 5 or sp.num_seqs > 1]
+    lines = []
     for prompt, out in [(prompts[i], outputs[i]) for i in shown]:
-        for c in out.outputs:
+        for c in out.outputs[1 if stream else 0:]:  # the first sample (or beam) streamed
             text = tokenizer.decode(c.token_ids)
             more = "..." if len(text) > 80 else ""
-            print(f"[{out.request_id}.{c.index}] {tokenizer.decode(prompt)!r} -> "
-                  f"{text[:80]!r}{more}")
+            lines.append(f"[{out.request_id}.{c.index}] {tokenizer.decode(prompt)!r} -> "
+                         f"{text[:80]!r}{more}")
+    print("\n" + "\n".join(lines) if lines else "", end="\n" if lines else "")
     print(f"\n{summary['generated_tokens']} tokens in {seconds:.1f}s "
           f"({summary['tokens_per_second']:.0f} tokens/s), {summary['preemptions']} preemptions")
     print(f"KV utilization {100 * summary['kv_utilization']:.1f}% "
@@ -274,4 +367,4 @@ def main(argv=None):
         plot_demo(args.plot, snapshot, timeline, engine)
         print(f"wrote {args.plot}")
     return dict(outputs=outputs, summary=summary, snapshot=snapshot, engine=engine,
-                tokenizer=tokenizer)
+                tokenizer=tokenizer, params=params)

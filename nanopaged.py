@@ -942,11 +942,13 @@ class GPT(nn.Module):
         return self
 
     @classmethod
-    def from_pretrained(cls, path, dtype=torch.float32):
+    def from_pretrained(cls, path, dtype="auto", device=None):
         """Load a local Hugging Face folder whose config.json says model_type gpt2, llama, mistral
-        or qwen2, from disk, without a network or transformers (checkpoints.py)."""
+        or qwen2, from disk, without a network or transformers (checkpoints.py). dtype "auto": the
+        checkpoint's own on a GPU, float32 on a CPU; or "float32", "float16", "bfloat16", or a
+        torch dtype. device: where it will run, for "auto" (default: a GPU if there is one)."""
         import checkpoints
-        return checkpoints.load_pretrained(cls, path).to(dtype).eval()
+        return checkpoints.load_pretrained(cls, path, dtype, device).eval()
 
 
 # -----------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+import checkpoints
 import demo
 import kernel
 import nanopaged
@@ -2074,6 +2075,7 @@ def test_demo_serves_its_workload_and_reports_true_numbers(capsys, tmp_path):
     (["--beam-width", "0"], r"beam_width must be None or an int >= 1, got 0"),
     (["--prompt", "x", "--max-tokens", "0"], r"max_tokens must be an int >= 1, got 0"),
     (["--prompt", "x", "--n", "0"], r"\bn must be an int >= 1, got 0"),
+    (["--chat"], r"pydoc-gpt: no chat template \(chat_template.jinja, or chat_template in "),
 ])
 def test_demo_bad_flags_end_with_one_clear_line(flags, message):
     run = subprocess.run([sys.executable, "nanopaged.py", *flags], capture_output=True, text=True,
@@ -2134,6 +2136,213 @@ def test_hundreds_of_requests_in_a_pool_a_few_sequences_deep(mode):
     assert engine.stats()["num_preemptions"] > 10
     assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in ample]
     assert_all_blocks_free(engine)
+
+
+# -----------------------------------------------------------------------------
+# Serving a checkpoint as its users run it: its dtype, its generation_config.json, its chat
+# template, and text streamed as it is generated
+
+def test_a_bf16_checkpoint_loads_in_bf16_when_asked_and_in_fp32_on_a_cpu_by_default(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**LLAMA_FAMILY, num_key_value_heads=2)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path)  # config.json: "dtype": "bfloat16"
+    idx = torch.randint(128, (2, 30))
+    bf16 = GPT.from_pretrained(str(tmp_path), dtype="bfloat16")
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        logits, expected = bf16(idx), hf(idx).logits
+        assert logits.dtype == torch.bfloat16
+        # within a few bf16 steps (1/64 at these logits, up to ~4)
+        torch.testing.assert_close(logits.float(), expected.float(), atol=0.05, rtol=0.02)
+        # "auto" on a CPU: fp32, the same weights (bf16 widens exactly) as transformers' in fp32
+        auto = GPT.from_pretrained(str(tmp_path), device="cpu")
+        assert {p.dtype for p in auto.parameters()} == {torch.float32}
+        torch.testing.assert_close(auto(idx), hf.float()(idx).logits, atol=1e-4, rtol=1e-4)
+    engine = Engine(bf16, block_size=4, num_blocks=16, device="cpu")
+    assert engine.model_runner.kv_cache.dtype == torch.bfloat16  # the cache follows the model
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert len(out.outputs[0].token_ids) == 4
+    with pytest.raises(ValueError, match=r"i0: dtype must be 'auto', 'float32', 'float16', "
+                                         r"'bfloat16' or a floating torch dtype, got 'fp16'"):
+        GPT.from_pretrained(str(tmp_path), dtype="fp16")
+
+
+def test_dtype_auto_is_the_checkpoints_own_on_a_gpu_and_fp32_on_a_cpu():
+    """checkpoints.choose_dtype takes the device as an argument: the GPU rule is checked here
+    without a GPU."""
+    choose = checkpoints.choose_dtype
+    bf16 = {"dtype": "bfloat16"}  # as transformers 5 writes it; older folders say torch_dtype
+    assert choose("auto", bf16, "cuda", bf16_supported=True) == torch.bfloat16
+    assert choose("auto", bf16, "cuda:1", bf16_supported=False) == torch.float16  # vLLM's fallback
+    assert choose("auto", {"torch_dtype": "float16"}, "cuda", bf16_supported=True) == torch.float16
+    assert choose("auto", {}, "cuda", bf16_supported=True) == torch.float32  # nothing said
+    assert choose("auto", bf16, "cpu") == torch.float32
+    assert choose("auto", {"torch_dtype": "int8"}, "cpu") == torch.float32  # not read on a CPU
+    for name, dtype in [("float16", torch.float16), ("bfloat16", torch.bfloat16),
+                        ("float32", torch.float32), (torch.float64, torch.float64)]:
+        assert choose(name, bf16, "cpu") == dtype  # a CPU runs all of them (fp32 fastest)
+    assert choose("bfloat16", {}, "cuda", bf16_supported=True) == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype='bfloat16' but this GPU"):
+        choose("bfloat16", {}, "cuda", bf16_supported=False)
+    with pytest.raises(ValueError, match=r"config.json sets torch_dtype='int8'"):
+        choose("auto", {"torch_dtype": "int8"}, "cuda", bf16_supported=True)
+    for bad in ["fp16", "half", "bf16", None, torch.int32, 16]:
+        with pytest.raises(ValueError, match=r"^dtype must be 'auto'"):
+            choose(bad, {}, "cpu")
+
+
+@pytest.mark.parametrize("gen", [
+    {}, {"do_sample": True}, {"do_sample": False, "temperature": 0.7, "top_k": 20},
+    {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": [1, 2]},
+    {"do_sample": True, "top_k": 0, "temperature": 1.3, "max_new_tokens": 40},
+    {"temperature": 0.5, "top_p": None}, None])
+def test_generation_defaults_read_generation_config_json_as_transformers_does(tmp_path, gen):
+    transformers = pytest.importorskip("transformers")
+    if gen is None:  # no file: the folder says nothing
+        assert checkpoints.generation_defaults(str(tmp_path)) == {}
+        return
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    config = transformers.GenerationConfig.from_pretrained(tmp_path)
+    unset = transformers.GenerationConfig._get_default_generation_params()  # what generate() uses
+
+    def value(key):
+        return unset[key] if getattr(config, key) is None else getattr(config, key)
+    expected = dict(temperature=0.0) if value("do_sample") is not True else \
+        dict(temperature=value("temperature"), top_k=value("top_k"), top_p=value("top_p"))
+    if config.max_new_tokens is not None:
+        expected["max_tokens"] = config.max_new_tokens
+    got = checkpoints.generation_defaults(str(tmp_path))
+    assert got == expected and type(got.get("top_k", 0)) is int
+    SamplingParams(**got)  # they are SamplingParams' own
+
+
+def test_the_cli_applies_generation_config_json_unless_a_flag_overrides_it(hf_folder, tmp_path):
+    path, _ = hf_folder("llama")
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((path / name).read_bytes())
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        dict(do_sample=True, temperature=0.6, top_p=0.9, max_new_tokens=3)))
+    flags = ["--model", str(tmp_path), "--prompt", "abc", "--num-blocks", "8"]
+    sp = nanopaged.main(flags)["params"][0]
+    assert (sp.temperature, sp.top_k, sp.top_p, sp.max_tokens) == (0.6, 50, 0.9, 3)
+    sp = nanopaged.main(flags + ["--temperature", "0", "--top-k", "5", "--max-tokens", "2"])[
+        "params"][0]
+    assert (sp.temperature, sp.top_k, sp.top_p, sp.max_tokens) == (0, 5, 0.9, 2)
+    (tmp_path / "generation_config.json").unlink()  # then the CLI's own defaults
+    sp = nanopaged.main(flags + ["--max-tokens", "2"])["params"][0]  # 64 would pass max_seq_len
+    assert (sp.temperature, sp.top_k, sp.top_p) == (0.8, 0, 0.95)
+
+
+CHAT_TEMPLATE = """{{ bos_token }}{% for m in messages %}
+{% if m['role'] == 'system' %}<<SYS>>{{ m['content'] | trim }}<</SYS>>
+{% elif m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]
+    {% elif loop.first %}{{ raise_exception('a chat starts with a user or system message') }}
+    {% else %}{{ m | tojson }}{{ eos_token }}
+{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}ASSISTANT:{% endif %}"""
+
+
+def test_chat_template_renders_as_transformers_apply_chat_template(hf_folder, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, "hello": 3, "INST": 4, "[": 5, "]": 6, "/": 7}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.post_processor = tokenizers.processors.TemplateProcessing(  # adds a BOS by default
+        single="<s> $A", special_tokens=[("<s>", 1)])
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="[UNK]")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(tmp_path)
+    assert (tmp_path / "chat_template.jinja").exists()
+    # a stale copy in tokenizer_config.json: chat_template.jinja wins, as in transformers
+    tokenizer_config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        tokenizer_config | {"chat_template": "{{ messages[0]['content'] }}"}))
+    chats = [[{"role": "user", "content": "hello"}],
+             [{"role": "system", "content": "  Be brief.\n"},
+              {"role": "user", "content": "héllo ☃ \"quoted\""},
+              {"role": "assistant", "content": "añ ☃"}, {"role": "user", "content": "again"}]]
+    for folder in ["jinja", "tokenizer_config"]:
+        if folder == "tokenizer_config":  # the older place: in tokenizer_config.json
+            (tmp_path / "chat_template.jinja").unlink()
+            (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+                tokenizer_config | {"chat_template": CHAT_TEMPLATE}))
+        loaded = transformers.AutoTokenizer.from_pretrained(tmp_path)
+        for chat in chats:
+            for add in (True, False):
+                expected = loaded.apply_chat_template(chat, tokenize=False,
+                                                      add_generation_prompt=add)
+                assert checkpoints.render_chat(str(tmp_path), chat, add) == expected
+        with pytest.raises(ValueError, match="chat template: a chat starts with a user"):
+            checkpoints.render_chat(str(tmp_path), [{"role": "assistant", "content": "hi"}])
+    # --chat: the prompt is one user message, tokenized as transformers does (no second BOS)
+    path, _ = hf_folder("llama")
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((path / name).read_bytes())
+    report = nanopaged.main(["--model", str(tmp_path), "--chat", "--prompt", "hello",
+                             "--max-tokens", "3", "--temperature", "0", "--num-blocks", "8"])
+    chat = [{"role": "user", "content": "hello"}]
+    ids = loaded.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+    assert report["outputs"][0].prompt_token_ids == ids
+    assert "[0.0] 'hello' -> " in capsys.readouterr().out
+
+
+def test_chat_without_a_template_or_jinja2_is_one_clear_error(tmp_path, monkeypatch):
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    with pytest.raises(ValueError, match="no chat template"):
+        checkpoints.render_chat(str(tmp_path), [{"role": "user", "content": "hi"}])
+    monkeypatch.setitem(sys.modules, "jinja2", None)  # as if not installed
+    with pytest.raises(ValueError, match="a chat template needs jinja2: pip install jinja2"):
+        checkpoints.render_chat(str(tmp_path), [{"role": "user", "content": "hi"}])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(alphabet=st.characters(codec="utf-8"), max_size=30), st.binary(max_size=6),
+       st.data())
+def test_incremental_decoding_never_prints_a_broken_character(text, junk, data):
+    """Token ids that are random chunks of text's UTF-8 bytes (a byte-level model's single bytes,
+    a BPE model's longer pieces), arriving a few per step: the printed pieces join to the decode
+    of all of them, and none holds U+FFFD unless the whole text does (junk: invalid bytes too)."""
+    raw = text.encode() + (junk if data.draw(st.booleans()) else b"")
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(len(raw) - 1, 1)))) | {0, len(raw)})
+    chunks = [raw[a:b] for a, b in zip(cuts, cuts[1:])]
+
+    def decode(ids):
+        return b"".join(chunks[i] for i in ids).decode("utf-8", errors="replace")
+    decoder, pieces, ids = demo.IncrementalDecoder(decode), [], list(range(len(chunks)))
+    while ids:
+        k = data.draw(st.integers(1, 3))  # tokens per step: more under speculative decoding
+        pieces.append(decoder.push(ids[:k], final=len(ids) <= k))
+        ids = ids[k:]
+    full = decode(range(len(chunks)))
+    assert "".join(pieces) == full
+    if "\ufffd" not in full:
+        assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_the_demo_streams_one_request_after_another_as_tokens_arrive(capsys):
+    from types import SimpleNamespace
+
+    def output(ids, finished):
+        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(ids))], finished=finished)
+    streamer = demo.Streamer(demo.Tokenizer("/nowhere"), ["p", "q"],
+                             [SamplingParams(), SamplingParams()])
+    euro = list("€".encode())  # three bytes, three tokens of the byte-level model
+    printed = [capsys.readouterr().out]
+    for i, ids, finished in [(0, b"ab", False), (1, b"xy", False), (0, b"ab" + bytes(euro[:2]),
+                                                                     False),
+                             (0, b"ab" + bytes(euro), False), (1, b"xyz", False),
+                             (0, b"ab" + bytes(euro) + b"c", True), (1, b"xyzw", True)]:
+        streamer(i, output(ids, finished))
+        printed.append(capsys.readouterr().out)
+    assert printed == ["[0.0] 'p' -> ", "ab", "", "", "€", "", "c\n[1.0] 'q' -> xyz", "w\n"]
 
 
 # -----------------------------------------------------------------------------
