@@ -1828,14 +1828,22 @@ def test_forking_recipes_in_the_readme_run_as_written():
             registry.update(entries)
 
 
-def test_bench_quick_runs_every_section(tmp_path):
-    run = subprocess.run([sys.executable, "bench.py", "--quick", "--out-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=240,
-                         cwd=os.path.dirname(os.path.abspath(__file__)))
+def test_bench_quick_runs_every_section_and_leaves_the_readmes_results_alone():
+    here = os.path.dirname(os.path.abspath(__file__))
+    cited = os.path.join(here, "results", "results.json")
+    before = os.path.getmtime(cited) if os.path.exists(cited) else None
+    run = subprocess.run([sys.executable, "bench.py", "--quick"], capture_output=True, text=True,
+                         timeout=240, cwd=here)
     assert run.returncode == 0, run.stderr[-3000:]
-    results = json.loads((tmp_path / "results.json").read_text())
+    written = re.search(r"wrote (\S+results\.json) and plots", run.stdout).group(1)
+    assert not written.startswith(os.path.join(here, "results"))
+    assert (os.path.getmtime(cited) if os.path.exists(cited) else None) == before
+    results = json.load(open(written))
     assert set(results) >= {"memory", "capacity", "sharing", "throughput", "kernel", "overhead",
                             "tensor_parallel", "soak"}
+    churn = results["sharing"]["eviction under churn"]  # LFU keeps what LRU loses
+    assert churn["lfu"]["popular_prefix_kept"] == 1 and churn["lru"]["popular_prefix_kept"] == 0
+    assert set(results["overhead"]["take_block_us"]) == set(EVICTION_POLICIES) - {"mru"}
 
 
 def test_engine_takes_a_gpt_model():
@@ -1960,9 +1968,10 @@ FAILURE_POINTS = [(nanopaged.Scheduler, "schedule"), (BlockAllocator, "allocate"
                          min_size=1, max_size=6),
        point=st.sampled_from(FAILURE_POINTS), call=st.integers(1, 12), after=st.booleans(),
        block_size=st.sampled_from([1, 2, 4]), spare=st.integers(0, 6),
-       mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans())
+       mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
+       scheduling=st.sampled_from(SCHEDULING), eviction=st.sampled_from(EVICTION))
 def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, after, block_size,
-                                                      spare, mode, caching):
+                                                      spare, mode, caching, scheduling, eviction):
     """Raise once, at a random call of a random function inside a step: the step leaves every
     request, queue and block as it found them (but for K/V the failed step may have overwritten:
     blocks it handed out leave the prefix cache, and a request that held one is recomputed);
@@ -1976,7 +1985,8 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
                 for r, p in zip(requests, params))
 
     def run(engine, inject):
-        ids = [engine.add_request(r[0], p) for r, p in zip(requests, params)]
+        ids = [engine.add_request(r[0], p, priority=i % 3)
+               for i, (r, p) in enumerate(zip(requests, params))]
         outputs, failures = {}, 0
         for _ in range(300):  # a bound, so a stalled engine fails instead of hanging
             if not engine.requests:
@@ -1996,7 +2006,8 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
                 for i in ids]
 
     settings_ = dict(block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
-                     enable_prefix_caching=caching, max_num_batched_tokens=6, max_num_seqs=4)
+                     enable_prefix_caching=caching, max_num_batched_tokens=6, max_num_seqs=4,
+                     scheduling_policy=scheduling, eviction_policy=eviction)
     expected = run(Engine(MODEL, **settings_), inject=False)
     owner, name = point
     real, calls, fired, taken, exact = getattr(owner, name), [0], [], set(), []
