@@ -324,7 +324,7 @@ class BlockAllocator:
             self.free_keys[block_id] = self._eviction_key(block)
             heappush(self.free_heap, self.free_keys[block_id])
             if len(self.free_heap) > 2 * self.num_blocks:  # too many stale entries
-                self.free_heap = sorted(self.free_keys.values())
+                self._rebuild_free_list()
 
     # -- whole sequences ------------------------------------------------------------------
 

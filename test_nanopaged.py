@@ -1773,9 +1773,37 @@ def test_lfu_keeps_the_prefix_hit_more_often_where_lru_loses_it(policy):
     rare = serve([3, 4, 9])  # freed last, never hit
     assert [a.blocks[a.hash_to_block[h]].num_hits for h in (popular, rare)] == [2, 0]
     # 4 blocks: the 3 uncached free ones first, then one cached prefix is evicted
-    a.allocate(make_seq(next(ids), [5, 6, 7, 8, 5, 6, 7]))
+    new = make_seq(next(ids), [5, 6, 7, 8, 5, 6, 7])
+    a.allocate(new)
     survivor = popular if policy == "lfu" else rare
     assert list(a.hash_to_block) == [survivor]
+    assert all(a.blocks[b].num_hits == 0 for b in new.block_table)  # an evicted block's hits go
+
+
+@pytest.mark.parametrize("policy", EVICTION)
+def test_blocks_go_out_in_eviction_order_after_many_hits_and_after_a_rollback(policy):
+    a, ids = BlockAllocator(num_blocks=8, block_size=2, eviction_policy=policy), itertools.count()
+    rng = random.Random(0)
+
+    def serve(tokens):
+        seq = make_seq(next(ids), tokens)
+        a.allocate(seq)
+        seq.num_computed_tokens = len(tokens)
+        a.cache_full_blocks(seq)
+        return seq
+
+    # prefixes hit different numbers of times, freed in a random order; each hit on a free block
+    # leaves a stale entry in the free list's heap, which rebuilds itself from time to time
+    for _ in range(60):
+        a.free(serve([rng.randrange(3), rng.randrange(3), 9]))
+    order = free_order(a)
+    assert a.blocks[order[0]].hash is None  # (so the step below takes a block caching nothing)
+    a.begin()  # a step that hits the last cached block, takes one, frees both, then fails
+    a.free(serve(list(a.blocks[order[-1]].token_ids) + [9]))
+    a.rollback()
+    assert free_order(a) == order
+    # one-token prompts never seen take one block each: the free list, front first
+    assert [serve([100 + i]).block_table[0] for i in range(len(order))] == order
 
 
 def test_request_metrics_follow_the_lifecycle_and_count_cached_prompt_tokens():
