@@ -553,7 +553,7 @@ class BlockAllocator:
 # long prompt is prefilled over several steps without stalling running decodes. When a
 # decode finds no free block, the running request that comes last is preempted (paper, 4.5).
 
-SCHEDULING_POLICIES = {  # the order: a key of a SequenceGroup, the smaller first
+SCHEDULING_POLICIES = {  # the order: a SequenceGroup's key (fixed while queued), smaller first
     "fcfs": lambda group: group.request_id,  # first come, first served: ids count arrivals
     "priority": lambda group: (group.priority, group.request_id),  # vLLM's: lower first
 }
@@ -1511,7 +1511,7 @@ class Engine:
                 (seq.num_computed_tokens, seq.block_table, seq.block_hashes,
                  seq.cumulative_logprob, seq.finish_reason) = state
             self.requests[group.request_id] = group
-        for group in running:
+        for group in list(running):  # a copy: groups leave s.running, which is this list
             if taken.intersection(*(seq.block_table for seq in group.seqs)):
                 s.running.remove(group)
                 s.preempt_by_recompute(group)
