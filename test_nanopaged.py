@@ -2059,11 +2059,55 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
                      if self.saved_blocks[b].ref_count or self.saved_blocks[b].hash)
         return real_rollback(self)
 
+    def engine_rollback(self, saved):  # no queued request keeps a block the failed step handed out
+        real_engine_rollback(self, saved)
+        held = {b for g in self.scheduler.running for q in g.seqs for b in q.block_table}
+        assert not held & self.allocator.rolled_back_taken, "a request kept a block written over"
+
+    def allocator_rollback(self):
+        self.rolled_back_taken = rollback(self)
+        return self.rolled_back_taken
+
+    real_engine_rollback = Engine.rollback
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(owner, name, failing)
-        mp.setattr(BlockAllocator, "rollback", rollback)
+        mp.setattr(BlockAllocator, "rollback", allocator_rollback)
+        mp.setattr(Engine, "rollback", engine_rollback)
         assert run(Engine(MODEL, **settings_), inject=True) == expected
     event(f"failed: {bool(fired)}, exactly as before: {bool(exact)}")
+
+
+def test_a_failed_step_recomputes_every_request_whose_blocks_it_handed_out():
+    """Two neighbours in the running queue lose blocks to a step that then fails (found by a
+    search): both must be recomputed, or one reads K/V the failed step wrote over (a loop that
+    removed the first from the list it walked skipped the second)."""
+    engine = Engine(MODEL, block_size=2, num_blocks=6, max_num_seqs=4, max_num_batched_tokens=16)
+    prompts = [[i + 1] * n for i, n in enumerate([1, 3, 2, 1])]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0)) for p in prompts]
+    real_forward, real_rollback, calls, taken = GPT.forward, BlockAllocator.rollback, [0], set()
+
+    def forward(self, *args, **kwargs):
+        out = real_forward(self, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected after the forward wrote K/V")
+        return out
+
+    def rollback(self):
+        taken.update(real_rollback(self))
+        return taken
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GPT, "forward", forward)
+        mp.setattr(BlockAllocator, "rollback", rollback)
+        with pytest.raises(RuntimeError, match="injected"):
+            for _ in range(3):
+                engine.step()
+    held = {b for g in engine.scheduler.running for q in g.seqs for b in q.block_table}
+    assert taken and not held & taken
+    outputs = drain(engine)
+    assert [outputs[i].outputs[0].token_ids for i in ids] == \
+        [naive_greedy(MODEL, p, 6) for p in prompts]
 
 
 def test_an_engine_that_cannot_make_progress_raises_at_once(monkeypatch):
@@ -2682,15 +2726,17 @@ def test_a_request_recomputed_for_lack_of_swap_space_resumes_before_younger_swap
 @given(requests=st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=5),
                                    st.integers(2, 6), st.sampled_from([1, 3, 3])),
                          min_size=4, max_size=10),
-       block_size=st.integers(2, 3), num_blocks=st.integers(8, 14), seed=st.integers(0, 99))
+       block_size=st.integers(2, 3), num_blocks=st.integers(8, 14), seed=st.integers(0, 99),
+       policy=st.sampled_from(SCHEDULING))
 def test_swaps_and_copies_in_one_step_keep_every_token_where_its_table_says(requests, block_size,
-                                                                              num_blocks, seed):
+                                                                              num_blocks, seed,
+                                                                              policy):
     """Swap-heavy runs of the scheduler machine (several groups swapped out in a step, copy-on-write
     beside swaps): ModelRunner.copy_blocks, in its order, leaves every computed token of every
     running or swapped sequence in the slot its block table names."""
     m = SchedulerMachine()
     m.setup(block_size=block_size, num_blocks=num_blocks, num_cpu_blocks=16, mode="swap",
-            caching=True, max_num_seqs=9, max_num_batched_tokens=16, watermark=0.01)
+            caching=True, max_num_seqs=9, max_num_batched_tokens=16, watermark=0.01, policy=policy)
     for prompt, max_tokens, n in requests:
         m.add(prompt, max_tokens, n, stop=False)
     rng, moves = random.Random(seed), Counter()
