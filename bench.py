@@ -6,6 +6,7 @@ bench.py: the numbers that made PagedAttention matter, measured side by side in 
                                  #            --kernel --overhead --tensor-parallel
                                  #            --soak (the soak is not in "every")
     python bench.py --kernel --aot   # the Triton kernels compiled for sm_80/86/90, without a GPU
+    python bench.py --quick          # every section (the soak too) at a small size, in a temp dir
 
 Each section prints a table, and the run writes results/results.json plus PNG plots to
 results/. The paper's figures are quoted next to ours (Kwon et al., SOSP 2023).
@@ -20,6 +21,7 @@ import os
 import platform
 import random
 import re
+import tempfile
 import time
 
 # Before torch starts OpenMP: idle workers that spin-wait make every small op wait for a
@@ -33,7 +35,8 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from demo import DEMO_MODEL  # noqa: E402
-from nanopaged import GPT, BlockAllocator, Engine, GPTConfig, SamplingParams, Sequence  # noqa: E402
+from nanopaged import (GPT, EVICTION_POLICIES, BlockAllocator, Engine, GPTConfig,  # noqa: E402
+                       SamplingParams, Sequence)
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SEED = 0
@@ -196,11 +199,12 @@ def serve_trace(engine, prompts, trace, arrival_rate, seed=SEED):
                 running_over_steps=running)
 
 
-def bench_capacity(num_requests=96, kv_tokens=8192, rates=(4.0, 16.0, math.inf)):
+def bench_capacity(num_requests=96, kv_tokens=8192, rates=(4.0, 16.0, math.inf),
+                   trace_name="ShareGPT-like"):
     max_seq_len = 1024
     model = tiny_model(max_seq_len)
     # fits the tiny model
-    trace = synthetic_trace("ShareGPT-like", num_requests, max_len=max_seq_len // 2)
+    trace = synthetic_trace(trace_name, num_requests, max_len=max_seq_len // 2)
     prompts = random_prompts(trace)
     results, rows = {}, []
     for mode in ("paged", "contiguous"):
@@ -220,7 +224,7 @@ def bench_capacity(num_requests=96, kv_tokens=8192, rates=(4.0, 16.0, math.inf))
                      f"{p['requests_per_s'] / c['requests_per_s']:.2f}x",
                      f"{p['mean_latency_s'] / c['mean_latency_s']:.2f}x"])
     print_table(f"Capacity at a fixed KV budget of {kv_tokens} token slots "
-                f"({num_requests} ShareGPT-like requests, max_seq_len {max_seq_len}, "
+                f"({num_requests} {trace_name} requests, max_seq_len {max_seq_len}, "
                 f"tiny random model on CPU)",
                 ["cache", "arrivals/s", "mean running", "peak running", "requests/s",
                  "mean latency s"], rows)
@@ -260,12 +264,13 @@ def blocks_with_and_without_sharing(engine, prompts, params):
     return used, logical
 
 
-def bench_sharing(num_requests=24):
+def bench_sharing(num_requests=24, widths=(2, 4, 6),
+                  prefixes=(("one-shot", 80), ("five-shot", 341)), churn=None):
     model = tiny_model()
     trace = synthetic_trace("Alpaca-like", num_requests, max_len=512)
     prompts = random_prompts(trace)
     results, rows = {}, []
-    for kind, widths in (("parallel sampling", (2, 4, 6)), ("beam search", (2, 4, 6))):
+    for kind in ("parallel sampling", "beam search"):
         for k in widths:
             params = [SamplingParams(max_tokens=o, ignore_eos=True, seed=i,
                                      **(dict(n=k, temperature=1.0) if kind == "parallel sampling"
@@ -285,7 +290,7 @@ def bench_sharing(num_requests=24):
 
     # prefix caching: a few-shot prefix shared by every request (paper, Fig. 16: 80 and 341 tokens)
     rng = random.Random(SEED)
-    for shots, prefix_len in (("one-shot", 80), ("five-shot", 341)):
+    for shots, prefix_len in prefixes:
         prefix = [rng.randrange(256) for _ in range(prefix_len)]
         questions = [[rng.randrange(256) for _ in range(rng.randint(8, 40))]
                      for _ in range(num_requests)]
@@ -308,6 +313,35 @@ def bench_sharing(num_requests=24):
         print(f"prefix caching, {shots} prefix of {prefix_len} tokens, {num_requests} requests: "
               f"hit rate {100 * hit_rate:.1f}% of prompt tokens, {saved_tokens} prefill tokens "
               f"saved, {timings[False] / timings[True]:.2f}x faster than without the cache")
+    results["eviction under churn"] = eviction_under_churn(model, **(churn or {}))
+    return results
+
+
+def eviction_under_churn(model, rounds=6, burst=24, num_blocks=64):
+    """A popular 64-token prefix asked for 3 times a round, then a burst of one-off prompts that
+    pass more blocks through the pool than it holds. LRU evicts the popular prefix (freed before
+    the burst); LFU keeps it (hit often) and evicts the one-off blocks (never hit)."""
+    rng, rows, results = random.Random(SEED), [], {}
+    popular = [rng.randrange(256) for _ in range(64)]
+    workload = [([popular + [rng.randrange(256) for _ in range(8)] for _ in range(3)],
+                 [[rng.randrange(256) for _ in range(48)] for _ in range(burst)])
+                for _ in range(rounds)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    for policy in EVICTION_POLICIES:
+        engine = Engine(model, block_size=16, num_blocks=num_blocks, max_num_seqs=4,
+                        eviction_policy=policy, device="cpu")
+        first_of_round = []  # prompt tokens the cache served to each round's first popular request
+        for hot, one_off in workload:  # the popular ones one by one, so that they hit
+            outs = [engine.generate([prompt], params)[0] for prompt in hot]
+            first_of_round.append(outs[0].num_cached_tokens)
+            engine.generate(one_off, params)
+        kept = sum(n == len(popular) for n in first_of_round[1:]) / (rounds - 1)
+        results[policy] = dict(popular_prefix_kept=kept, cached_tokens=first_of_round)
+        rows.append([policy, f"{100 * kept:.0f}%", " ".join(map(str, first_of_round))])
+    print_table(f"Eviction under churn: a popular 64-token prefix, 3 requests a round, then "
+                f"{burst} one-off 48-token prompts, {rounds} rounds, {num_blocks} blocks of 16",
+                ["eviction policy", "popular prefix still cached after a burst",
+                 "cached tokens, first popular request of each round"], rows)
     return results
 
 
@@ -515,7 +549,7 @@ def time_ms(fn):
     return float(np.median(times))
 
 
-def bench_kernel():
+def bench_kernel(grid=None):
     import kernel
     on_gpu = torch.cuda.is_available()
     device, dtype = ("cuda", torch.float16) if on_gpu else ("cpu", torch.float32)
@@ -525,8 +559,8 @@ def bench_kernel():
         print("\n--kernel: the Triton kernel's latency and bandwidth need a GPU; on this CPU it "
               "times the torch paged path (the engine's CPU attention) instead")
     paged = kernel.paged_attention if on_gpu else kernel.paged_attention_torch
-    grid = [(b, c) for b in (1, 8, 64, 256) for c in (512, 1024, 4096, 16384)] if on_gpu else \
-        [(b, c) for b in (1, 8, 32) for c in (256, 1024, 2048)]
+    grid = grid or ([(b, c) for b in (1, 8, 64, 256) for c in (512, 1024, 4096, 16384)] if on_gpu
+                    else [(b, c) for b in (1, 8, 32) for c in (256, 1024, 2048)])
     n_head, n_kv, D = KERNEL_SHAPE["n_head"], KERNEL_SHAPE["n_kv_head"], KERNEL_SHAPE["head_dim"]
     scale, results, rows = D ** -0.5, {}, []
     for batch, context in grid:
@@ -824,9 +858,32 @@ def timed_step(engine):
     return t0 - start, t1 - t0, t2 - t1, t3 - t2, t4 - t3
 
 
-def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50):
+def time_block_take(num_blocks, policy, reps=2000):
+    """Microseconds to take a block when every free block holds a cached prefix (each take
+    evicts the first by the policy), publish it and free it: the free list's cost."""
+    a, rng = BlockAllocator(num_blocks, block_size=1, eviction_policy=policy), random.Random(SEED)
+    seq = Sequence(0, list(range(num_blocks)), num_blocks)
+    a.allocate(seq)
+    seq.num_computed_tokens = num_blocks
+    a.cache_full_blocks(seq)
+    for b in a.blocks:  # scores that differ, as after hits
+        b.num_hits = rng.randrange(8)
+    a.free(seq)
+    start = time.perf_counter()
+    for i in range(reps):
+        one = Sequence(i + 1, [num_blocks + i], 1)  # a token never seen: no hit, one eviction
+        a.allocate(one)
+        one.num_computed_tokens = 1
+        a.cache_full_blocks(one)
+        a.free(one)
+    a.begin()  # drop the journal of changes, as each engine step does
+    return (time.perf_counter() - start) / reps * 1e6
+
+
+def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
+                   take_sizes=(1_000, 10_000, 100_000)):
     """Median over decode steps (the garbage collector's pauses included) of the engine's own
-    time."""
+    time; and the time to take a block from free lists of up to 100k cached blocks."""
     results, rows = {}, []
     for n in sizes:
         engine = Engine(NoOpModel(), block_size=16, num_blocks=n * 16, max_num_seqs=n,
@@ -854,6 +911,13 @@ def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50):
                 "(goal: <= 10 us per running sequence)",
                 ["running seqs", "engine ms/step", "us/seq", "fastest step", "save state",
                  "schedule", "prepare", "(no-op model)", "postprocess"], rows)
+    takes = {policy: {n: time_block_take(n, policy) for n in take_sizes}
+             for policy in EVICTION_POLICIES}
+    print_table("Taking a block (evicting the first cached one by the policy), publishing and "
+                "freeing it, us, by free blocks (all cached): a heap, O(log n)",
+                ["eviction policy", *map(str, take_sizes)],
+                [[policy, *(f"{us:.1f}" for us in t.values())] for policy, t in takes.items()])
+    results["take_block_us"] = takes
     return results
 
 
@@ -985,12 +1049,25 @@ def machine():
     return f"{cpu}, {os.cpu_count()} cores, {gpu}, torch {torch.__version__}"
 
 
+# --quick: every section at a small size, to check that each one still runs (about a minute on
+# two CPU cores); its figures are not the README's.
+QUICK = dict(memory=dict(num_requests=20),
+             capacity=dict(num_requests=8, kv_tokens=2048, rates=(math.inf,),
+                           trace_name="Alpaca-like"),
+             sharing=dict(num_requests=4, widths=(2,), prefixes=(("one-shot", 80),),
+                          churn=dict(rounds=3, burst=12, num_blocks=24)),
+             throughput=dict(num_requests=2, max_num_seqs=2),
+             kernel=dict(grid=[(1, 256), (4, 512)]),
+             overhead=dict(sizes=(16,), prompt_len=16, steps=5, take_sizes=(1_000, 10_000)),
+             tensor_parallel=dict(num_requests=2, max_tokens=8),
+             soak=dict(num_requests=1000))
 SECTIONS = dict(memory=bench_memory, capacity=bench_capacity, sharing=bench_sharing,
                 throughput=bench_throughput, logprobs=bench_logprobs, kernel=bench_kernel,
                 overhead=bench_overhead, tensor_parallel=bench_tensor_parallel)
 
 
 def main():
+    global OUT_DIR
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawTextHelpFormatter)
     helps = dict(
@@ -1009,17 +1086,25 @@ def main():
             "K/V loop's SASS length")
     for name in list(SECTIONS) + ["soak", "aot"]:
         p.add_argument(f"--{name.replace('_', '-')}", action="store_true", help=helps[name])
+    p.add_argument("--quick", action="store_true",
+                   help="every section, the soak included, at a small size (a check that each\n"
+                   "runs, in about a minute); writes to a temporary folder unless --out-dir")
+    p.add_argument("--out-dir", help=f"where results.json and the plots go (default {OUT_DIR})")
     args = p.parse_args()
     chosen = [name for name in list(SECTIONS) + ["soak"] if getattr(args, name)] or list(SECTIONS)
+    if args.quick:
+        chosen = [name for name in list(SECTIONS) + ["soak"] if getattr(args, name)] or list(QUICK)
     if args.aot:  # under its own name in results.json, beside a GPU's --kernel figures
         chosen = ["kernel_aot" if name == "kernel" else name for name in chosen]
+    OUT_DIR = args.out_dir or (tempfile.mkdtemp(prefix="bench-quick-") if args.quick else OUT_DIR)
     os.makedirs(OUT_DIR, exist_ok=True)
     path = os.path.join(OUT_DIR, "results.json")
     results = json.load(open(path)) if os.path.exists(path) else {}
     print(f"machine: {machine()}")
     for name in chosen:
         start = time.perf_counter()
-        results[name] = dict(SECTIONS, soak=bench_soak, kernel_aot=bench_kernel_aot)[name]()
+        kwargs = QUICK.get(name, {}) if args.quick else {}
+        results[name] = dict(SECTIONS, soak=bench_soak, kernel_aot=bench_kernel_aot)[name](**kwargs)
         results[name + "_machine"] = machine()
         print(f"({name}: {time.perf_counter() - start:.0f}s)")
     with open(path, "w") as f:

@@ -156,15 +156,16 @@ def demo_workload(tokenizer, args):
     return prompts, params
 
 
-def run_demo(engine, prompts, params, arrivals_per_step=2, progress=True, on_output=None):
+def run_demo(engine, prompts, params, arrivals_per_step=2, progress=True, priorities=None,
+             on_output=None):
     """Serve the requests step by step as they arrive, a few per step as at a server, recording
     KV use and the moment of most sharing; on_output(i, output) sees every output of request i
     (the i-th prompt) that gained tokens."""
-    ids, pending = [], list(zip(prompts, params))
+    ids, pending = [], list(zip(prompts, params, priorities or [0] * len(prompts)))
     outputs, timeline, snapshot, start = {}, [], None, time.perf_counter()
     while pending or engine.scheduler.has_unfinished():
-        for prompt, sp in pending[:arrivals_per_step]:
-            ids.append(engine.add_request(prompt, sp))
+        for prompt, sp, priority in pending[:arrivals_per_step]:
+            ids.append(engine.add_request(prompt, sp, priority=priority))
         pending = pending[arrivals_per_step:]
         for o in engine.step():
             if on_output:
@@ -281,6 +282,16 @@ def main(argv=None):
                    help="what to do with a request when blocks run out")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="turn automatic prefix caching off")
+    p.add_argument("--scheduling-policy", default="fcfs",
+                   help="the order requests run in: a name in nanopaged.SCHEDULING_POLICIES "
+                   f"({', '.join(nanopaged.SCHEDULING_POLICIES)}; default fcfs)")
+    p.add_argument("--eviction-policy", default="lru",
+                   help="which free cached block is reused first: a name in "
+                   f"nanopaged.EVICTION_POLICIES ({', '.join(nanopaged.EVICTION_POLICIES)}; "
+                   "default lru)")
+    p.add_argument("--priority", type=int, action="append",
+                   help="with --scheduling-policy priority: the priority of each --prompt, "
+                   "lower first (repeatable, in order; default 0)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -309,7 +320,9 @@ def main(argv=None):
             torch.set_num_threads(args.threads or 1)
         engine = Engine(model, block_size=args.block_size, num_blocks=args.num_blocks,
                         device=args.device, preemption_mode=args.preemption,
-                        enable_prefix_caching=not args.no_prefix_cache, max_num_seqs=len(CELLS))
+                        enable_prefix_caching=not args.no_prefix_cache, max_num_seqs=len(CELLS),
+                        scheduling_policy=args.scheduling_policy,
+                        eviction_policy=args.eviction_policy)
         tokenizer = Tokenizer(args.model)
         if args.prompt:
             prompts = [tokenizer.encode(text) for text in args.prompt]
@@ -326,8 +339,11 @@ def main(argv=None):
             prompts = [tokenizer.encode(checkpoints.render_chat(
                 args.model, [{"role": "user", "content": text}]), add_special_tokens=False)
                 for text in texts]
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            engine.check_request(prompt, sp)
+        priorities = (args.priority or []) + [0] * (len(prompts) - len(args.priority or []))
+        if len(priorities) > len(prompts):
+            raise ValueError(f"got {len(priorities)} --priority for {len(prompts)} prompts")
+        for i, (prompt, sp, priority) in enumerate(zip(prompts, params, priorities)):
+            engine.check_request(prompt, sp, priority)
     except ValueError as e:
         sys.exit(f"nanopaged: error: {e}")
     ranks = f" on each of {nanopaged.tp.world_size} ranks" if nanopaged.tp.world_size > 1 else ""
@@ -340,7 +356,7 @@ def main(argv=None):
     stream = Streamer(tokenizer, args.prompt, params) if args.prompt else None
     outputs, timeline, snapshot, seconds = run_demo(engine, prompts, params,
                                                     progress=is_rank_0 and not stream,
-                                                    on_output=stream)
+                                                    priorities=priorities, on_output=stream)
     summary = summarize(engine, outputs, timeline, seconds)
     if snapshot:
         print(f"\nphysical KV blocks at step {snapshot['step']}, when the most blocks were shared:")

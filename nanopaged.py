@@ -28,7 +28,8 @@ import os
 import sys
 import time
 from bisect import insort
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
+from heapq import heappop, heappush
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import SimpleNamespace
@@ -183,17 +184,26 @@ class Sequence:
         return child
 
 
+@dataclass
+class RequestMetrics:  # vLLM's; time.perf_counter() seconds, each set where the lifecycle changes
+    arrival_time: float  # add_request
+    first_scheduled_time: float | None = None  # first admission to running
+    first_token_time: float | None = None  # first sampled token
+    finished_time: float | None = None  # the last token; None while the request runs
+    time_in_queue: float | None = None  # first_scheduled_time - arrival_time
+
+
 class SequenceGroup:
     """The sequences of one request, scheduled and preempted together: one while the prompt is
     prefilled, then n parallel samples or beam_width beams (vLLM's sequence group)."""
 
-    def __init__(self, request_id, prompt_token_ids, params, seq):
-        self.request_id, self.params = request_id, params
+    def __init__(self, request_id, prompt_token_ids, params, seq, priority=0):
+        self.request_id, self.params, self.priority = request_id, params, priority
         self.prompt_token_ids = list(prompt_token_ids)
         self.seqs = [seq]  # the live ones
         self.finished = []  # finished samples, or beam hypotheses (token_ids, logprob, reason)
-        self.arrival_time = time.perf_counter()
-        self.first_token_time = None
+        self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+        self.num_cached_tokens = 0  # prompt tokens the prefix cache held at the first admission
         self.num_preemptions = 0
         self.seed = None  # sampled requests: token t of sample i draws from (seed, i, t)
         self.prompt_logprobs = seq.prompt_logprobs  # the same list, filled by the prefill
@@ -217,10 +227,12 @@ class RequestOutput:
     request_id: int
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]  # n samples in order, or the beams best first
+    metrics: RequestMetrics  # a copy as of this output
     time_to_first_token: float  # seconds from add_request to the first sampled token
-    latency: float  # seconds from add_request to the last
+    latency: float | None  # seconds from add_request to the last; None until finished
     num_preemptions: int
     finished: bool = True  # step() also returns unfinished requests that gained a token
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with prompt_logprobs
 
 
@@ -246,7 +258,9 @@ class PhysicalBlock:
     hash: bytes | None = None  # prefix-cache key once full and computed, iff hash_to_block has it
     token_ids: tuple = ()   # the tokens it holds and which block of its sequence it is (index),
     index: int = 0          # to confirm a key hit: a colliding key must never share K/V
-    freed_at: int = 0       # when its count last fell to 0: its place in the free list
+    freed_at: int = 0       # when its count last fell to 0: ties in the free list
+    num_hits: int = 0       # prefix-cache hits since it was taken
+    score: float = 0        # its eviction policy's score, when last freed
 
 
 def chain_hash(prev_hash, token_ids):
@@ -256,21 +270,25 @@ def chain_hash(prev_hash, token_ids):
     return hashlib.sha256((prev_hash or bytes(32)) + repr(tuple(token_ids)).encode()).digest()
 
 
+# Which free cached block is reused first: the lowest score when freed, ties least recently freed
+EVICTION_POLICIES = {"lru": lambda block: 0,  # all tie: least recently used first
+                     "lfu": lambda block: block.num_hits}  # fewest prefix-cache hits first
+
+
 class BlockAllocator:
 
-    def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True):
+    def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
+                 eviction_policy="lru"):
         if block_size < 1 or num_blocks < 1 or num_cpu_blocks < 0:
             raise ValueError(f"need block_size >= 1 and num_blocks >= 1, got block_size="
                              f"{block_size}, num_blocks={num_blocks}, "
                              f"num_cpu_blocks={num_cpu_blocks}")
         self.block_size, self.num_blocks = block_size, num_blocks
         self.enable_prefix_caching = enable_prefix_caching
+        self.score = EVICTION_POLICIES[eviction_policy]
         self.blocks = [PhysicalBlock(i, freed_at=-i) for i in range(num_blocks)]
-        # Free blocks in eviction order, first out first. A freed block that holds a cached
-        # prefix joins the back, so the least recently used prefix is overwritten first;
-        # one with nothing worth keeping joins the front.
-        self.free_block_ids = OrderedDict.fromkeys(range(num_blocks))
         self.clock = itertools.count(1)  # stamps freed_at
+        self._rebuild_free_list()
         self.hash_to_block = {}
         self.num_queried_tokens = self.num_hit_tokens = 0  # prefix-cache hit rate = hit / queried
         # The swap space: a second pool in CPU memory with its own ref counts and free list.
@@ -280,25 +298,34 @@ class BlockAllocator:
 
     @property
     def num_free_blocks(self):
-        return len(self.free_block_ids)
+        return len(self.free_keys)
+
+    def _eviction_key(self, b):  # blocks not cached first, newest freed first; then by score
+        return (c := b.hash is not None), b.score * c, b.freed_at * (1 if c else -1), b.block_id
+
+    def _rebuild_free_list(self):  # free_keys: block -> its heap entry; others are stale
+        self.free_keys = {b.block_id: self._eviction_key(b) for b in self.blocks if not b.ref_count}
+        self.free_heap = sorted(self.free_keys.values())  # a sorted list is a heap
 
     # -- one physical block at a time ---------------------------------------------------
 
     def _take(self):
-        if not self.free_block_ids:
+        if not self.free_keys:
             raise OutOfBlocksError(f"all {self.num_blocks} KV blocks are in use")
-        block = self._touch(self.free_block_ids.popitem(last=False)[0])
+        while self.free_keys.get((key := heappop(self.free_heap))[-1]) != key:
+            pass  # stale: that block was shared again since it was freed
+        block = self._touch(self.free_keys.pop(key[-1])[-1])  # an entry ends in its block id
         if block.hash is not None:  # evict: its cached prefix is about to be overwritten
             del self.hash_to_block[block.hash]
             block.hash, block.token_ids = None, ()
-        block.ref_count = 1
+        block.ref_count, block.num_hits = 1, 0
         self.taken.add(block.block_id)
         return block.block_id
 
     def _share(self, block_id):
         block = self._touch(block_id)
         if block.ref_count == 0:  # a cached free block comes back to life
-            del self.free_block_ids[block_id]
+            del self.free_keys[block_id]
         block.ref_count += 1
 
     def _release(self, block_id):
@@ -308,9 +335,11 @@ class BlockAllocator:
         block.ref_count -= 1
         if block.ref_count == 0:
             block.freed_at = next(self.clock)
-            self.free_block_ids[block_id] = None
-            if block.hash is None:
-                self.free_block_ids.move_to_end(block_id, last=False)
+            block.score = self.score(block)  # a policy may read freed_at
+            self.free_keys[block_id] = self._eviction_key(block)
+            heappush(self.free_heap, self.free_keys[block_id])
+            if len(self.free_heap) > 2 * self.num_blocks:  # too many stale entries
+                self._rebuild_free_list()
 
     # -- whole sequences ------------------------------------------------------------------
 
@@ -359,6 +388,7 @@ class BlockAllocator:
                                    f"{self.num_free_blocks} are free")
         for block_id in hits:  # share before taking, so _take cannot evict a hit
             self._share(block_id)
+            self.blocks[block_id].num_hits += 1
         num_needed = cdiv(len(seq.token_ids), self.block_size)
         seq.block_table = hits + [self._take() for _ in range(num_needed - len(hits))]
         seq.num_computed_tokens = len(hits) * self.block_size
@@ -520,11 +550,7 @@ class BlockAllocator:
         for block_id, saved in self.saved_blocks.items():
             if saved.hash is not None:
                 self.hash_to_block[saved.hash] = block_id
-        # The free list is a function of the blocks: uncached ones first, newest freed first;
-        # then cached ones, least recently freed first (see _release).
-        free = sorted((b for b in self.blocks if b.ref_count == 0),
-                      key=lambda b: (b.hash is not None, b.freed_at * (-1) ** (b.hash is None)))
-        self.free_block_ids = OrderedDict.fromkeys(b.block_id for b in free)
+        self._rebuild_free_list()  # a function of the blocks
         if self.saved_cpu is not None:
             self.cpu_ref_count, self.cpu_free_block_ids = self.saved_cpu
         self.num_queried_tokens, self.num_hit_tokens = self.saved_hits
@@ -534,15 +560,20 @@ class BlockAllocator:
 
 
 # -----------------------------------------------------------------------------
-# 3. The scheduler: first-come-first-served continuous batching, one step at a time. Orca:
+# 3. The scheduler: continuous batching in a policy's order, one step at a time. Orca:
 #    iteration-level scheduling. Paper: preemption by recompute or swap (section 4.5).
-#    Later vLLM: chunked prefill, the admission watermark.
+#    Later vLLM: chunked prefill, the admission watermark, priority scheduling.
 #
 # Every step re-decides which sequences run (Orca's iteration-level scheduling): finished
 # requests leave at once and waiting ones take their blocks. A step is a token budget shared
 # by decodes (one token per sequence) and prefill chunks (many tokens of one prompt), so a
 # long prompt is prefilled over several steps without stalling running decodes. When a
-# decode finds no free block, the youngest running request is preempted (paper, section 4.5).
+# decode finds no free block, the running request that comes last is preempted (paper, 4.5).
+
+SCHEDULING_POLICIES = {  # the order: a SequenceGroup's key (fixed while queued), smaller first
+    "fcfs": lambda group: group.request_id,  # first come, first served: ids count arrivals
+    "priority": lambda group: (group.priority, group.request_id),  # vLLM's: lower first
+}
 
 
 @dataclass
@@ -558,29 +589,29 @@ class SchedulerOutput:
 class Scheduler:
 
     def __init__(self, allocator, max_num_seqs, max_num_batched_tokens, preemption_mode="recompute",
-                 watermark=0.01):
-        self.allocator = allocator
+                 watermark=0.01, scheduling_policy="fcfs"):
+        self.allocator, self.key = allocator, SCHEDULING_POLICIES[scheduling_policy]
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.preemption_mode = preemption_mode
         # Admission keeps a few blocks spare, so a request just let in is not preempted by the
         # next decode step (vLLM's watermark, 1% of the pool).
         self.watermark_blocks = max(1, round(watermark * allocator.num_blocks))
-        # Each queue is ordered by arrival, oldest first (request ids count arrivals).
+        # Each queue is ordered by the policy's key, first first; nobody overtakes in its queue.
         self.waiting = deque()  # new, or preempted by recompute and waiting to prefill again
         self.running = []  # holding device blocks
         self.swapped = []  # preempted by swap, blocks in the CPU pool
         self.num_preemptions = 0
 
-    def add(self, group):
-        self.waiting.append(group)
+    def add(self, group):  # into its queue by the key, after its equals
+        insort(self.waiting, group, key=self.key)
 
     def has_unfinished(self):
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self):
         out = SchedulerOutput()
-        # 1. Decodes of running groups, oldest first. A group whose next tokens need blocks
-        #    that are not free preempts the youngest running group, possibly itself.
+        # 1. Decodes of running groups, first first. A group whose next tokens need blocks
+        #    that are not free preempts the last running group, possibly itself.
         i = 0
         while i < len(self.running):
             group = self.running[i]
@@ -595,10 +626,10 @@ class Scheduler:
             else:
                 self._append_slots(group, out)
                 i += 1
-        # 2. Swapped-out groups come back, oldest first, unless this step had to preempt or an older
-        #    group waits (one the swap space could not take, recomputed instead).
+        # 2. Swapped-out groups come back, first first, unless this step had to preempt or a
+        #    waiting group comes before them.
         num_seqs = sum(g.params.num_seqs for g in self.running)  # room held for all samples of each
-        while self.swapped and not out.preempted and not self._is_older(self.waiting, self.swapped):
+        while self.swapped and not out.preempted and not self._ahead(self.waiting, self.swapped):
             group = self.swapped[0]
             need = len(blocks_held(group.seqs)) + len(group.seqs)  # + one per next token
             if (not self._fits(need) or num_seqs + group.params.num_seqs > self.max_num_seqs
@@ -610,36 +641,38 @@ class Scheduler:
             self.swapped.pop(0)
             num_seqs += group.params.num_seqs
             out.blocks_to_swap_in += self.allocator.swap_in(group.seqs)
-            insort(self.running, group, key=lambda g: g.request_id)
+            insort(self.running, group, key=self.key)
             if self._is_decoding(group):
                 self._append_slots(group, out)
-        # 3. Prefill chunks of running groups, oldest first, then 4. admit waiting groups while
-        #    blocks, sequence slots and token budget allow; none while an older group is swapped
-        #    out, and none in a step that had to preempt, which would only preempt it again.
+        # 3. Prefill chunks of running groups, first first, then 4. admit waiting groups while
+        #    blocks, sequence slots and token budget allow; none while a swapped-out group comes
+        #    before them, and none in a step that had to preempt, which would only preempt again.
         for group in self.running:
             if not self._is_decoding(group):
                 self._schedule_prefill(group, out)
-        while (self.waiting and not out.preempted and not self._is_older(self.swapped, self.waiting)
+        while (self.waiting and not out.preempted and not self._ahead(self.swapped, self.waiting)
                and out.num_batched_tokens < self.max_num_batched_tokens):
             group = self.waiting[0]
             need = sum(self.allocator.num_blocks_to_allocate(seq) for seq in group.seqs)
             if not self._fits(need) or num_seqs + group.params.num_seqs > self.max_num_seqs:
-                break  # strict FCFS: nobody overtakes the oldest waiting request
+                break  # nobody overtakes the first waiting request
             num_seqs += group.params.num_seqs
             self.waiting.popleft()
             for seq in group.seqs:
                 self.allocator.allocate(seq)
-            insort(self.running, group, key=lambda g: g.request_id)
+            if (m := group.metrics).first_scheduled_time is None:  # its first admission
+                m.first_scheduled_time = time.perf_counter()
+                m.time_in_queue = m.first_scheduled_time - m.arrival_time
+                group.num_cached_tokens = group.seqs[0].num_computed_tokens
+            insort(self.running, group, key=self.key)
             if not self._is_decoding(group):
                 self._schedule_prefill(group, out)
             elif not self._over_budget(out, len(group.seqs)):
                 self._append_slots(group, out)  # recomputed samples, all but the last tokens cached
         return out
 
-    @staticmethod
-    def _is_older(queue, other):
-        """Whether the oldest group of queue arrived before the oldest of the other queue."""
-        return bool(queue) and queue[0].request_id < other[0].request_id
+    def _ahead(self, queue, other):  # whether queue's first group comes before other's
+        return bool(queue) and self.key(queue[0]) < self.key(other[0])
 
     def _over_budget(self, out, num_tokens):
         return out.num_batched_tokens + num_tokens > self.max_num_batched_tokens
@@ -678,12 +711,12 @@ class Scheduler:
             self.num_preemptions += 1
             group.num_preemptions += 1
             out.blocks_to_swap_out += self.allocator.swap_out(group.seqs)
-            insort(self.swapped, group, key=lambda g: g.request_id)
+            insort(self.swapped, group, key=self.key)
         else:  # recompute, also the fallback when the swap space is full
             self.preempt_by_recompute(group)
 
     def preempt_by_recompute(self, group):
-        """Free a running group's blocks and send it back to the front of the queue."""
+        """Free a running group's blocks and send it back to the waiting queue."""
         self.num_preemptions += 1
         group.num_preemptions += 1
         for seq in group.seqs:
@@ -695,9 +728,7 @@ class Scheduler:
             if seq.block_table:  # still in the CPU pool
                 self.allocator.free_cpu(seq)
             seq.num_computed_tokens, seq.block_hashes = 0, []  # published again once computed
-        # To the front: a preempted group arrived before everything still waiting, because
-        # admission is FCFS, so the waiting queue stays in arrival order.
-        self.waiting.appendleft(group)
+        self.add(group)  # under FCFS to the front: it arrived before everything still waiting
 
     def abort(self, group):
         """Drop a group wherever it is and return all its blocks."""
@@ -1246,8 +1277,8 @@ class OutputProcessor:
                       if seq.seq_id in row_of}.values())
         to_sample = []  # (group, seq, row)
         for group in ready:
-            if group.first_token_time is None:
-                group.first_token_time = time.perf_counter()
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = time.perf_counter()
             if group.params.beam_width is not None:
                 self.beam_search_step(group, logits[[row_of[seq.seq_id] for seq in group.seqs]])
                 continue
@@ -1378,6 +1409,7 @@ class OutputProcessor:
         """The request as it stands: finished, or still running with the tokens it has so far."""
         if group.is_finished:
             self.requests.pop(group.request_id)
+            group.metrics.finished_time = time.perf_counter()
         if group.params.beam_width is not None and group.is_finished:
             # rank by length-normalised log-probability, so short hypotheses are not favoured
             lp = group.params.length_penalty
@@ -1394,10 +1426,12 @@ class OutputProcessor:
                                         seq.cumulative_logprob,
                                         list(seq.logprobs) if asked else None)
                        for seq in sorted(group.finished + group.seqs, key=lambda s: s.index)]
-        return RequestOutput(group.request_id, group.prompt_token_ids, outputs,
-                             group.first_token_time - group.arrival_time,
-                             time.perf_counter() - group.arrival_time, group.num_preemptions,
-                             group.is_finished, list(group.prompt_logprobs) or None)
+        m = dataclasses.replace(group.metrics)  # the times derive from the metrics alone
+        return RequestOutput(group.request_id, group.prompt_token_ids, outputs, m,
+                             m.first_token_time - m.arrival_time,
+                             m.finished_time and m.finished_time - m.arrival_time,
+                             group.num_preemptions, group.is_finished, group.num_cached_tokens,
+                             list(group.prompt_logprobs) or None)
 
 
 # -----------------------------------------------------------------------------
@@ -1413,9 +1447,11 @@ class Engine:
     def __init__(self, model, block_size=16, num_blocks=None, kv_cache_bytes=None,
                  num_cpu_blocks=None, preemption_mode="recompute", enable_prefix_caching=True,
                  max_num_seqs=256, max_num_batched_tokens=2048, device=None,
-                 attention_backend=None, swap_space=4, allocator_cls=None, scheduler_cls=None):
+                 attention_backend=None, swap_space=4, allocator_cls=None, scheduler_cls=None,
+                 scheduling_policy="fcfs", eviction_policy="lru"):
         device, attention_backend = check_engine_settings(
             model, device, attention_backend, preemption_mode, enable_prefix_caching, swap_space,
+            scheduling_policy=scheduling_policy, eviction_policy=eviction_policy,
             block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             num_cpu_blocks=num_cpu_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens)
@@ -1444,9 +1480,10 @@ class Engine:
         num_cpu_blocks = tp_min(num_cpu_blocks, device)
         # Replaceable parts (vLLM's scheduler_cls): a fork passes its subclass, edits nothing else
         allocator = (allocator_cls or BlockAllocator)(num_blocks, block_size, num_cpu_blocks,
-                                                      enable_prefix_caching)
-        self.scheduler = (scheduler_cls or Scheduler)(allocator, max_num_seqs,
-                                                      max_num_batched_tokens, preemption_mode)
+                                                      enable_prefix_caching, eviction_policy)
+        self.scheduler = (scheduler_cls or Scheduler)(
+            allocator, max_num_seqs, max_num_batched_tokens, preemption_mode,
+            scheduling_policy=scheduling_policy)
         self.model_runner = ModelRunner(self.model, num_blocks, num_cpu_blocks, block_size,
                                         attention_backend == "triton", device)
         self.kv_cache = self.model_runner.kv_cache  # (2, n_layer, num_blocks, block_size, nkv, hs)
@@ -1492,7 +1529,8 @@ class Engine:
         s, a = self.scheduler, self.allocator
         a.begin()
         reachable = itertools.islice(s.waiting, min(s.max_num_seqs, a.num_free_blocks))
-        groups = [(g, list(g.seqs), len(g.finished), g.first_token_time, g.num_preemptions,
+        groups = [(g, list(g.seqs), len(g.finished), dataclasses.replace(g.metrics),
+                   g.num_cached_tokens, g.num_preemptions,
                    [(seq, len(seq.token_ids), len(seq.logprobs), len(seq.prompt_logprobs),
                      seq.num_computed_tokens,
                      list(seq.block_table), list(seq.block_hashes), seq.cumulative_logprob,
@@ -1511,9 +1549,9 @@ class Engine:
         s.waiting, s.running, s.swapped = deque(waiting), running, swapped
         s.num_preemptions = num_preemptions
         self.output_processor.num_generated_tokens = num_generated
-        for group, seqs, num_finished, first_token_time, num_preemptions, seq_states in groups:
-            group.seqs, group.first_token_time = seqs, first_token_time
-            group.num_preemptions = num_preemptions
+        for group, seqs, num_finished, metrics, *counts, seq_states in groups:
+            group.seqs, group.metrics = seqs, metrics
+            group.num_cached_tokens, group.num_preemptions = counts
             del group.finished[num_finished:]
             for seq, n, num_logprobs, num_prompt_logprobs, *state in seq_states:
                 del seq.token_ids[n:], seq.logprobs[num_logprobs:]
@@ -1521,25 +1559,26 @@ class Engine:
                 (seq.num_computed_tokens, seq.block_table, seq.block_hashes,
                  seq.cumulative_logprob, seq.finish_reason) = state
             self.requests[group.request_id] = group
-        for group in reversed(running):  # youngest first, so the oldest ends up in front
+        for group in list(running):  # a copy: groups leave s.running, which is this list
             if taken.intersection(*(seq.block_table for seq in group.seqs)):
                 s.running.remove(group)
                 s.preempt_by_recompute(group)
 
     # -- requests -----------------------------------------------------------------------
 
-    def add_request(self, prompt_token_ids, params=None):
+    def add_request(self, prompt_token_ids, params=None, priority=0):
         """Queue a request; returns its id. step() advances it, abort() drops it."""
         params = params if params is not None else SamplingParams()
-        return self._enqueue(self.check_request(prompt_token_ids, params), params)
+        return self._enqueue(self.check_request(prompt_token_ids, params, priority), params,
+                             priority)
 
-    def _enqueue(self, prompt_token_ids, params):
+    def _enqueue(self, prompt_token_ids, params, priority=0):
         request_id = next(self.request_ids)
         seq = Sequence(next(self.seq_ids), prompt_token_ids, len(prompt_token_ids),
                        request_id=request_id)
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs.append(None)  # the first prompt token has nothing before it
-        group = SequenceGroup(request_id, prompt_token_ids, params, seq)
+        group = SequenceGroup(request_id, prompt_token_ids, params, seq, priority)
         if params.beam_width is None and params.temperature > 0:
             # without a seed, a seed drawn from torch's global RNG
             group.seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
@@ -1555,29 +1594,33 @@ class Engine:
             raise ValueError(f"no unfinished request with id {request_id}")
         self.scheduler.abort(group)
 
-    def check_request(self, prompt, params):
+    def check_request(self, prompt, params, priority=0):
         """Raise ValueError saying what is wrong with a request, before it takes any block. A
         prompt is a list or tuple of token ids, or a 1-D integer tensor; returns it as a list."""
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an int, got {priority!r}")
         return check_request(prompt, params, self.config, self.scheduler, self.allocator)
 
-    def generate(self, prompts, params=None, progress=False):
+    def generate(self, prompts, params=None, progress=False, priority=0):
         """Serve prompts (token id lists or 1-D tensors) to the end; one RequestOutput per
-        prompt, in order. params: one SamplingParams for all, or a list with one per prompt."""
+        prompt, in order. params: one SamplingParams for all, or one per prompt; priority too."""
         if not isinstance(params, list):
             params = [params if params is not None else SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        priority = priority if isinstance(priority, list) else [priority] * len(prompts)
+        if len(params) != len(prompts) or len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts, {len(params)} SamplingParams and "
+                             f"{len(priority)} priorities")
         if self.requests:  # their outputs would come out of step() here, with nobody to take them
             raise ValueError(f"generate() needs an idle engine, but {len(self.requests)} requests "
                              "added with add_request() are unfinished: step() them to the end or "
                              "abort() them first")
         checked = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):  # reject a bad batch whole, first
-            try:
-                checked.append(self.check_request(prompt, p))
+        for i, (prompt, p, q) in enumerate(zip(prompts, params, priority)):  # reject a bad batch
+            try:  # whole, first
+                checked.append(self.check_request(prompt, p, q))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self._enqueue(prompt, p) for prompt, p in zip(checked, params)]
+        ids = [self._enqueue(*request) for request in zip(checked, params, priority)]
         outputs, start, last_print = {}, time.perf_counter(), 0.0
         while any(i not in outputs for i in ids):
             outputs.update((o.request_id, o) for o in self.step() if o.finished)
@@ -1612,7 +1655,8 @@ class Engine:
 
 
 def check_engine_settings(model, device, attention_backend, preemption_mode,
-                          enable_prefix_caching, swap_space, **counts):
+                          enable_prefix_caching, swap_space, scheduling_policy, eviction_policy,
+                          **counts):
     """Raise ValueError for engine settings that cannot work, naming the setting and its range.
     Returns the torch.device and the attention backend, their defaults filled in."""
     try:
@@ -1639,9 +1683,11 @@ def check_engine_settings(model, device, attention_backend, preemption_mode,
             or not 0 <= swap_space <= 0.7 * host_gib):  # vLLM's limit: 70% of host memory
         raise ValueError(f"Engine: swap_space must be a number of GiB in [0, {0.7 * host_gib:.1f}]"
                          f" (70% of this host's {host_gib:.1f} GiB), got {swap_space!r}")
-    if preemption_mode not in ("recompute", "swap"):
-        raise ValueError(f"Engine: preemption_mode must be 'recompute' or 'swap', "
-                         f"got {preemption_mode!r}")
+    for name, value, allowed in [("preemption_mode", preemption_mode, ("recompute", "swap")),
+                                 ("scheduling_policy", scheduling_policy, SCHEDULING_POLICIES),
+                                 ("eviction_policy", eviction_policy, EVICTION_POLICIES)]:
+        if not isinstance(value, str) or value not in allowed:
+            raise ValueError(f"Engine: {name} must be one of {sorted(allowed)}, got {value!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("Engine: device='cuda' but no CUDA GPU is available; use device='cpu'")
     if not dtype.is_floating_point:
@@ -1720,7 +1766,7 @@ def engine_stats(engine):
     num_used = a.num_blocks - a.num_free_blocks
     return dict(
         num_blocks=a.num_blocks, num_free_blocks=a.num_free_blocks,
-        num_cached_blocks=sum(1 for b in a.free_block_ids if a.blocks[b].hash is not None),
+        num_cached_blocks=sum(1 for b in a.free_keys if a.blocks[b].hash is not None),
         num_cpu_blocks=len(a.cpu_ref_count), num_free_cpu_blocks=len(a.cpu_free_block_ids),
         num_running=len(running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
         num_preemptions=s.num_preemptions,

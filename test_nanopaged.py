@@ -5,7 +5,10 @@ inputs. Run: python -m pytest -q   (without a GPU the Triton kernels run in the 
 """
 
 import copy
+import dataclasses
 import functools
+import hashlib
+import itertools
 import json
 import math
 import os
@@ -31,8 +34,14 @@ import demo
 import kernel
 import nanopaged
 from kernel import HEAD_DIMS, naive_attention, paged_attention, paged_attention_torch, store_kv
-from nanopaged import (GPT, BlockAllocator, Engine, GPTConfig, OutOfBlocksError, SamplingParams,
-                       Sequence, chain_hash)
+from nanopaged import (EVICTION_POLICIES, GPT, SCHEDULING_POLICIES, BlockAllocator, Engine,
+                       GPTConfig, OutOfBlocksError, SamplingParams, Sequence, chain_hash)
+
+# Policies a fork would add, one entry each, so that every test that holds for any policy runs
+# under one nobody built in: shortest prompt first, and the most recently freed block first.
+SCHEDULING_POLICIES.setdefault("shortest_prompt", lambda g: (len(g.prompt_token_ids), g.request_id))
+EVICTION_POLICIES.setdefault("mru", lambda block: -block.freed_at)
+SCHEDULING, EVICTION = sorted(SCHEDULING_POLICIES), sorted(EVICTION_POLICIES)
 
 # -----------------------------------------------------------------------------
 # The kernels: Triton and the torch paged path against naive attention on contiguous K/V
@@ -364,18 +373,25 @@ class Cache:
         return [pool[seq.block_table[p // self.bs]][p % self.bs] for p in range(len(seq))]
 
 
+def free_order(a):
+    """The free blocks in the order the allocator hands them out (the allocate rule checks it)."""
+    return sorted(a.free_keys, key=a.free_keys.get)
+
+
 def allocator_state(a):
-    return ([(b.ref_count, b.hash, b.token_ids) for b in a.blocks], list(a.free_block_ids),
+    return ([(b.ref_count, b.hash, b.token_ids) for b in a.blocks], free_order(a),
             dict(a.hash_to_block), list(a.cpu_ref_count), list(a.cpu_free_block_ids))
 
 
 class AllocatorMachine(RuleBasedStateMachine):
 
     @initialize(block_size=st.integers(1, 4), num_blocks=st.integers(1, 12),
-                num_cpu_blocks=st.integers(0, 8), caching=st.booleans())
-    def setup(self, block_size, num_blocks, num_cpu_blocks, caching):
+                num_cpu_blocks=st.integers(0, 8), caching=st.booleans(),
+                policy=st.sampled_from(EVICTION))
+    def setup(self, block_size, num_blocks, num_cpu_blocks, caching, policy):
         self.a = BlockAllocator(num_blocks, block_size, num_cpu_blocks,
-                                enable_prefix_caching=caching)
+                                enable_prefix_caching=caching, eviction_policy=policy)
+        self.score = EVICTION_POLICIES[policy]
         self.cache = Cache(self.a, num_blocks, num_cpu_blocks, block_size)
         self.on_device, self.on_cpu = [], []  # live sequences, by where their blocks are
         self.next_id = 0
@@ -422,7 +438,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self.a.allocate(seq)
             assert allocator_state(self.a) == before and not seq.block_table
             return
-        free_before, hit_tokens_before, hits = list(self.a.free_block_ids), self.a.num_hit_tokens, \
+        free_before, hit_tokens_before, hits = free_order(self.a), self.a.num_hit_tokens, \
             self.model_hits(tokens)
         self.a.allocate(seq)
         assert seq.num_computed_tokens == hits * self.a.block_size < len(seq)
@@ -444,7 +460,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert allocator_state(self.a) == before
             seq.token_ids.pop()
             return
-        table, free_before = list(seq.block_table), list(self.a.free_block_ids)
+        table, free_before = list(seq.block_table), free_order(self.a)
         copy = self.a.append_slot(seq)
         if copy:
             assert self.a.blocks[copy[0]].ref_count >= 1, "copy-on-write source must still be owned"
@@ -466,14 +482,15 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def free(self, data):
         seq = data.draw(st.sampled_from(self.on_device))
-        table, free_before = list(seq.block_table), set(self.a.free_block_ids)
+        table, free_before = list(seq.block_table), set(free_order(self.a))
         self.a.free(seq)
         self.on_device.remove(seq)
-        # tail first: of its blocks that keep a cached prefix, the head joins the free list last
-        cached = [b for b in self.a.free_block_ids
-                  if b not in free_before and self.a.blocks[b].hash is not None]
-        assert cached == [b for b in reversed(table) if b in cached]
-        assert list(self.a.free_block_ids)[len(self.a.free_block_ids) - len(cached):] == cached
+        if self.score is EVICTION_POLICIES["lru"]:  # tail first: of its blocks that keep a
+            # cached prefix, the head joins the free list last
+            free = free_order(self.a)
+            cached = [b for b in free if b not in free_before and self.a.blocks[b].hash is not None]
+            assert cached == [b for b in reversed(table) if b in cached]
+            assert free[len(free) - len(cached):] == cached
 
     def move(self, data, source, target, can_move, move, src_pool, dst_pool):
         # a group at once (a parent and its forks, say), so blocks they share stay shared
@@ -511,9 +528,10 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def free_plus_used_is_everything(self):
-        assert set(self.a.free_block_ids) == {b.block_id for b in self.a.blocks if b.ref_count == 0}
-        assert len(self.a.free_block_ids) + sum(b.ref_count > 0 for b in self.a.blocks) == \
-            self.a.num_blocks
+        free = free_order(self.a)
+        assert set(free) == {b.block_id for b in self.a.blocks if b.ref_count == 0}
+        assert self.a.num_free_blocks == len(free) and \
+            len(free) + sum(b.ref_count > 0 for b in self.a.blocks) == self.a.num_blocks
         assert set(self.a.cpu_free_block_ids) == \
             {i for i, c in enumerate(self.a.cpu_ref_count) if c == 0}
 
@@ -540,19 +558,20 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self.cache.read(seq, self.cache.cpu) == seq.token_ids
 
     @invariant()
-    def the_cache_is_the_plain_model_and_evicts_uncached_then_least_recently_freed(self):
+    def the_cache_is_the_plain_model_and_evicts_uncached_then_by_score(self):
         if not hasattr(self, "a"):
             return
         assert self.a.hash_to_block == self.published
-        for b in self.a.free_block_ids:
+        free, blocks = free_order(self.a), self.a.blocks
+        for b in free:
             self.freed_at.setdefault(b, self.clock)
-        self.freed_at = {b: t for b, t in self.freed_at.items() if b in self.a.free_block_ids}
+        self.freed_at = {b: t for b, t in self.freed_at.items() if b in free}
         self.clock += 1
-        cached = [self.a.blocks[b].hash is not None for b in self.a.free_block_ids]
+        cached = [blocks[b].hash is not None for b in free]
         assert cached == sorted(cached), "an uncached free block sits behind a cached one"
-        free, blocks = self.a.free_block_ids, self.a.blocks
-        times = [self.freed_at[b] for b in free if blocks[b].hash is not None]
-        assert times == sorted(times), "cached free blocks are not in least-recently-freed order"
+        # the policy's score of a free block cannot change while it is free
+        keys = [(self.score(blocks[b]), self.freed_at[b]) for b in free if blocks[b].hash]
+        assert keys == sorted(keys), "cached free blocks not by score, then least recently freed"
 
     @invariant()
     def cached_blocks_hold_their_tokens(self):
@@ -779,18 +798,21 @@ def request_mixes(draw):
         # small budgets chunk the prefills
         max_num_batched_tokens=draw(st.sampled_from([7, 16, 64])),
         max_num_seqs=draw(st.integers(1, 8)),
+        scheduling_policy=draw(st.sampled_from(SCHEDULING)),
+        eviction_policy=draw(st.sampled_from(EVICTION)),
     )
-    return prompts, max_tokens, engine_args
+    priorities = draw(st.lists(st.integers(0, 2), min_size=len(prompts), max_size=len(prompts)))
+    return prompts, max_tokens, priorities, engine_args
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(request_mixes(), st.sampled_from(["gpt2", "llama"]))
 def test_greedy_paged_generation_equals_naive_generation(mix, name):
-    prompts, max_tokens, engine_args = mix
+    prompts, max_tokens, priorities, engine_args = mix
     model = MODELS[name]
     engine = Engine(model, **engine_args)
     params = [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens]
-    outputs = engine.generate(prompts, params)
+    outputs = engine.generate(prompts, params, priority=priorities)
     for prompt, m, out in zip(prompts, max_tokens, outputs):
         assert out.outputs[0].token_ids == naive_greedy(model, prompt, m)
         assert out.outputs[0].finish_reason == "length"
@@ -1608,7 +1630,9 @@ def test_a_batch_with_one_bad_prompt_is_rejected_whole():
     (dict(num_blocks=0), r"num_blocks must be an integer >= 1, got 0"),
     (dict(num_blocks=None, kv_cache_bytes=1000),
      r"kv_cache_bytes=1000 is smaller than one KV block \(4096 bytes"),
-    (dict(preemption_mode="evict"), "preemption_mode must be 'recompute' or 'swap'"),
+    (dict(preemption_mode="evict"), r"preemption_mode must be one of \['recompute', 'swap'\]"),
+    (dict(scheduling_policy="sjf"), r"scheduling_policy must be one of \['fcfs', 'priority'"),
+    (dict(eviction_policy=None), r"eviction_policy must be one of \['lfu', 'lru'.*got None"),
     (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
     (dict(attention_backend="flash"), "attention_backend must be 'triton' or 'torch'"),
     (dict(attention_backend="triton"),
@@ -1721,6 +1745,224 @@ def test_an_engine_takes_its_parts_by_class():
     assert_all_blocks_free(engine)
 
 
+# -----------------------------------------------------------------------------
+# Fork points: scheduling and eviction policies, request metrics. The machines and the naive
+# equality tests above run under every registered policy; what belongs to one policy alone is
+# stated here for it.
+
+
+def schedule_fingerprint(mode, **policies):
+    """A hash of every step's SchedulerOutput and every output of a mixed workload (shared
+    prefixes, samples, beams) in a pool that preempts, and the number of preemptions."""
+    engine = Engine(MODEL, block_size=2, num_blocks=16, preemption_mode=mode,
+                    max_num_batched_tokens=8, max_num_seqs=8, **policies)
+    rng, trace, s = random.Random(0), [], engine.scheduler
+    common = [rng.randrange(32) for _ in range(6)]
+    for i in range(14):
+        prompt = common[:rng.randrange(5)] + [rng.randrange(32) for _ in range(rng.randrange(1, 4))]
+        kind = i % 3
+        engine.add_request(prompt, SamplingParams(
+            max_tokens=rng.randrange(4, 10), temperature=0 if kind != 1 else 1.0, seed=i,
+            n=2 if kind == 1 else 1, beam_width=2 if kind == 2 else None))
+    schedule = s.schedule
+
+    def recorded():
+        out = schedule()
+        trace.append(([(q.seq_id, n) for q, n in out.scheduled], out.blocks_to_copy,
+                      out.blocks_to_swap_in, out.blocks_to_swap_out,
+                      [g.request_id for g in out.preempted]))
+        return out
+    s.schedule = recorded
+    finished = []
+    for _ in range(300):
+        if not s.has_unfinished():
+            break
+        finished += [(o.request_id, [c.token_ids for c in o.outputs])
+                     for o in engine.step() if o.finished]
+    trace += [finished, s.num_preemptions]
+    return hashlib.sha256(repr(trace).encode()).hexdigest()[:16], s.num_preemptions
+
+
+@pytest.mark.parametrize("mode,expected", [("recompute", ("e2f82f637ba3232c", 13)),
+                                           ("swap", ("ccfa860d6a62d1c6", 12))])
+def test_fcfs_and_lru_schedule_exactly_as_the_engine_did_before_policies(mode, expected):
+    # Recorded on commit ea237a6, before policies existed: the same steps, blocks, copies,
+    # preemptions and outputs, by default and by name.
+    assert schedule_fingerprint(mode) == expected
+    assert schedule_fingerprint(mode, scheduling_policy="fcfs", eviction_policy="lru") == expected
+
+
+def test_priority_runs_lower_values_first_and_ties_in_arrival_order():
+    prompts, priority = [[1, 2], [3], [4, 5, 6], [7], [8, 9]], [2, 0, 1, 0, 2]
+    params = SamplingParams(max_tokens=3, temperature=0)
+    for policy, order in [("priority", [1, 3, 2, 0, 4]), ("fcfs", [0, 1, 2, 3, 4])]:
+        engine = Engine(MODEL, block_size=4, num_blocks=32, max_num_seqs=1,
+                        scheduling_policy=policy)
+        outs = engine.generate(prompts, params, priority=priority)
+        assert sorted(range(5), key=lambda i: outs[i].metrics.first_scheduled_time) == order
+        assert [o.outputs[0].token_ids for o in outs] == \
+            [naive_greedy(MODEL, p, 3) for p in prompts]
+    # streaming: one that arrives later with a lower value runs before those still waiting
+    engine = Engine(MODEL, block_size=4, num_blocks=32, max_num_seqs=1,
+                    scheduling_policy="priority")
+    first, late = engine.add_request([1], params, priority=1), engine.add_request([2], params, 1)
+    engine.step()
+    urgent = engine.add_request([3], params, priority=0)
+    finished = [o.request_id for _ in range(30) for o in engine.step() if o.finished]
+    assert finished == [first, urgent, late]
+
+
+def test_a_preempted_request_comes_back_by_its_key_and_the_last_by_the_key_is_the_victim():
+    # Under "priority" the victim is the running request with the highest value, even when it is
+    # the oldest; it waits behind nothing with a higher value.
+    engine = Engine(MODEL, block_size=2, num_blocks=10, max_num_seqs=4,
+                    scheduling_policy="priority")
+    params = SamplingParams(max_tokens=8, temperature=0)
+    ids = [engine.add_request([i + 1, i + 2], params, priority=p) for i, p in enumerate([3, 0, 1])]
+    victims = []
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        victims.extend(g.request_id for g in out.preempted)
+        return out
+    engine.scheduler.schedule = recorded
+    outputs = drain(engine)
+    assert victims and victims[0] == ids[0]
+    assert [outputs[i].outputs[0].token_ids for i in ids] == \
+        [naive_greedy(MODEL, [i + 1, i + 2], 8) for i in range(3)]
+
+
+@pytest.mark.parametrize("priority", ["high", True, 1.5, None])
+def test_a_priority_must_be_an_int(priority):
+    engine = Engine(MODEL, block_size=4, num_blocks=8)
+    message = f"priority must be an int, got {re.escape(repr(priority))}"
+    with pytest.raises(ValueError, match=message):
+        engine.add_request([1], SamplingParams(max_tokens=2), priority=priority)
+    with pytest.raises(ValueError, match="prompt 1: priority must be an int"):
+        engine.generate([[1], [2]], SamplingParams(max_tokens=2), priority=[0, priority])
+    with pytest.raises(ValueError, match="got 2 prompts, 2 SamplingParams and 1 priorities"):
+        engine.generate([[1], [2]], SamplingParams(max_tokens=2), priority=[0])
+    assert serves_normally(engine)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_lfu_keeps_the_prefix_hit_more_often_where_lru_loses_it(policy):
+    a, ids = BlockAllocator(num_blocks=5, block_size=2, eviction_policy=policy), itertools.count()
+
+    def serve(tokens):  # a request whose prompt is computed, then it finishes
+        seq = make_seq(next(ids), tokens)
+        a.allocate(seq)
+        seq.num_computed_tokens = len(tokens)
+        a.cache_full_blocks(seq)
+        a.free(seq)
+        return seq.block_hashes[0]
+
+    popular = [serve([1, 2, 9]) for _ in range(3)][0]  # hit twice
+    rare = serve([3, 4, 9])  # freed last, never hit
+    assert [a.blocks[a.hash_to_block[h]].num_hits for h in (popular, rare)] == [2, 0]
+    # 4 blocks: the 3 uncached free ones first, then one cached prefix is evicted
+    new = make_seq(next(ids), [5, 6, 7, 8, 5, 6, 7])
+    a.allocate(new)
+    survivor = popular if policy == "lfu" else rare
+    assert list(a.hash_to_block) == [survivor]
+    assert all(a.blocks[b].num_hits == 0 for b in new.block_table)  # an evicted block's hits go
+
+
+@pytest.mark.parametrize("policy", EVICTION)
+def test_blocks_go_out_in_eviction_order_after_many_hits_and_after_a_rollback(policy):
+    a, ids = BlockAllocator(num_blocks=8, block_size=2, eviction_policy=policy), itertools.count()
+    rng = random.Random(0)
+
+    def serve(tokens):
+        seq = make_seq(next(ids), tokens)
+        a.allocate(seq)
+        seq.num_computed_tokens = len(tokens)
+        a.cache_full_blocks(seq)
+        return seq
+
+    # prefixes hit different numbers of times, freed in a random order; each hit on a free block
+    # leaves a stale entry in the free list's heap, which rebuilds itself from time to time
+    for _ in range(60):
+        a.free(serve([rng.randrange(3), rng.randrange(3), 9]))
+    order = free_order(a)
+    assert a.blocks[order[0]].hash is None  # (so the step below takes a block caching nothing)
+    a.begin()  # a step that hits the last cached block, takes one, frees both, then fails
+    a.free(serve(list(a.blocks[order[-1]].token_ids) + [9]))
+    a.rollback()
+    assert free_order(a) == order
+    # one-token prompts never seen take one block each: the free list, front first
+    assert [serve([100 + i]).block_table[0] for i in range(len(order))] == order
+
+
+def test_request_metrics_follow_the_lifecycle_and_count_cached_prompt_tokens():
+    engine = Engine(MODEL, block_size=2, num_blocks=64, max_num_seqs=1)
+    prompt, params = [1, 2, 3, 4, 5], SamplingParams(max_tokens=3, temperature=0)
+    first, second = engine.add_request(prompt, params), engine.add_request(prompt, params)
+    streamed = {}
+    for _ in range(50):
+        for o in engine.step():
+            streamed.setdefault(o.request_id, []).append(o)
+    for outs in streamed.values():
+        assert [o.finished for o in outs] == [False, False, True]
+        assert all(o.metrics.finished_time is None and o.latency is None for o in outs[:-1])
+        m = outs[-1].metrics
+        assert m.arrival_time < m.first_scheduled_time < m.first_token_time < m.finished_time
+        assert m.time_in_queue == m.first_scheduled_time - m.arrival_time
+        assert outs[-1].time_to_first_token == m.first_token_time - m.arrival_time
+        assert outs[-1].latency == m.finished_time - m.arrival_time
+        assert all(o.metrics.first_token_time == m.first_token_time for o in outs)
+    # one at a time: the second is admitted after the first finished, and finds 2 blocks cached
+    assert streamed[second][0].metrics.first_scheduled_time > \
+        streamed[first][-1].metrics.finished_time
+    assert [streamed[r][-1].num_cached_tokens for r in (first, second)] == [0, 4]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_metrics_are_set_once_even_when_a_request_is_preempted(mode):
+    prompts = [[(7 * i + j) % 32 for j in range(5 + 3 * i)] for i in range(8)]
+    engine = Engine(MODEL, block_size=4, num_blocks=16, preemption_mode=mode)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
+    assert any(o.num_preemptions for o in outputs)
+    for o in outputs:  # a re-admission is not a first schedule, and finds its own blocks cached
+        m = o.metrics
+        assert m.arrival_time < m.first_scheduled_time < m.first_token_time < m.finished_time
+        assert o.num_cached_tokens == 0
+
+
+def test_forking_recipes_in_the_readme_run_as_written():
+    readme = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read()
+    section = readme.split("\n## Forking\n", 1)[1].split("\n## ", 1)[0]
+    recipes = re.findall(r"```python\n(.*?)```", section, re.S)
+    assert len(recipes) == 3
+    saved = dict(SCHEDULING_POLICIES), dict(EVICTION_POLICIES)
+    try:
+        for code in recipes:
+            exec(compile(code, "README.md", "exec"), {"__name__": "recipe"})
+    finally:
+        for registry, entries in zip((SCHEDULING_POLICIES, EVICTION_POLICIES), saved):
+            registry.clear()
+            registry.update(entries)
+
+
+def test_bench_quick_runs_every_section_and_leaves_the_readmes_results_alone():
+    here = os.path.dirname(os.path.abspath(__file__))
+    cited = os.path.join(here, "results", "results.json")
+    before = os.path.getmtime(cited) if os.path.exists(cited) else None
+    run = subprocess.run([sys.executable, "bench.py", "--quick"], capture_output=True, text=True,
+                         timeout=240, cwd=here)
+    assert run.returncode == 0, run.stderr[-3000:]
+    written = re.search(r"wrote (\S+results\.json) and plots", run.stdout).group(1)
+    assert not written.startswith(os.path.join(here, "results"))
+    assert (os.path.getmtime(cited) if os.path.exists(cited) else None) == before
+    results = json.load(open(written))
+    assert set(results) >= {"memory", "capacity", "sharing", "throughput", "kernel", "overhead",
+                            "tensor_parallel", "soak"}
+    churn = results["sharing"]["eviction under churn"]  # LFU keeps what LRU loses
+    assert churn["lfu"]["popular_prefix_kept"] == 1 and churn["lru"]["popular_prefix_kept"] == 0
+    assert set(results["overhead"]["take_block_us"]) == set(EVICTION_POLICIES) - {"mru"}
+
+
 def test_engine_takes_a_gpt_model():
     with pytest.raises(ValueError, match=r"model must be a GPT .* got Linear"):
         Engine(torch.nn.Linear(2, 2), block_size=4, num_blocks=8)
@@ -1794,7 +2036,8 @@ def engine_state(engine):
                       list(seq.block_table), list(seq.block_hashes), seq.cumulative_logprob,
                       seq.finish_reason, list(seq.logprobs), list(seq.prompt_logprobs))
                      for seq in g.seqs],
-                    len(g.finished), g.first_token_time, g.num_preemptions)
+                    len(g.finished), dataclasses.replace(g.metrics), g.num_cached_tokens,
+                    g.num_preemptions)
               for rid, g in engine.requests.items()}
     queues = [[g.request_id for g in q] for q in (s.waiting, s.running, s.swapped)]
     return (groups, queues, s.num_preemptions, allocator_state(a), a.num_hit_tokens,
@@ -1843,9 +2086,10 @@ FAILURE_POINTS = [(nanopaged.Scheduler, "schedule"), (BlockAllocator, "allocate"
                          min_size=1, max_size=6),
        point=st.sampled_from(FAILURE_POINTS), call=st.integers(1, 12), after=st.booleans(),
        block_size=st.sampled_from([1, 2, 4]), spare=st.integers(0, 6),
-       mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans())
+       mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
+       scheduling=st.sampled_from(SCHEDULING), eviction=st.sampled_from(EVICTION))
 def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, after, block_size,
-                                                      spare, mode, caching):
+                                                      spare, mode, caching, scheduling, eviction):
     """Raise once, at a random call of a random function inside a step: the step leaves every
     request, queue and block as it found them (but for K/V the failed step may have overwritten:
     blocks it handed out leave the prefix cache, and a request that held one is recomputed);
@@ -1860,7 +2104,8 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
                 for r, p in zip(requests, params))
 
     def run(engine, inject):
-        ids = [engine.add_request(r[0], p) for r, p in zip(requests, params)]
+        ids = [engine.add_request(r[0], p, priority=i % 3)
+               for i, (r, p) in enumerate(zip(requests, params))]
         outputs, failures = {}, 0
         for _ in range(300):  # a bound, so a stalled engine fails instead of hanging
             if not engine.requests:
@@ -1881,7 +2126,8 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
                 for i in ids]
 
     settings_ = dict(block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
-                     enable_prefix_caching=caching, max_num_batched_tokens=6, max_num_seqs=4)
+                     enable_prefix_caching=caching, max_num_batched_tokens=6, max_num_seqs=4,
+                     scheduling_policy=scheduling, eviction_policy=eviction)
     expected = run(Engine(MODEL, **settings_), inject=False)
     owner, name = point
     real, calls, fired, taken, exact = getattr(owner, name), [0], [], set(), []
@@ -1905,11 +2151,55 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
                      if self.saved_blocks[b].ref_count or self.saved_blocks[b].hash)
         return real_rollback(self)
 
+    def engine_rollback(self, saved):  # no queued request keeps a block the failed step handed out
+        real_engine_rollback(self, saved)
+        held = {b for g in self.scheduler.running for q in g.seqs for b in q.block_table}
+        assert not held & self.allocator.rolled_back_taken, "a request kept a block written over"
+
+    def allocator_rollback(self):
+        self.rolled_back_taken = rollback(self)
+        return self.rolled_back_taken
+
+    real_engine_rollback = Engine.rollback
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(owner, name, failing)
-        mp.setattr(BlockAllocator, "rollback", rollback)
+        mp.setattr(BlockAllocator, "rollback", allocator_rollback)
+        mp.setattr(Engine, "rollback", engine_rollback)
         assert run(Engine(MODEL, **settings_), inject=True) == expected
     event(f"failed: {bool(fired)}, exactly as before: {bool(exact)}")
+
+
+def test_a_failed_step_recomputes_every_request_whose_blocks_it_handed_out():
+    """Two neighbours in the running queue lose blocks to a step that then fails (found by a
+    search): both must be recomputed, or one reads K/V the failed step wrote over (a loop that
+    removed the first from the list it walked skipped the second)."""
+    engine = Engine(MODEL, block_size=2, num_blocks=6, max_num_seqs=4, max_num_batched_tokens=16)
+    prompts = [[i + 1] * n for i, n in enumerate([1, 3, 2, 1])]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0)) for p in prompts]
+    real_forward, real_rollback, calls, taken = GPT.forward, BlockAllocator.rollback, [0], set()
+
+    def forward(self, *args, **kwargs):
+        out = real_forward(self, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("injected after the forward wrote K/V")
+        return out
+
+    def rollback(self):
+        taken.update(real_rollback(self))
+        return taken
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GPT, "forward", forward)
+        mp.setattr(BlockAllocator, "rollback", rollback)
+        with pytest.raises(RuntimeError, match="injected"):
+            for _ in range(3):
+                engine.step()
+    held = {b for g in engine.scheduler.running for q in g.seqs for b in q.block_table}
+    assert taken and not held & taken
+    outputs = drain(engine)
+    assert [outputs[i].outputs[0].token_ids for i in ids] == \
+        [naive_greedy(MODEL, p, 6) for p in prompts]
 
 
 def test_an_engine_that_cannot_make_progress_raises_at_once(monkeypatch):
@@ -1933,11 +2223,13 @@ class EngineMachine(RuleBasedStateMachine):
 
     @initialize(block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(10, 24),
                 mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
-                max_num_seqs=st.integers(2, 5))
-    def setup(self, block_size, num_blocks, mode, caching, max_num_seqs):
+                max_num_seqs=st.integers(2, 5), scheduling=st.sampled_from(SCHEDULING),
+                eviction=st.sampled_from(EVICTION))
+    def setup(self, block_size, num_blocks, mode, caching, max_num_seqs, scheduling, eviction):
         self.engine = Engine(MODEL, block_size=block_size, num_blocks=num_blocks,
                              preemption_mode=mode, enable_prefix_caching=caching,
-                             max_num_batched_tokens=8, max_num_seqs=max_num_seqs)
+                             max_num_batched_tokens=8, max_num_seqs=max_num_seqs,
+                             scheduling_policy=scheduling, eviction_policy=eviction)
         self.unfinished, self.expected = set(), {}
         s, schedule = self.engine.scheduler, self.engine.scheduler.schedule
 
@@ -1954,13 +2246,13 @@ class EngineMachine(RuleBasedStateMachine):
         s.schedule = checked_schedule
 
     @rule(prompt=st.lists(st.integers(0, 7), min_size=1, max_size=9), max_tokens=st.integers(1, 6),
-          kind=st.sampled_from(["greedy", "greedy", "n=2", "beam=2"]))
-    def add(self, prompt, max_tokens, kind):
+          kind=st.sampled_from(["greedy", "greedy", "n=2", "beam=2"]), priority=st.integers(0, 2))
+    def add(self, prompt, max_tokens, kind, priority):
         params = SamplingParams(max_tokens=max_tokens, temperature=0 if kind == "greedy" else 1.0,
                                 n=2 if kind == "n=2" else 1,
                                 beam_width=2 if kind == "beam=2" else None)
         try:
-            request_id = self.engine.add_request(prompt, params)
+            request_id = self.engine.add_request(prompt, params, priority=priority)
         except ValueError:  # too big for this pool: rejected up front, and nothing changed
             assert -(-(len(prompt) + max_tokens) // self.engine.block_size) * params.num_seqs > \
                 self.engine.allocator.num_blocks
@@ -2063,6 +2355,17 @@ def test_demo_serves_its_workload_and_reports_true_numbers(capsys, tmp_path):
     assert (tmp_path / "demo.png").stat().st_size > 10_000
 
 
+def test_demo_takes_the_policies_and_priorities_from_the_command_line(capsys):
+    report = nanopaged.main(["--prompt", "def ", "--priority", "1", "--prompt", "class ",
+                             "--priority", "0", "--max-tokens", "2", "--temperature", "0",
+                             "--scheduling-policy", "priority", "--eviction-policy", "lfu"])
+    engine, (low, high) = report["engine"], report["outputs"]
+    assert engine.scheduler.key is SCHEDULING_POLICIES["priority"]
+    assert engine.allocator.score is EVICTION_POLICIES["lfu"]
+    # both arrive in the first step; the lower value is admitted first
+    assert high.metrics.first_scheduled_time < low.metrics.first_scheduled_time
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--model", "/no/such/folder"], "config.json not found"),
     (["--block-size", "0"], "block_size must be an integer >= 1, got 0"),
@@ -2076,6 +2379,9 @@ def test_demo_serves_its_workload_and_reports_true_numbers(capsys, tmp_path):
     (["--prompt", "x", "--max-tokens", "0"], r"max_tokens must be an int >= 1, got 0"),
     (["--prompt", "x", "--n", "0"], r"\bn must be an int >= 1, got 0"),
     (["--chat"], r"pydoc-gpt: no chat template \(chat_template.jinja, or chat_template in "),
+    (["--scheduling-policy", "sjf"], r"scheduling_policy must be one of \['fcfs', 'priority'"),
+    (["--eviction-policy", "fifo"], r"eviction_policy must be one of \['lfu', 'lru'\], got 'fifo'"),
+    (["--prompt", "x", "--priority", "1", "--priority", "0"], "got 2 --priority for 1 prompts"),
 ])
 def test_demo_bad_flags_end_with_one_clear_line(flags, message):
     run = subprocess.run([sys.executable, "nanopaged.py", *flags], capture_output=True, text=True,
@@ -2433,11 +2739,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 num_cpu_blocks=st.sampled_from([0, 2, 4, 16]),
                 mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
                 max_num_seqs=st.integers(1, 6),
-                max_num_batched_tokens=st.integers(3, 12), watermark=st.sampled_from([0.01, 0.25]))
+                max_num_batched_tokens=st.integers(3, 12), watermark=st.sampled_from([0.01, 0.25]),
+                policy=st.sampled_from(SCHEDULING))
     def setup(self, block_size, num_blocks, num_cpu_blocks, mode, caching, max_num_seqs,
-              max_num_batched_tokens, watermark):
+              max_num_batched_tokens, watermark, policy):
         self.a = a = BlockAllocator(num_blocks, block_size, num_cpu_blocks, caching)
-        self.s = s = nanopaged.Scheduler(a, max_num_seqs, max_num_batched_tokens, mode, watermark)
+        self.s = s = nanopaged.Scheduler(a, max_num_seqs, max_num_batched_tokens, mode, watermark,
+                                         scheduling_policy=policy)
+        self.policy, self.key = policy, SCHEDULING_POLICIES[policy]
         self.groups, self.next_id = {}, 0
         # A shadow KV cache: each computed slot holds token + 4 * position, and the step's block
         # moves are made by the engine's own ModelRunner.copy_blocks, in its order.
@@ -2465,8 +2774,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         return self.next_id - 1
 
     @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=6), max_tokens=st.integers(1, 10),
-          n=st.integers(1, 3), stop=st.booleans())
-    def add(self, prompt, max_tokens, n, stop):
+          n=st.integers(1, 3), stop=st.booleans(), priority=st.integers(0, 2))
+    def add(self, prompt, max_tokens, n, stop, priority=0):
         bs, s = self.a.block_size, self.s
         worst = n * -(-(len(prompt) + max_tokens) // bs)
         if n > min(s.max_num_seqs, s.max_num_batched_tokens) or worst > self.a.num_blocks:
@@ -2474,7 +2783,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         params = SamplingParams(max_tokens=max_tokens, n=n, stop_token_ids=[3] if stop else [])
         request_id = self.new_id()
         seq = Sequence(self.new_id(), prompt, len(prompt), request_id=request_id)
-        group = nanopaged.SequenceGroup(request_id, prompt, params, seq)
+        group = nanopaged.SequenceGroup(request_id, prompt, params, seq, priority)
         self.groups[request_id] = group
         s.add(group)
 
@@ -2502,8 +2811,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.fake_model(out, rng)
 
     def expected_decodes_and_victims(self, pre):
-        """Step 1 of the policy on the state before the step: running groups decode oldest first;
-        one whose blocks are not free preempts the youngest, and only then, until its blocks are."""
+        """Step 1 of the policy on the state before the step: running groups decode in order;
+        one whose blocks are not free preempts the last, and only then, until its blocks are."""
         running, refs, free, tokens = list(pre["running"]), list(pre["refs"]), pre["free"], 0
         decoded, victims, i, budget = [], [], 0, self.s.max_num_batched_tokens
         while i < len(running):
@@ -2535,19 +2844,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(scheduled) == len(out.scheduled) and all(n >= 1 for n in scheduled.values())
         assert out.num_batched_tokens == sum(scheduled.values()) <= M
         assert sum(g.params.num_seqs for g in s.running) <= S
-        # preemption: exactly the victims the policy names, youngest first, only when blocks ran out
+        # preemption: exactly the victims the policy names, last first, only when blocks ran out
         decoded, victims = self.expected_decodes_and_victims(pre)
         assert out.preempted == victims == pre["running"][::-1][:len(victims)]
         assert all(scheduled.get(seq.seq_id) == 1 for g in decoded for seq in g.seqs)
-        # FCFS: what starts running is older than everything still waiting or swapped out,
-        # admitted and swapped-in groups come off the front of their queues, none after a preemption
+        # Any policy: what starts running comes before everything still waiting or swapped out by
+        # the key; admitted and swapped-in groups come off the front of their queues (nobody
+        # overtakes), none after a preemption.
+        key = self.key
         started = [g for g in s.running if g not in pre["running"]]
         admitted = [g for g in started if g in pre["waiting"]]
         swapped_in = [g for g in started if g in pre["swapped"]]
         assert admitted == pre["waiting"][:len(admitted)]
         assert swapped_in == pre["swapped"][:len(swapped_in)]
-        assert all(g.request_id < h.request_id for g in started for h in [*s.waiting, *s.swapped])
+        assert all(key(g) <= key(h) for g in started for h in [*s.waiting, *s.swapped])
         assert not (out.preempted and started)
+        if self.policy == "priority":  # a lower value is never admitted after a higher one
+            assert all(g.priority <= h.priority for g in admitted for h in s.waiting)
         # watermark: admission leaves blocks spare while anything else runs
         if admitted and (pre["running"] or swapped_in or len(admitted) > 1):
             assert a.num_free_blocks >= s.watermark_blocks >= 1
@@ -2563,17 +2876,19 @@ class SchedulerMachine(RuleBasedStateMachine):
                     assert rest <= 0 or scheduled.get(seq.seq_id) == rest or left == 0, "chunk"
         spare = s.watermark_blocks if s.running else 0
         num_seqs = sum(g.params.num_seqs for g in s.running)
-        if s.waiting and not out.preempted and not s._is_older(s.swapped, s.waiting):
+        def ahead(queue, other):  # whether queue's first group comes before other's
+            return bool(queue) and key(queue[0]) < key(other[0])
+
+        if s.waiting and not out.preempted and not ahead(s.swapped, s.waiting):
             g = s.waiting[0]
             need = sum(a.num_blocks_to_allocate(seq) for seq in g.seqs)
             fits = left > 0 and need + spare <= a.num_free_blocks and \
                 num_seqs + g.params.num_seqs <= S
             assert not fits, "admission left out"
-        # (as step 2 saw it: an older request waiting then, even if admitted since, holds it back)
+        # (as step 2 saw it: a request ahead waiting then, even if admitted since, holds it back)
         recomputed = any(g in pre["swapped"] for g in [*s.waiting, *admitted])  # no room even alone
         if (s.swapped and not out.preempted and not recomputed
-                and not s._is_older(pre["waiting"], s.swapped)
-                and not s._is_older(s.waiting, s.swapped)):
+                and not ahead(pre["waiting"], s.swapped) and not ahead(s.waiting, s.swapped)):
             g = s.swapped[0]  # the budget as it stood before step 3's prefill chunks
             prefill_tokens = sum(n for seq, n in out.scheduled
                                  if not s._is_decoding(self.groups[seq.request_id]))
@@ -2638,14 +2953,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                                 for p, t in enumerate(seq.token_ids[:seq.num_computed_tokens])]
 
     @invariant()
-    def queues_keep_arrival_order(self):
+    def queues_keep_the_policys_order(self):
         if not hasattr(self, "a"):
             return
         s = self.s
         for queue in (s.running, list(s.waiting), s.swapped):
-            assert [g.request_id for g in queue] == sorted(g.request_id for g in queue)
-        # the running requests are the oldest ones: nobody overtook anybody
-        assert all(g.request_id < h.request_id for g in s.running for h in [*s.waiting, *s.swapped])
+            assert [self.key(g) for g in queue] == sorted(self.key(g) for g in queue)
+        if self.policy == "fcfs":  # the running requests are the oldest: nobody overtook anybody
+            assert all(g.request_id < h.request_id
+                       for g in s.running for h in [*s.waiting, *s.swapped])
 
     @invariant()
     def a_block_is_cached_iff_full_and_computed(self):
@@ -2675,7 +2991,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 break
             self.step(random.Random(0))
             self.blocks_owned_as_the_queues_say()
-            self.queues_keep_arrival_order()
+            self.queues_keep_the_policys_order()
             self.a_block_is_cached_iff_full_and_computed()
         assert not self.groups and not self.s.has_unfinished()
         assert self.a.num_free_blocks == self.a.num_blocks
@@ -2693,7 +3009,7 @@ def test_a_request_recomputed_for_lack_of_swap_space_resumes_before_younger_swap
     # in ahead of it). The machine checks every policy at every step.
     m = SchedulerMachine()
     m.setup(block_size=1, num_blocks=10, num_cpu_blocks=3, mode="swap", caching=False,
-            max_num_seqs=4, max_num_batched_tokens=12, watermark=0.01)
+            max_num_seqs=4, max_num_batched_tokens=12, watermark=0.01, policy="fcfs")
     for prompt, max_tokens in [([0, 1], 7), ([1, 2], 8), ([2, 3], 8)]:
         m.add(prompt, max_tokens, n=1, stop=False)
     rng, queues = random.Random(0), []
@@ -2710,15 +3026,17 @@ def test_a_request_recomputed_for_lack_of_swap_space_resumes_before_younger_swap
 @given(requests=st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=5),
                                    st.integers(2, 6), st.sampled_from([1, 3, 3])),
                          min_size=4, max_size=10),
-       block_size=st.integers(2, 3), num_blocks=st.integers(8, 14), seed=st.integers(0, 99))
+       block_size=st.integers(2, 3), num_blocks=st.integers(8, 14), seed=st.integers(0, 99),
+       policy=st.sampled_from(SCHEDULING))
 def test_swaps_and_copies_in_one_step_keep_every_token_where_its_table_says(requests, block_size,
-                                                                              num_blocks, seed):
+                                                                              num_blocks, seed,
+                                                                              policy):
     """Swap-heavy runs of the scheduler machine (several groups swapped out in a step, copy-on-write
     beside swaps): ModelRunner.copy_blocks, in its order, leaves every computed token of every
     running or swapped sequence in the slot its block table names."""
     m = SchedulerMachine()
     m.setup(block_size=block_size, num_blocks=num_blocks, num_cpu_blocks=16, mode="swap",
-            caching=True, max_num_seqs=9, max_num_batched_tokens=16, watermark=0.01)
+            caching=True, max_num_seqs=9, max_num_batched_tokens=16, watermark=0.01, policy=policy)
     for prompt, max_tokens, n in requests:
         m.add(prompt, max_tokens, n, stop=False)
     rng, moves = random.Random(seed), Counter()
