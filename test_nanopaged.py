@@ -42,15 +42,16 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfl
 
 @st.composite
 def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, min_seqs=1,
-                  long_prefills=0, head_dims=HEAD_DIMS):
+                  long_prefills=0, head_dims=HEAD_DIMS, block_sizes=(1, 3, 4, 5, 16),
+                  groups=(1, 2, 3, 4, 8)):
     """A packed batch of sequences in a paged cache, and the same K/V laid out contiguously.
     Tables are shuffled, later sequences may share a prefix of sequence 0's blocks (as after
     a fork or a prefix-cache hit), and every cache slot no sequence uses holds NaN.
     long_prefills: that many more sequences, prefilling 2-4x max_seq_len tokens, anywhere."""
     num_seqs = draw(st.integers(min_seqs, max_seqs))
-    block_size = draw(st.sampled_from([1, 3, 4, 5, 16]))
+    block_size = draw(st.sampled_from(block_sizes))
     n_kv_head = draw(st.sampled_from([1, 2]))
-    group = draw(st.sampled_from([1, 2, 3, 4, 8]))  # n_kv_head == 1 with group > 1 is MQA
+    group = draw(st.sampled_from(groups))  # n_kv_head == 1 with group > 1 is MQA
     head_dim = draw(st.sampled_from(head_dims))
     dtype = draw(st.sampled_from(dtypes))
     seq_lens, q_lens = [], []
@@ -165,6 +166,16 @@ def test_triton_mixed_batches_many_decodes_few_long_prefills(b, num_splits):
 @given(paged_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16]))
 def test_torch_path_matches_naive(b):
     assert_close(paged_attention_torch(*paged_args(b)), reference(b))
+
+
+@settings(max_examples=12, deadline=None)
+@given(paged_batches(dtypes=[torch.float32], max_seqs=6, head_dims=(64,), block_sizes=(16,),
+                     groups=(1, 3)))
+def test_flex_decode_matches_naive(b):
+    # the opt-in gather-free decode (flex_attention compiled by Inductor, one compile for these
+    # shapes), in batches of decodes, prefills and chunked prefills with mixed lengths and GQA
+    out = paged_attention_torch(*paged_args(b), decode_attention=kernel.paged_attention_flex)
+    assert_close(out, reference(b))
 
 
 @settings(max_examples=50, deadline=None)
