@@ -395,12 +395,12 @@ def _attend(q, k, v, mask, scale):
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
                           max_q_len=None, decode_attention=None):
-    """paged_attention in plain torch: the decoding sequences (q_len == 1) batched, in buckets of
-    similar context length, then one call per sequence with more new tokens. Accepts float64
-    (the tests run models in it). max_q_len is accepted for the same signature; this path reads
-    the lengths on the host. K/V are gathered only from positions < seq_len, so unused slots
-    (even NaN) are never read. decode_attention: another function of the same arguments for the
-    decoding rows (paged_attention_flex), these rows' q, tables and lengths only."""
+    """paged_attention in plain torch: the decoding sequences (q_len == 1) in one batched call,
+    then one call per sequence with more new tokens. Accepts float64 (the tests run models in
+    it). max_q_len is accepted for the same signature; this path reads the lengths on the host.
+    K/V are gathered only from positions < seq_len, so unused slots (even NaN) are never read.
+    decode_attention: a function (q, k_cache, v_cache, block_tables, seq_lens, scale) of the
+    decoding rows alone that replaces the batched call (paged_attention_flex, opt-in)."""
     n_head, head_dim = q.shape[1:]
     n_kv_head = k_cache.shape[2]
     group = n_head // n_kv_head
@@ -411,29 +411,23 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
     lens = seq_lens.tolist()
     q_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
 
-    # longest first; a bucket takes every sequence at least half its longest's length, so padding
-    # to the bucket's longest wastes less than half (mixed lengths no longer pad to the batch's)
-    decode = sorted((i for i, n in enumerate(q_lens) if n == 1), key=lambda i: -lens[i])
-    while decode:
-        bucket = [i for i in decode if 2 * lens[i] >= lens[decode[0]]] if decode_attention is None \
-            else decode
-        decode = decode[len(bucket):]
-        idx = torch.tensor(bucket, device=q.device)
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    if decode:
+        idx = torch.tensor(decode, device=q.device)
         rows = cu_seqlens_q.index_select(0, idx).long()                           # (B,) their one new token
         tables = block_tables.index_select(0, idx)                               # (B, max_blocks)
         if decode_attention is not None:
             o = decode_attention(q.index_select(0, rows), k_cache, v_cache, tables,
                                  seq_lens.index_select(0, idx), scale)            # (B, nh, D)
             out.index_copy_(0, rows, o.to(q.dtype))
-            continue
-        ctx = seq_lens.index_select(0, idx).long()[:, None]                       # (B, 1)
-        pos = torch.arange(lens[bucket[0]], device=q.device)[None]                # (1, L)
-        # positions past a sequence's end re-read its last token: real values, masked out below
-        k, v = _gather_kv(k_cache, v_cache, tables, torch.minimum(pos, ctx - 1))
-        q_dec = q.index_select(0, rows).view(len(bucket), n_kv_head, group, head_dim)  # (B,nkv,G,D)
-        mask = None if lens[bucket[-1]] == lens[bucket[0]] else (pos < ctx)[:, None, None, :]
-        o = _attend(q_dec, k, v, mask, scale)                                     # (B, nkv, G, D)
-        out.index_copy_(0, rows, o.reshape(len(bucket), n_head, head_dim).to(q.dtype))
+        else:
+            ctx = seq_lens.index_select(0, idx).long()[:, None]                   # (B, 1)
+            pos = torch.arange(max(lens[i] for i in decode), device=q.device)[None]  # (1, L)
+            # positions past a sequence's end re-read its last token: real values, masked below
+            k, v = _gather_kv(k_cache, v_cache, tables, torch.minimum(pos, ctx - 1))
+            q_dec = q.index_select(0, rows).view(len(decode), n_kv_head, group, head_dim)
+            o = _attend(q_dec, k, v, (pos < ctx)[:, None, None, :], scale)       # (B, nkv, G, D)
+            out.index_copy_(0, rows, o.reshape(len(decode), n_head, head_dim).to(q.dtype))
 
     for i, q_len in enumerate(q_lens):
         if q_len <= 1:

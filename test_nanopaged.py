@@ -168,7 +168,7 @@ def test_torch_path_matches_naive(b):
     assert_close(paged_attention_torch(*paged_args(b)), reference(b))
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(paged_batches(dtypes=[torch.float32], max_seqs=6, head_dims=(64,), block_sizes=(16,),
                      groups=(1, 3)))
 def test_flex_decode_matches_naive(b):
