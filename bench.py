@@ -380,8 +380,98 @@ def hf_continuous_generate(manager, prompts, max_tokens):
     return [results[i] for i in ids]
 
 
-def bench_throughput(num_requests=96, max_num_seqs=32):
-    """Greedy, every request generates exactly its max_tokens in every system; warm-up excluded."""
+def llama_shaped():
+    """Random weights of SmolLM2-135M's shape (30 layers, width 576, 9 query and 3 K/V heads of
+    64, SwiGLU of 1536, a 49,152 vocabulary, tied head), as transformers' Llama and as ours."""
+    import tempfile
+
+    import transformers
+    torch.manual_seed(SEED)
+    config = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+        rms_norm_eps=1e-5, max_position_embeddings=2048, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0)  # nothing stops early
+    hf = transformers.LlamaForCausalLM(config).eval()
+    with tempfile.TemporaryDirectory() as path:  # through the same reader as a real checkpoint
+        hf.save_pretrained(path)
+        return GPT.from_pretrained(path), hf
+
+
+def throughput_systems(model, hf, max_num_seqs, blocks, continuous=True):
+    """name -> generate(prompts, max_tokens): nanopaged's engine, transformers' static-batch
+    generate and, where this transformers has it, its continuous batching. Also the manager
+    to stop afterwards (or None)."""
+    import transformers
+
+    def nanopaged_generate(prompts, max_tokens):
+        engine = Engine(model, block_size=16, num_blocks=blocks, max_num_seqs=max_num_seqs,
+                        device="cpu")
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
+        return [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
+
+    batches = f"static batches of {max_num_seqs}" if max_num_seqs > 1 else "one at a time"
+    systems = {"nanopaged (continuous, paged)": nanopaged_generate,
+               f"HF generate ({batches})":
+                   lambda p, m: hf_static_generate(hf, p, m, max_num_seqs)}
+    manager = None
+    try:  # continuous batching arrived in transformers 4.5x; sized like the engine
+        if not continuous:
+            return systems, None
+        config = transformers.ContinuousBatchingConfig(max_requests_per_batch=max_num_seqs,
+                                                       max_batch_tokens=2048)
+        config.num_blocks = blocks * 16 // config.page_size
+        manager = hf.init_continuous_batching(
+            generation_config=transformers.GenerationConfig(do_sample=False, eos_token_id=-1,
+                                                            pad_token_id=0),
+            continuous_batching_config=config)
+        manager.warmup()
+        manager.start()
+        systems["HF generate_batch (continuous, paged)"] = \
+            lambda p, m: hf_continuous_generate(manager, p, m)
+    except Exception as e:
+        print(f"transformers' continuous batching is unavailable: {type(e).__name__}: {e}")
+    return systems, manager
+
+
+def throughput_rows(label, model, hf, prompts, max_tokens, max_num_seqs, warm):
+    """Time each system on the same requests (warm-up excluded); one table row per system."""
+    # room for every running request, the warm-up's too: no preemption
+    longest = max(len(p) + n for p, n in zip(prompts + warm[0], max_tokens + warm[1]))
+    blocks = max_num_seqs * -(-longest // 16)
+    systems, manager = throughput_systems(model, hf, max_num_seqs, blocks,
+                                          continuous=max_num_seqs > 1)
+    results, outputs, ours = {}, {}, "nanopaged (continuous, paged)"
+    try:
+        with torch.inference_mode():
+            for name, generate in systems.items():
+                generate(*warm)
+                start = time.perf_counter()
+                outputs[name] = generate(prompts, max_tokens)
+                seconds = time.perf_counter() - start
+                assert [len(t) for t in outputs[name]] == max_tokens, \
+                    f"{name} generated the wrong number of tokens"
+                results[f"{label}: {name}"] = dict(seconds=seconds,
+                                                   tokens_per_s=sum(max_tokens) / seconds,
+                                                   requests_per_s=len(prompts) / seconds)
+    finally:
+        if manager is not None:
+            manager.stop(block=True, timeout=10)
+    rows = []
+    for name in systems:
+        r = results[f"{label}: {name}"]
+        agree = sum(a == b for a, b in zip(outputs[name], outputs[ours])) / len(prompts)
+        r.update(speedup=results[f"{label}: {ours}"]["tokens_per_s"] / r["tokens_per_s"],
+                 same_tokens=agree)
+        rows.append([label, name, f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.0f}",
+                     f"{r['requests_per_s']:.2f}", f"{r['speedup']:.2f}x", f"{100 * agree:.0f}%"])
+    return results, rows, outputs[ours]
+
+
+def bench_throughput(num_requests=96, max_num_seqs=32, llama_requests=32, llama_tokens=64):
+    """Greedy, every request generates exactly its max_tokens in every system; warm-up excluded.
+    The demo model on ShareGPT-like requests, then a Llama-shaped model of SmolLM2-135M's size
+    on 32 requests of 16-96 prompt tokens and 64 new tokens; each also one request at a time."""
     try:
         import transformers
     except ImportError:
@@ -398,64 +488,34 @@ def bench_throughput(num_requests=96, max_num_seqs=32):
     prompts, max_tokens = random_prompts(trace), [o for _, o in trace]
     warm = (prompts[-4:], max_tokens[-4:])  # warm-up requests, never timed
     prompts, max_tokens = prompts[:-4], max_tokens[:-4]
-    # room for every running request: no preemption
-    blocks = max_num_seqs * -(-model.config.max_seq_len // 16)
-
-    def nanopaged_generate(prompts, max_tokens):
-        engine = Engine(model, block_size=16, num_blocks=blocks, max_num_seqs=max_num_seqs,
-                        device="cpu")
-        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in max_tokens]
-        return [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
-
-    systems = {"nanopaged (continuous, paged)": nanopaged_generate,
-               f"HF generate (static batches of {max_num_seqs})":
-                   lambda p, m: hf_static_generate(hf, p, m, max_num_seqs)}
-    manager = None
-    try:  # continuous batching arrived in transformers 4.5x; sized like the engine
-        config = transformers.ContinuousBatchingConfig(max_requests_per_batch=max_num_seqs,
-                                                       max_batch_tokens=2048)
-        config.num_blocks = blocks * 16 // config.page_size
-        manager = hf.init_continuous_batching(
-            generation_config=transformers.GenerationConfig(do_sample=False, eos_token_id=-1,
-                                                            pad_token_id=0),
-            continuous_batching_config=config)
-        manager.warmup()
-        manager.start()
-        systems["HF generate_batch (continuous, paged)"] = \
-            lambda p, m: hf_continuous_generate(manager, p, m)
-    except Exception as e:
-        print(f"transformers' continuous batching is unavailable: {type(e).__name__}: {e}")
-    results, outputs = {}, {}
-    try:
-        with torch.inference_mode():
-            for name, generate in systems.items():
-                generate(*warm)
-                start = time.perf_counter()
-                outputs[name] = generate(prompts, max_tokens)
-                seconds = time.perf_counter() - start
-                assert [len(t) for t in outputs[name]] == max_tokens, \
-                    f"{name} generated the wrong number of tokens"
-                results[name] = dict(seconds=seconds, tokens_per_s=sum(max_tokens) / seconds,
-                                     requests_per_s=num_requests / seconds)
-    finally:
-        if manager is not None:
-            manager.stop(block=True, timeout=10)
-    ours = results["nanopaged (continuous, paged)"]
-    rows = []
-    for name, r in results.items():
-        agree = sum(a == b for a, b in zip(outputs[name],
-                                           outputs["nanopaged (continuous, paged)"])) / num_requests
-        r.update(speedup=ours["tokens_per_s"] / r["tokens_per_s"], same_tokens=agree)
-        rows.append([name, f"{r['seconds']:.1f}", f"{r['tokens_per_s']:.0f}",
-                     f"{r['requests_per_s']:.2f}", f"{r['speedup']:.2f}x", f"{100 * agree:.0f}%"])
+    results, rows, tokens, demo_tokens = {}, [], {}, sum(max_tokens)
+    for label, p, m, seqs in [("demo", prompts, max_tokens, max_num_seqs),
+                              ("demo, batch 1", prompts[:4], [64] * len(prompts[:4]), 1)]:
+        r, more, tokens[label] = throughput_rows(label, model, hf, p, m, seqs, warm)
+        results.update(r)
+        rows += more
+    del model, hf
+    model, hf = llama_shaped()
+    rng = random.Random(SEED)
+    trace = [(rng.randint(16, 96), llama_tokens) for _ in range(llama_requests + 4)]
+    prompts, max_tokens = random_prompts(trace, vocab_size=49152), [o for _, o in trace]
+    warm, n = (prompts[-4:], [8] * 4), llama_requests
+    for label, p, m, seqs in [("SmolLM2-135M-shaped", prompts[:n], max_tokens[:n], n),
+                              ("SmolLM2-135M-shaped, batch 1", prompts[:2], max_tokens[:2], 1)]:
+        r, more, tokens[label] = throughput_rows(label, model, hf, p, m, seqs, warm)
+        results.update(r)
+        rows += more
     plot_throughput(results)
-    print_table(f"Throughput on {'GPU' if torch.cuda.is_available() else 'CPU'}: "
-                f"{num_requests} ShareGPT-like requests ({sum(max_tokens)} tokens), "
-                f"the demo model's weights in fp32, transformers {transformers.__version__}",
-                ["system", "seconds", "tokens/s", "requests/s", "nanopaged / it", "same tokens"],
-                rows)
+    print_table(f"Throughput on {'GPU' if torch.cuda.is_available() else 'CPU'}: the demo model "
+                f"on {num_requests} ShareGPT-like requests ({demo_tokens} tokens), "
+                f"a SmolLM2-135M-shaped Llama (random weights) on {llama_requests} requests of "
+                f"{llama_tokens} tokens, "
+                f"fp32, greedy, transformers {transformers.__version__}",
+                ["model", "system", "seconds", "tokens/s", "requests/s", "nanopaged / it",
+                 "same tokens"], rows)
+    if os.environ.get("NANOPAGED_TOKENS"):  # to check a change keeps every greedy token
+        json.dump(tokens, open(os.environ["NANOPAGED_TOKENS"], "w"))
     return results
-
 
 
 def bench_logprobs(num_requests=32, max_tokens=64, k=5, repeats=3):
@@ -491,12 +551,13 @@ def bench_logprobs(num_requests=32, max_tokens=64, k=5, repeats=3):
 
 def plot_throughput(results):
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(12, 6))
     bars = ax.bar(range(len(results)), [r["tokens_per_s"] for r in results.values()],
                   color="tab:blue")
     ax.bar_label(bars, [f"{r['tokens_per_s']:.0f} tok/s\nnanopaged {r['speedup']:.2f}x"
                         for r in results.values()])
-    ax.set_xticks(range(len(results)), [name.replace(" (", "\n(") for name in results], fontsize=8)
+    ax.set_xticks(range(len(results)), [name.replace(" (", "\n(") for name in results],
+                  rotation=30, ha="right", fontsize=6)
     ax.set_ylabel("generated tokens / s")
     ax.margins(y=0.2)
     fig.tight_layout()
@@ -515,9 +576,10 @@ PEAK_GBPS = {"H200": 4800, "H100 PCIe": 2000, "H100": 3350, "A100-PCIE-40GB": 15
              "A10": 600, "RTX 4090": 1008}
 
 
-def paged_case(batch, context, dtype, device):
-    """batch sequences of context tokens, one new token each, paged through shuffled block tables
-    (scattered physical blocks, as in serving), and the same K/V laid out contiguously."""
+def paged_case(batch, context, dtype, device, mixed=False):
+    """batch sequences of context tokens (mixed: from context / 8 up to context, evenly), one new
+    token each, paged through shuffled block tables (scattered physical blocks, as in serving),
+    and the same K/V laid out contiguously, padded to context."""
     n_head, n_kv, D, bs = (KERNEL_SHAPE[k]
                            for k in ("n_head", "n_kv_head", "head_dim", "block_size"))
     torch.manual_seed(SEED)
@@ -530,6 +592,8 @@ def paged_case(batch, context, dtype, device):
     v = v_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
     q = torch.randn(batch, n_head, D, dtype=dtype, device=device)  # (B, nh, D)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    if mixed:
+        seq_lens = torch.linspace(context // 8, context, batch, device=device).int()
     cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
     return q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, k, v
 
@@ -559,14 +623,15 @@ def bench_kernel(grid=None):
         print("\n--kernel: the Triton kernel's latency and bandwidth need a GPU; on this CPU it "
               "times the torch paged path (the engine's CPU attention) instead")
     paged = kernel.paged_attention if on_gpu else kernel.paged_attention_torch
-    grid = grid or ([(b, c) for b in (1, 8, 64, 256) for c in (512, 1024, 4096, 16384)] if on_gpu
-                    else [(b, c) for b in (1, 8, 32) for c in (256, 1024, 2048)])
+    grid = grid or ([(b, c, False) for b in (1, 8, 64, 256) for c in (512, 1024, 4096, 16384)]
+                    if on_gpu else [(b, c, False) for b in (1, 8, 32) for c in (256, 1024, 2048)]
+                    ) + [(b, c, True) for b in (8, 32) for c in (1024, 2048)]  # contexts c/8 .. c
     n_head, n_kv, D = KERNEL_SHAPE["n_head"], KERNEL_SHAPE["n_kv_head"], KERNEL_SHAPE["head_dim"]
     scale, results, rows = D ** -0.5, {}, []
-    for batch, context in grid:
+    for batch, context, mixed in grid:
         try:
-            q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, k, v = paged_case(batch, context,
-                                                                                   dtype, device)
+            q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, k, v = paged_case(
+                batch, context, dtype, device, mixed)
         except torch.cuda.OutOfMemoryError:
             print(f"batch {batch} x context {context}: skipped, out of GPU memory")
             continue
@@ -575,11 +640,17 @@ def bench_kernel(grid=None):
                                    max_q_len=1),
             # contiguous SDPA, the group's query heads stacked on the query axis so each K/V head
             # is read once
+            # mixed lengths: padded to the longest and masked, as a contiguous batch is
             "sdpa": lambda: F.scaled_dot_product_attention(q.view(batch, n_kv, n_head // n_kv, D),
-                                                           k, v, scale=scale),
+                                                           k, v, attn_mask=mask, scale=scale),
         }
+        mask = (torch.arange(context, device=device) < seq_lens[:, None])[:, None, None] \
+            if mixed else None
+        if not on_gpu:  # the gather-free decode: flex_attention compiled by Inductor
+            calls["flex"] = lambda: paged(q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q,
+                                          scale, decode_attention=kernel.paged_attention_flex)
         # the reference loops over sequences in Python: small shapes only
-        if batch * context <= 8192:
+        if batch * context <= 8192 and not mixed:
             flat_k, flat_v = (t.transpose(1, 2).reshape(batch * context, n_kv, D) for t in (k, v))
             calls["naive"] = lambda: kernel.naive_attention(q, flat_k, flat_v, cu_seqlens_q,
                                                             seq_lens, scale)
@@ -594,14 +665,16 @@ def bench_kernel(grid=None):
                                        rtol=tol, msg=lambda m: f"{label} disagrees with SDPA at "
                                        f"batch {batch} x {context}: {m}")
         # K, V read once; q in, out
-        moved = (k.numel() + v.numel() + 2 * q.numel()) * q.element_size()
+        moved = (2 * int(seq_lens.sum()) * n_kv * D + 2 * q.numel()) * q.element_size()
         r = {label: time_ms(call) for label, call in calls.items()}
         r["paged_GBps"], r["sdpa_GBps"] = moved / r["paged"] / 1e6, moved / r["sdpa"] / 1e6
-        results[f"{batch}x{context}"] = r
+        results[f"{batch}x{context}{' mixed' if mixed else ''}"] = r
         pct = (lambda gbps: f"{100 * gbps / peak:.0f}%") if peak else (lambda gbps: "-")
-        rows.append([batch, context, f"{moved / 1e6:.0f}", f"{r['paged']:.3f}",
+        rows.append([batch, f"{context // 8}-{context}" if mixed else context,
+                     f"{moved / 1e6:.0f}", f"{r['paged']:.3f}",
                      f"{r['paged_GBps']:.0f}", pct(r["paged_GBps"]), f"{r['sdpa']:.3f}",
                      f"{r['sdpa_GBps']:.0f}", f"{r['paged'] / r['sdpa']:.2f}x",
+                     f"{r['flex'] / r['sdpa']:.2f}x" if "flex" in r else "-",
                      f"{r['paged, no split'] / r['paged']:.2f}x" if "paged, no split" in r else "-",
                      f"{r['naive']:.2f}" if "naive" in r else "-"])
     print_table(f"Decode attention, "
@@ -611,7 +684,7 @@ def bench_kernel(grid=None):
                 f"peak {peak or 'unknown'} GB/s; goal at 64 x 4096: "
                 ">= 75% of peak and <= 1.3x SDPA)",
                 ["batch", "context", "MB moved", "paged ms", "GB/s", "% peak", "SDPA ms", "GB/s",
-                 "paged/SDPA", "split-KV speedup", "naive ms"], rows)
+                 "paged/SDPA", "flex/SDPA", "split-KV speedup", "naive ms"], rows)
     return dict(device=name, dtype=str(dtype), peak_GBps=peak, shapes=results)
 
 
@@ -1056,8 +1129,9 @@ QUICK = dict(memory=dict(num_requests=20),
                            trace_name="Alpaca-like"),
              sharing=dict(num_requests=4, widths=(2,), prefixes=(("one-shot", 80),),
                           churn=dict(rounds=3, burst=12, num_blocks=24)),
-             throughput=dict(num_requests=2, max_num_seqs=2),
-             kernel=dict(grid=[(1, 256), (4, 512)]),
+             throughput=dict(num_requests=2, max_num_seqs=2, llama_requests=2, llama_tokens=4),
+             logprobs=dict(num_requests=4, max_tokens=8, repeats=1),
+             kernel=dict(grid=[(1, 256, False), (4, 512, True)]),
              overhead=dict(sizes=(16,), prompt_len=16, steps=5, take_sizes=(1_000, 10_000)),
              tensor_parallel=dict(num_requests=2, max_tokens=8),
              soak=dict(num_requests=1000))

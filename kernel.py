@@ -393,11 +393,14 @@ def _attend(q, k, v, mask, scale):
     return F.scaled_dot_product_attention(q.to(acc), k.to(acc), v.to(acc), attn_mask=mask, scale=scale)
 
 
-def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, max_q_len=None):
+def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+                          max_q_len=None, decode_attention=None):
     """paged_attention in plain torch: the decoding sequences (q_len == 1) in one batched call,
     then one call per sequence with more new tokens. Accepts float64 (the tests run models in
     it). max_q_len is accepted for the same signature; this path reads the lengths on the host.
-    K/V are gathered only from positions < seq_len, so unused slots (even NaN) are never read."""
+    K/V are gathered only from positions < seq_len, so unused slots (even NaN) are never read.
+    decode_attention: a function (q, k_cache, v_cache, block_tables, seq_lens, scale) of the
+    decoding rows alone that replaces the batched call (paged_attention_flex, opt-in)."""
     n_head, head_dim = q.shape[1:]
     n_kv_head = k_cache.shape[2]
     group = n_head // n_kv_head
@@ -412,13 +415,19 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
     if decode:
         idx = torch.tensor(decode, device=q.device)
         rows = cu_seqlens_q.index_select(0, idx).long()                           # (B,) their one new token
-        ctx = seq_lens.index_select(0, idx).long()[:, None]                       # (B, 1)
-        pos = torch.arange(max(lens[i] for i in decode), device=q.device)[None]   # (1, L)
-        # positions past a sequence's end re-read its last token: real values, masked out below
-        k, v = _gather_kv(k_cache, v_cache, block_tables.index_select(0, idx), torch.minimum(pos, ctx - 1))
-        q_dec = q.index_select(0, rows).view(len(decode), n_kv_head, group, head_dim)  # (B, nkv, G, D)
-        o = _attend(q_dec, k, v, (pos < ctx)[:, None, None, :], scale)           # (B, nkv, G, D)
-        out.index_copy_(0, rows, o.reshape(len(decode), n_head, head_dim).to(q.dtype))
+        tables = block_tables.index_select(0, idx)                               # (B, max_blocks)
+        if decode_attention is not None:
+            o = decode_attention(q.index_select(0, rows), k_cache, v_cache, tables,
+                                 seq_lens.index_select(0, idx), scale)            # (B, nh, D)
+            out.index_copy_(0, rows, o.to(q.dtype))
+        else:
+            ctx = seq_lens.index_select(0, idx).long()[:, None]                   # (B, 1)
+            pos = torch.arange(max(lens[i] for i in decode), device=q.device)[None]  # (1, L)
+            # positions past a sequence's end re-read its last token: real values, masked below
+            k, v = _gather_kv(k_cache, v_cache, tables, torch.minimum(pos, ctx - 1))
+            q_dec = q.index_select(0, rows).view(len(decode), n_kv_head, group, head_dim)
+            o = _attend(q_dec, k, v, (pos < ctx)[:, None, None, :], scale)       # (B, nkv, G, D)
+            out.index_copy_(0, rows, o.reshape(len(decode), n_head, head_dim).to(q.dtype))
 
     for i, q_len in enumerate(q_lens):
         if q_len <= 1:
@@ -433,6 +442,50 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
         o = o.view(n_kv_head, group, q_len, head_dim).permute(2, 0, 1, 3)          # (q_len, nkv, G, D)
         out[cu[i] : cu[i + 1]] = o.reshape(q_len, n_head, head_dim).to(q.dtype)
     return out
+
+
+_flex = None  # flex_attention compiled by Inductor, made on first use (tens of seconds)
+
+
+def paged_attention_flex(q, k_cache, v_cache, block_tables, seq_lens, scale):
+    """Decode (one new token a sequence: q [B, n_head, D]) with torch's flex_attention compiled
+    by Inductor for the CPU, reading K/V straight from the cache through the block table: no
+    gather. The whole cache is the key axis of every sequence; a block mask lists, per sequence,
+    the physical blocks it uses (torch's own paged attention helper does the same). flex reads
+    whole blocks, and on the CPU it has no log-sum-exp to merge a separately computed tail, so
+    this writes zeros into the slots past each sequence's end in its last block (slots no
+    sequence reads: a shared block is copied before a write) where 0 * NaN would spoil the
+    result. Opt-in: paged_attention_torch(..., decode_attention=paged_attention_flex)."""
+    global _flex
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    if _flex is None:
+        _flex = torch.compile(flex_attention, dynamic=True)
+    num_blocks, block_size, n_kv_head, head_dim = k_cache.shape
+    B = len(seq_lens)
+    seq_lens = seq_lens.long()
+    num_used = (seq_lens + block_size - 1) // block_size                          # (B,)
+    last_block = block_tables.gather(1, (num_used - 1)[:, None]).long()           # (B, 1)
+    last_len = seq_lens - (num_used - 1) * block_size                              # (B,)
+    tail = torch.arange(block_size, device=q.device)
+    tail_slots = (last_block * block_size + tail)[tail >= last_len[:, None]]
+    for cache in (k_cache, v_cache):
+        cache.flatten(0, 1).index_fill_(0, tail_slots, 0)
+    # every block but the last is read whole; the last one up to the sequence's end
+    full = F.pad(block_tables, (0, num_blocks - block_tables.shape[1])).clamp_(min=0).int()
+    last = F.pad(last_block, (0, num_blocks - 1)).int()
+
+    def in_last_block(b, h, q_idx, kv_idx):
+        return kv_idx % block_size < last_len[b]
+    mask = BlockMask.from_kv_blocks(
+        torch.ones(B, 1, 1, dtype=torch.int32), last.view(B, 1, 1, num_blocks),
+        (num_used - 1).int().view(B, 1, 1), full.view(B, 1, 1, num_blocks),
+        BLOCK_SIZE=(128, block_size), mask_mod=in_last_block,
+        seq_lengths=(1, num_blocks * block_size), compute_q_blocks=False)
+    k, v = (c.view(1, -1, n_kv_head, head_dim).transpose(1, 2).expand(B, -1, -1, -1)
+            for c in (k_cache, v_cache))                                        # (B, nkv, slots, D)
+    with torch.no_grad():  # flex compiles for inference only on the CPU
+        o = _flex(q.view(B, -1, 1, head_dim), k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    return o.view(B, -1, head_dim)                                                 # (B, nh, D)
 
 
 # -----------------------------------------------------------------------------

@@ -941,6 +941,7 @@ class GPT(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
+        self.rope_table = {}  # (device, dtype) -> cos, sin (max_seq_len, 1, head_dim) of rotary
 
     @staticmethod
     def _init_weights(module):
@@ -957,8 +958,13 @@ class GPT(nn.Module):
         x, rope = self.transformer.wte(idx), None
         if self.transformer.wpe is not None:
             x = x + self.transformer.wpe(pos)
-        else:  # the angles of each token's position, for every layer
+        elif batch is None:  # the angles of each token's position, for every layer
             rope = rope_cos_sin(self.config, pos, x.dtype)
+        else:  # looked up in a table of every position's, made once (as vLLM's cos_sin_cache)
+            if (key := (x.device, x.dtype)) not in self.rope_table:
+                self.rope_table[key] = rope_cos_sin(
+                    self.config, torch.arange(self.config.max_seq_len, device=x.device), x.dtype)
+            rope = [t[pos] for t in self.rope_table[key]]
         for i, block in enumerate(self.transformer.h):
             x = block(x, batch, None if batch is None else (kv_cache[0, i], kv_cache[1, i]), rope)
         if batch is not None:
@@ -1306,7 +1312,8 @@ class OutputProcessor:
         tokens = broadcast(tokens)
         logprobs = log_probs(logits)                                                   # (S, V)
         chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
-        top = logprobs.topk(max(p.logprobs or 0 for p in params))  # for those who asked
+        most = max(p.logprobs or 0 for p in params)  # for those who asked; none: no vocabulary sort
+        top = (logprobs if most else logprobs[:, :0]).topk(most)
         for r, ((group, seq, _), token) in enumerate(zip(to_sample, tokens.tolist())):
             seq.token_ids.append(token)
             seq.cumulative_logprob += chosen[r]
