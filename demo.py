@@ -182,11 +182,19 @@ def run_demo(engine, prompts, params, arrivals_per_step=2, progress=True, priori
             snapshot = dict(step=len(timeline), shared=num_shared, map=block_map(engine),
                             text=render_block_map(*block_map(engine)))
         if progress and (len(timeline) % 10 == 0 or not engine.scheduler.has_unfinished()):
-            print("\r" + engine.progress_line(len(outputs), len(ids), time.perf_counter() - start)
+            print("\r" + progress_line(engine, len(outputs), len(ids), time.perf_counter() - start)
                   + "\x1b[K", end="", file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)
     return [outputs[i] for i in ids], timeline, snapshot, time.perf_counter() - start
+
+
+def progress_line(engine, done, total, elapsed):
+    s = engine.stats()
+    return (f"[{done}/{total} requests] running {s['num_running']} waiting {s['num_waiting']} "
+            f"swapped {s['num_swapped']} preempted {s['num_preemptions']} | "
+            f"{s['num_generated_tokens'] / max(elapsed, 1e-9):.0f} tok/s | "
+            f"KV blocks {s['num_blocks'] - s['num_free_blocks']}/{s['num_blocks']}")
 
 
 def summarize(engine, outputs, timeline, seconds):

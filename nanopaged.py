@@ -152,8 +152,8 @@ class Sequence:
         self.block_hashes = []  # prefix-cache keys of its full computed blocks
         self.cumulative_logprob = 0.0
         self.logprobs = []  # per generated token {token id: log-probability}, when asked for
-        self.prompt_logprobs = []  # when asked for: None (the first token), then one per prompt
-        self.finish_reason = None  # token as it is computed; its group reports them
+        self.prompt_logprobs = []  # when asked for: None, then one per prompt token as computed
+        self.finish_reason = None
 
     def __len__(self):
         return len(self.token_ids)
@@ -958,9 +958,7 @@ class GPT(nn.Module):
         x, rope = self.transformer.wte(idx), None
         if self.transformer.wpe is not None:
             x = x + self.transformer.wpe(pos)
-        elif batch is None:  # the angles of each token's position, for every layer
-            rope = rope_cos_sin(self.config, pos, x.dtype)
-        else:  # looked up in a table of every position's, made once (as vLLM's cos_sin_cache)
+        else:  # each token's angles, from a table made once (as vLLM's cos_sin_cache)
             if (key := (x.device, x.dtype)) not in self.rope_table:
                 self.rope_table[key] = rope_cos_sin(
                     self.config, torch.arange(self.config.max_seq_len, device=x.device), x.dtype)
@@ -1220,11 +1218,9 @@ def sampling_probs(logits, temperatures, top_ks, top_ps):
 
 def sample(logits, temperatures, top_ks, top_ps, generators):
     """Next token per row of logits (S, V). Greedy rows (temperature 0) take the argmax; the
-    others draw with their own generator on the logits' device. A row's draw depends only on its
-    logits and its generator, bitwise. Its logits match a solo run only within floating-point
-    tolerance: a matmul may take another kernel for another number of rows, and on a GPU the
-    attention kernel's split count follows the batch; so a token can differ where two
-    candidates are within rounding of each other."""
+    others draw with their own generator on the logits' device: a draw depends only on its row
+    and its generator, bitwise (the row itself matches a solo run within rounding: a matmul may
+    take another kernel for another number of rows)."""
     tokens = logits.argmax(dim=-1)
     rows = [i for i, t in enumerate(temperatures) if t > 0]
     if not rows:
@@ -1608,7 +1604,7 @@ class Engine:
             raise ValueError(f"priority must be an int, got {priority!r}")
         return check_request(prompt, params, self.config, self.scheduler, self.allocator)
 
-    def generate(self, prompts, params=None, progress=False, priority=0):
+    def generate(self, prompts, params=None, priority=0):
         """Serve prompts (token id lists or 1-D tensors) to the end; one RequestOutput per
         prompt, in order. params: one SamplingParams for all, or one per prompt; priority too."""
         if not isinstance(params, list):
@@ -1628,15 +1624,9 @@ class Engine:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids = [self._enqueue(*request) for request in zip(checked, params, priority)]
-        outputs, start, last_print = {}, time.perf_counter(), 0.0
+        outputs = {}
         while any(i not in outputs for i in ids):
             outputs.update((o.request_id, o) for o in self.step() if o.finished)
-            if progress and (time.perf_counter() - last_print > 0.1 or len(outputs) == len(ids)):
-                last_print = time.perf_counter()
-                line = self.progress_line(len(outputs), len(ids), last_print - start)
-                print("\r" + line + "\x1b[K", end="", file=sys.stderr, flush=True)
-        if progress:
-            print(file=sys.stderr)
         return [outputs[i] for i in ids]
 
     def stats(self):
@@ -1648,13 +1638,6 @@ class Engine:
                 f"nothing, while {s['num_waiting']} waiting and {s['num_swapped']} swapped "
                 f"requests and {s['num_running']} running sequences are unfinished "
                 f"({s['num_free_blocks']} of {s['num_blocks']} KV blocks free)")
-
-    def progress_line(self, done, total, elapsed):
-        s = self.stats()
-        return (f"[{done}/{total} requests] running {s['num_running']} waiting {s['num_waiting']} "
-                f"swapped {s['num_swapped']} preempted {s['num_preemptions']} | "
-                f"{s['num_generated_tokens'] / max(elapsed, 1e-9):.0f} tok/s | "
-                f"KV blocks {s['num_blocks'] - s['num_free_blocks']}/{s['num_blocks']}")
 
 
 # -----------------------------------------------------------------------------
