@@ -1429,7 +1429,7 @@ class OutputProcessor:
                                         seq.cumulative_logprob,
                                         list(seq.logprobs) if asked else None)
                        for seq in sorted(group.finished + group.seqs, key=lambda s: s.index)]
-        m = dataclasses.replace(group.metrics)  # the times derive from the metrics alone
+        m = RequestMetrics(**vars(group.metrics))  # a copy; the times derive from it alone
         return RequestOutput(group.request_id, group.prompt_token_ids, outputs, m,
                              m.first_token_time - m.arrival_time,
                              m.finished_time and m.finished_time - m.arrival_time,
@@ -1532,7 +1532,7 @@ class Engine:
         s, a = self.scheduler, self.allocator
         a.begin()
         reachable = itertools.islice(s.waiting, min(s.max_num_seqs, a.num_free_blocks))
-        groups = [(g, list(g.seqs), len(g.finished), dataclasses.replace(g.metrics),
+        groups = [(g, list(g.seqs), len(g.finished), vars(g.metrics).copy(),  # fast copies
                    g.num_cached_tokens, g.num_preemptions,
                    [(seq, len(seq.token_ids), len(seq.logprobs), len(seq.prompt_logprobs),
                      seq.num_computed_tokens,
@@ -1553,7 +1553,7 @@ class Engine:
         s.num_preemptions = num_preemptions
         self.output_processor.num_generated_tokens = num_generated
         for group, seqs, num_finished, metrics, *counts, seq_states in groups:
-            group.seqs, group.metrics = seqs, metrics
+            group.seqs, group.metrics = seqs, RequestMetrics(**metrics)
             group.num_cached_tokens, group.num_preemptions = counts
             del group.finished[num_finished:]
             for seq, n, num_logprobs, num_prompt_logprobs, *state in seq_states:
