@@ -1308,8 +1308,7 @@ class OutputProcessor:
         tokens = broadcast(tokens)
         logprobs = log_probs(logits)                                                   # (S, V)
         chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
-        most = max(p.logprobs or 0 for p in params)  # for those who asked; none: no vocabulary sort
-        top = (logprobs if most else logprobs[:, :0]).topk(most)
+        top = logprobs.topk(max(p.logprobs or 0 for p in params))  # for those who asked
         for r, ((group, seq, _), token) in enumerate(zip(to_sample, tokens.tolist())):
             seq.token_ids.append(token)
             seq.cumulative_logprob += chosen[r]
@@ -1327,10 +1326,12 @@ class OutputProcessor:
         """Prompt token p + 1's logprob and the k likeliest, from the logits after position p."""
         logprobs = log_probs(logits)                                                   # (P, V)
         ks = [self.requests[seq.request_id].params.prompt_logprobs for seq, _ in owed]
+        tokens = [seq.token_ids[p + 1] for seq, p in owed]
+        index = torch.tensor(tokens, device=logprobs.device)[:, None]
+        chosen = logprobs.gather(-1, index).squeeze(-1).tolist()
         top = logprobs.topk(max(ks))
-        for r, ((seq, p), k) in enumerate(zip(owed, ks)):
-            token = seq.token_ids[p + 1]
-            seq.prompt_logprobs.append(logprob_entry(token, logprobs[r, token].item(), top, r, k))
+        for r, ((seq, _), token, k) in enumerate(zip(owed, tokens, ks)):
+            seq.prompt_logprobs.append(logprob_entry(token, chosen[r], top, r, k))
 
     def stop_ids(self, params):
         """The tokens that end a sequence: the request's, and every end-of-text id unless
