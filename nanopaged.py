@@ -1020,11 +1020,11 @@ def init_tensor_parallel(tensor_parallel_size, timeout_s=300, device=None):
     if size == 1:
         return
     if not dist.is_initialized():
-        on_gpu = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type
-        if on_gpu == "cuda":
+        device_type = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type
+        if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         # The timeout bounds every collective: when a rank dies, the others raise, not hang.
-        dist.init_process_group("nccl" if on_gpu == "cuda" else "gloo",
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
                                 timeout=timedelta(seconds=timeout_s))
     tp.rank, tp.world_size, tp.failed = dist.get_rank(), dist.get_world_size(), None
 
@@ -1601,9 +1601,8 @@ class Engine:
     def check_request(self, prompt, params, priority=0):
         """Raise ValueError saying what is wrong with a request, before it takes any block. A
         prompt is a list or tuple of token ids, or a 1-D integer tensor; returns it as a list."""
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an int, got {priority!r}")
-        return check_request(prompt, params, self.config, self.scheduler, self.allocator)
+        return check_request(prompt, params, priority, self.config, self.scheduler,
+                             self.allocator)
 
     def generate(self, prompts, params=None, priority=0):
         """Serve prompts (token id lists or 1-D tensors) to the end; one RequestOutput per
@@ -1694,10 +1693,12 @@ def check_engine_settings(model, device, attention_backend, preemption_mode,
     return device, attention_backend
 
 
-def check_request(prompt, params, config, scheduler, allocator):
+def check_request(prompt, params, priority, config, scheduler, allocator):
     """Engine.check_request: a prompt as a list of token ids, or a ValueError."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise ValueError(f"priority must be an int, got {priority!r}")
     if isinstance(prompt, torch.Tensor):
         if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex():
             raise ValueError(f"a tensor prompt must be 1-D and hold integer token ids, "
