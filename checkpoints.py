@@ -43,22 +43,27 @@ def hf_names(name, model_type):
     return HF_LLAMA_NAMES[name]
 
 
+def read_json(path, name):
+    """The folder's JSON file name, or None if the folder has none."""
+    if not os.path.isfile(os.path.join(path, name)):
+        return None
+    with open(os.path.join(path, name), encoding="utf-8") as f:
+        return json.load(f)
+
+
 def read_hf_config(path):
-    if not os.path.isfile(os.path.join(path, "config.json")):
+    hf = read_json(path, "config.json")
+    if hf is None:
         raise ValueError(f"no checkpoint at {path!r}: config.json not found")
-    with open(os.path.join(path, "config.json")) as f:
-        hf = json.load(f)
     if hf.get("model_type") not in ("gpt2", "llama", "mistral", "qwen2"):
         raise ValueError(f"{path}: config.json has model_type={hf.get('model_type')!r}; "
                          "this GPT loads 'gpt2', 'llama', 'mistral' and 'qwen2'")
     # Every end-of-text id of config.json and generation_config.json ends a sample (as in vLLM):
     # Llama 3.1 Instruct lists three in each, Qwen2.5 Instruct adds one in generation_config.json.
     eos = set()
-    for name in ("config.json", "generation_config.json"):
-        if os.path.isfile(os.path.join(path, name)):
-            with open(os.path.join(path, name)) as f:
-                ids = json.load(f).get("eos_token_id")
-            eos |= {ids} if isinstance(ids, int) else set(ids or ())
+    for config in (hf, read_json(path, "generation_config.json") or {}):
+        ids = config.get("eos_token_id")
+        eos |= {ids} if isinstance(ids, int) else set(ids or ())
     eos = sorted(t for t in eos if type(t) is int and 0 <= t < hf["vocab_size"])  # in the vocab
     hf["eos_token_id"] = eos or None
     return hf
@@ -118,13 +123,12 @@ def read_hf_weights(path):
     """Every tensor of model.safetensors, of the shards its index lists, or of pytorch_model.bin,
     memory-mapped: each is read as it is copied (or sliced, under tensor parallelism)."""
     from safetensors.torch import load_file
-    sd, index = {}, os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            for shard in sorted(set(json.load(f)["weight_map"].values())):
-                if not os.path.isfile(os.path.join(path, shard)):
-                    raise ValueError(f"{path}: {shard!r}, a shard the index lists, is missing")
-                sd.update(load_file(os.path.join(path, shard)))
+    sd, index = {}, read_json(path, "model.safetensors.index.json")
+    if index is not None:
+        for shard in sorted(set(index["weight_map"].values())):
+            if not os.path.isfile(os.path.join(path, shard)):
+                raise ValueError(f"{path}: {shard!r}, a shard the index lists, is missing")
+            sd.update(load_file(os.path.join(path, shard)))
     elif os.path.isfile(os.path.join(path, "model.safetensors")):
         sd = load_file(os.path.join(path, "model.safetensors"))
     elif os.path.isfile(os.path.join(path, "pytorch_model.bin")):
@@ -212,10 +216,9 @@ def generation_defaults(path):
     silent; max_new_tokens where the file sets it. {} without the file (a folder that says
     nothing leaves SamplingParams' own defaults, vLLM's). Its end ids need nothing here: they
     join config.json's in model.config.eos_token_id when the model loads (read_hf_config)."""
-    if not os.path.isfile(os.path.join(path, "generation_config.json")):
+    gen = read_json(path, "generation_config.json")
+    if gen is None:
         return {}
-    with open(os.path.join(path, "generation_config.json")) as f:
-        gen = json.load(f)
     params = {} if gen.get("max_new_tokens") is None else {"max_tokens": gen["max_new_tokens"]}
     if gen.get("do_sample") is not True:
         return params | {"temperature": 0.0}
@@ -240,10 +243,7 @@ def render_chat(path, messages, add_generation_prompt=True):
         from jinja2.sandbox import ImmutableSandboxedEnvironment
     except ImportError:
         raise ValueError("a chat template needs jinja2: pip install jinja2") from None
-    config = {}
-    if os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-        with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
-            config = json.load(f)
+    config = read_json(path, "tokenizer_config.json") or {}
     template = config.get("chat_template")
     if os.path.isfile(os.path.join(path, "chat_template.jinja")):  # the newer place wins
         with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
