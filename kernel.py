@@ -78,7 +78,8 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + rows % GROUP_PAD
     row_mask = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
     q_pos = seq_len - q_len + q_idx  # position in the sequence: sees keys 0..q_pos
-    token = (q_start + q_idx).to(tl.int64)  # row of q and out; int64, a long batch * stride can pass 2**31
+    # row of q and out; int64, a long batch * stride can pass 2**31
+    token = (q_start + q_idx).to(tl.int64)
     d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = d < HEAD_DIM
     q_offs = token[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :]
@@ -102,7 +103,8 @@ def _paged_attention_kernel(
         pos_mask = pos < hi
         # the physical slot of each key, so BLOCK_N does not depend on the cache block size;
         # masked lanes never read a padded (-1) table entry or a slot past seq_len
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_mask, other=0)
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_mask,
+                        other=0)
         block = block.to(tl.int64)  # likewise block * stride in a large cache
         offset = pos % BLOCK_SIZE
         kv_mask = pos_mask[:, None] & d_mask[None, :]
@@ -127,7 +129,8 @@ def _paged_attention_kernel(
     # out rows are tokens; split partials are rows of decoding sequences
     row = tl.full([BLOCK_M], seq, tl.int64) if SPLIT_KV else token
     out_offs = row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] + split * stride_os
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty),
+             mask=row_mask[:, None] & d_mask[None, :])
     if SPLIT_KV:
         # log2 of the split's softmax denominator (-inf when empty), for the merge below
         lse = m_i + tl.log2(l_safe)
@@ -153,7 +156,8 @@ def _merge_splits_kernel(
     lse_offs = seq.to(tl.int64) * stride_lt + head * stride_lh + s
     lse = tl.load(lse_ptr + lse_offs, mask=s_mask, other=float("-inf"))  # (SPLITS_PAD,)
     o_offs = seq.to(tl.int64) * stride_pt + head * stride_ph + s[:, None] * HEAD_DIM + d[None, :]
-    o = tl.load(partial_ptr + o_offs, mask=s_mask[:, None] & d_mask[None, :], other=0.0)  # (SPLITS_PAD, D_PAD)
+    o = tl.load(partial_ptr + o_offs, mask=s_mask[:, None] & d_mask[None, :],
+                other=0.0)                                              # (SPLITS_PAD, D_PAD)
     # each split's output is normalized by its own denominator; reweight by its share
     w = tl.exp2(lse - tl.max(lse, 0))
     out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
@@ -161,7 +165,8 @@ def _merge_splits_kernel(
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)  # head sizes the kernel is built for (padded to a power of two)
+# head sizes the kernel is built for (padded to a power of two)
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_SPLITS = 64
 # the interpreter's tl.dot is wrong on bf16 (exact on fp16): there, bf16 tiles are cast to fp32
@@ -232,24 +237,31 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     (context including the new tokens); cu_seqlens_q int32 [num_seqs + 1].
     max_q_len (>= every q_len; if known) saves a device->host sync; num_splits (1..64) forces
     the split-KV of the decoding sequences (default: split_count, on a GPU)."""
-    assert q.dim() == 3 and k_cache.dim() == 4, "q is [num_tokens, n_head, head_dim], caches are 4-D"
+    assert q.dim() == 3 and k_cache.dim() == 4, \
+        "q is [num_tokens, n_head, head_dim], caches are 4-D"
     num_tokens, n_head, head_dim = q.shape
     block_size, n_kv_head = k_cache.shape[1:3]
     num_seqs = seq_lens.shape[0]
     assert q.dtype in DTYPES, f"unsupported dtype {q.dtype}"
     assert k_cache.dtype == v_cache.dtype == q.dtype, \
         f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
-    assert v_cache.shape == k_cache.shape, f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}"
+    assert v_cache.shape == k_cache.shape, \
+        f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}"
     assert v_cache.stride() == k_cache.stride(), "k_cache and v_cache must have the same strides"
-    assert k_cache.shape[3] == head_dim, f"head_dim of q ({head_dim}) != that of the caches ({k_cache.shape[3]})"
+    assert k_cache.shape[3] == head_dim, \
+        f"head_dim of q ({head_dim}) != that of the caches ({k_cache.shape[3]})"
     assert head_dim in HEAD_DIMS, f"head_dim {head_dim} not supported, use one of {HEAD_DIMS}"
-    assert n_head % n_kv_head == 0, f"n_head ({n_head}) must be a multiple of n_kv_head ({n_kv_head})"
-    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("cu_seqlens_q", cu_seqlens_q)):
+    assert n_head % n_kv_head == 0, \
+        f"n_head ({n_head}) must be a multiple of n_kv_head ({n_kv_head})"
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens),
+                    ("cu_seqlens_q", cu_seqlens_q)):
         assert t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}"
         assert t.device == q.device, f"{name} is on {t.device}, q on {q.device}"
     assert k_cache.device == v_cache.device == q.device, "q and the caches must share a device"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, "block_tables is [num_seqs, max_blocks]"
-    assert seq_lens.dim() == 1 and cu_seqlens_q.shape == (num_seqs + 1,), "cu_seqlens_q is [num_seqs + 1]"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, \
+        "block_tables is [num_seqs, max_blocks]"
+    assert seq_lens.dim() == 1 and cu_seqlens_q.shape == (num_seqs + 1,), \
+        "cu_seqlens_q is [num_seqs + 1]"
     assert q.stride(2) == k_cache.stride(3) == v_cache.stride(3) == 1, "head_dim must be contiguous"
     assert block_tables.stride(1) == 1 and seq_lens.is_contiguous() and cu_seqlens_q.is_contiguous()
     assert num_splits is None or 1 <= num_splits <= MAX_SPLITS, f"num_splits is in 1..{MAX_SPLITS}"
@@ -317,7 +329,8 @@ def _store_kv_kernel(
     h = tl.arange(0, N_KV_HEAD_PAD)[:, None]
     d = tl.arange(0, HEAD_DIM_PAD)[None, :]
     mask = (h < N_KV_HEAD) & (d < HEAD_DIM)
-    cache_offs = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
+    cache_offs = ((slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+                  + h * stride_ch + d)
     k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
     tl.store(k_cache_ptr + cache_offs, k, mask=mask)
@@ -330,8 +343,10 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=None):
     use_triton=True) a Triton kernel does it without the device->host sync of the torch op."""
     num_tokens, n_kv_head, head_dim = k.shape
     num_blocks, block_size = k_cache.shape[:2]
-    assert v.shape == k.shape and slot_mapping.shape == (num_tokens,), "k, v [T, n_kv_head, D], slot_mapping [T]"
-    assert k_cache.shape == v_cache.shape == (num_blocks, block_size, n_kv_head, head_dim), "caches do not match k"
+    assert v.shape == k.shape and slot_mapping.shape == (num_tokens,), \
+        "k, v [T, n_kv_head, D], slot_mapping [T]"
+    assert k_cache.shape == v_cache.shape == (num_blocks, block_size, n_kv_head, head_dim), \
+        "caches do not match k"
     if use_triton is None:
         use_triton = k.is_cuda
     if not use_triton:
@@ -339,9 +354,12 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=None):
         if (slots < 0).any():
             keep = slots >= 0
             slots, k, v = slots[keep], k[keep], v[keep]
-        # one row per slot: view, not reshape, so a cache that is not contiguous over (block, slot) fails loudly
-        k_cache.view(num_blocks * block_size, n_kv_head, head_dim).index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.view(num_blocks * block_size, n_kv_head, head_dim).index_copy_(0, slots, v.to(v_cache.dtype))
+        # one row per slot: view, not reshape, so a cache that is not contiguous over
+        # (block, slot) fails loudly
+        k_cache.view(num_blocks * block_size, n_kv_head, head_dim).index_copy_(
+            0, slots, k.to(k_cache.dtype))
+        v_cache.view(num_blocks * block_size, n_kv_head, head_dim).index_copy_(
+            0, slots, v.to(v_cache.dtype))
         return
     assert k.stride(2) == v.stride(2) == k_cache.stride(3) == 1, "head_dim must be contiguous"
     assert k_cache.stride() == v_cache.stride() and slot_mapping.is_contiguous()
@@ -361,13 +379,15 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=None):
 # -----------------------------------------------------------------------------
 # Torch paged path (the engine's attention on the CPU)
 
-_buffers = {}  # (name, device, dtype, inference mode) -> flat tensor, grown as needed and reused across calls
+# (name, device, dtype, inference mode) -> flat tensor, grown as needed and reused across calls
+_buffers = {}
 
 
 def _buffer(name, shape, like):
     """A tensor of the given shape with like's device and dtype, carved from a reused buffer."""
     numel = math.prod(shape)
-    key = (name, like.device, like.dtype, torch.is_inference_mode_enabled())  # inference tensors stay inside
+    # inference tensors stay inside inference mode: a buffer for each
+    key = (name, like.device, like.dtype, torch.is_inference_mode_enabled())
     if key not in _buffers or _buffers[key].numel() < numel:
         _buffers[key] = torch.empty(numel, device=like.device, dtype=like.dtype)
     return _buffers[key][:numel].view(shape)
@@ -383,14 +403,15 @@ def _gather_kv(k_cache, v_cache, block_table, positions):
     k = torch.index_select(k_cache.flatten(0, 1), 0, slots, out=_buffer("k", rows, k_cache))
     v = torch.index_select(v_cache.flatten(0, 1), 0, slots, out=_buffer("v", rows, v_cache))
     shape = (*positions.shape, n_kv_head, head_dim)                               # (B, L, nkv, D)
-    return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)           # (B, nkv, L, D) each
+    return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)  # (B, nkv, L, D) each
 
 
 def _attend(q, k, v, mask, scale):
     """q [B, n_kv_head, M, D] (M stacks the group's query heads), k, v [B, n_kv_head, L, D],
     mask broadcastable to [B, n_kv_head, M, L], True = attend. Computes in fp32 (fp64 for fp64)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return F.scaled_dot_product_attention(q.to(acc), k.to(acc), v.to(acc), attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q.to(acc), k.to(acc), v.to(acc), attn_mask=mask,
+                                          scale=scale)
 
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
@@ -414,7 +435,7 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     if decode:
         idx = torch.tensor(decode, device=q.device)
-        rows = cu_seqlens_q.index_select(0, idx).long()                           # (B,) their one new token
+        rows = cu_seqlens_q.index_select(0, idx).long()              # (B,) their one new token
         tables = block_tables.index_select(0, idx)                               # (B, max_blocks)
         if decode_attention is not None:
             o = decode_attention(q.index_select(0, rows), k_cache, v_cache, tables,
@@ -438,8 +459,8 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
         q_seq = q_seq.permute(1, 2, 0, 3).reshape(1, n_kv_head, group * q_len, head_dim)
         # causal: new token j sits at position L - q_len + j and sees positions 0..that
         mask = pos[None, :] <= pos[lens[i] - q_len :, None]                       # (q_len, L)
-        o = _attend(q_seq, k, v, mask.repeat(group, 1), scale)                    # (1, nkv, G*q_len, D)
-        o = o.view(n_kv_head, group, q_len, head_dim).permute(2, 0, 1, 3)          # (q_len, nkv, G, D)
+        o = _attend(q_seq, k, v, mask.repeat(group, 1), scale)       # (1, nkv, G*q_len, D)
+        o = o.view(n_kv_head, group, q_len, head_dim).permute(2, 0, 1, 3)  # (q_len, nkv, G, D)
         out[cu[i] : cu[i + 1]] = o.reshape(q_len, n_head, head_dim).to(q.dtype)
     return out
 
@@ -503,11 +524,11 @@ def naive_attention(q, k, v, cu_seqlens_q, seq_lens, scale):
         q_start, q_end = cu_seqlens_q[i].item(), cu_seqlens_q[i + 1].item()
         q_len = q_end - q_start
         qs = q[q_start:q_end].to(acc)                                             # (q_len, nh, D)
-        ks = k[kv_start : kv_start + seq_len].to(acc)                             # (seq_len, nkv, D)
+        ks = k[kv_start : kv_start + seq_len].to(acc)                # (seq_len, nkv, D)
         vs = v[kv_start : kv_start + seq_len].to(acc)
         ks = ks.repeat_interleave(n_head // n_kv_head, dim=1)                     # (seq_len, nh, D)
         vs = vs.repeat_interleave(n_head // n_kv_head, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale                     # (nh, q_len, seq_len)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale        # (nh, q_len, seq_len)
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         k_pos = torch.arange(seq_len)[None, :]
         scores = scores.masked_fill((k_pos > q_pos).to(scores.device), float("-inf"))
