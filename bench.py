@@ -36,7 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from demo import DEMO_MODEL  # noqa: E402
 from nanopaged import (GPT, EVICTION_POLICIES, BlockAllocator, Engine, GPTConfig,  # noqa: E402
-                       SamplingParams, Sequence)
+                       SamplingParams, Sequence, step_chunks)
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SEED = 0
@@ -549,6 +549,76 @@ def bench_logprobs(num_requests=32, max_tokens=64, k=5, repeats=3):
     return results
 
 
+def quoting_prompts(num_requests, passage=96, quote=48, seed=SEED):
+    """Prompts whose continuation repeats them: a passage of a help topic (bytes, the built-in
+    model's tokens), a blank line, and the passage's first quote bytes again, as when a reply
+    quotes its source. The model goes on with the passage, and n-gram lookup can guess it."""
+    from pydoc_data.topics import topics
+    rng, names = random.Random(seed), sorted(topics)
+    prompts = []
+    for _ in range(num_requests):
+        text = topics[rng.choice(names)].encode()
+        start = rng.randrange(max(1, len(text) - passage))
+        words = list(text[start:start + passage])
+        prompts.append(words + list(b"\n\n") + words[:quote])
+    return prompts
+
+
+def topic_prompts(num_requests, length=48, seed=SEED):
+    """Openings of help topics, which the model continues in its own words."""
+    from pydoc_data.topics import topics
+    rng, names = random.Random(seed), sorted(topics)
+    return [list(topics[rng.choice(names)].encode()[:length]) for _ in range(num_requests)]
+
+
+def bench_speculative(batches=(1, 16), max_tokens=96, k=4, repeats=2):
+    """Greedy tokens/s of the built-in model with and without speculative decoding, one request
+    at a time and 16 at once: n-gram guesses on prompts that quote a passage, the built-in
+    draft (models/pydoc-draft) on the same and on openings of help topics. Best of repeats;
+    every speculating run must generate exactly the tokens of the plain one."""
+    model = GPT.from_pretrained(DEMO_MODEL)
+    draft = GPT.from_pretrained(os.path.join(os.path.dirname(DEMO_MODEL), "pydoc-draft"))
+    methods = {"ngram": {"method": "ngram", "num_speculative_tokens": k},
+               "draft": {"method": "draft", "model": draft, "num_speculative_tokens": k}}
+    workloads = {"quoting": quoting_prompts, "help topics": topic_prompts}
+    results, rows = {}, []
+    for workload, make in workloads.items():
+        for batch in batches:
+            prompts = make(2 * batch if batch > 1 else 4)
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            runs = {}
+            for name in ["none"] + list(methods):
+                if name == "ngram" and workload != "quoting":
+                    continue  # nothing to look up: an opening is continued, not repeated
+                best = math.inf
+                for _ in range(repeats):
+                    engine = Engine(model, num_blocks=1024, max_num_seqs=batch, device="cpu",
+                                    speculative_config=methods.get(name))
+                    start = time.perf_counter()
+                    outs = engine.generate(prompts, params)
+                    best = min(best, time.perf_counter() - start)
+                s = engine.stats()
+                runs[name] = (best, [o.outputs[0].token_ids for o in outs],
+                              s["num_accepted_tokens"] / max(1, s["num_proposed_tokens"]),
+                              s["num_accepted_tokens"] / len(prompts) / max_tokens)
+            plain = runs["none"]
+            for name, (seconds, tokens, rate, kept) in runs.items():
+                assert tokens == plain[1], f"{name} changed the greedy tokens"
+                r = dict(seconds=seconds, tokens_per_s=len(prompts) * max_tokens / seconds,
+                         speedup=plain[0] / seconds, acceptance=rate, accepted_per_token=kept)
+                results[f"{workload}, batch {batch}: {name}"] = r
+                rows.append([workload, str(batch), name, f"{r['tokens_per_s']:.0f}",
+                             f"{r['speedup']:.2f}x",
+                             "" if name == "none" else f"{100 * rate:.0f}%",
+                             "" if name == "none" else f"{100 * kept:.0f}%"])
+    print_table(f"Speculative decoding: the built-in model, greedy, {max_tokens} tokens a request,"
+                f" k={k} guesses a step (4 requests one at a time, or 32 with 16 at once; best of "
+                f"{repeats}); every run generates the plain run's tokens",
+                ["workload", "batch", "speculation", "tokens/s", "speedup", "guesses kept",
+                 "tokens from guesses"], rows)
+    return results
+
+
 def plot_throughput(results):
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(12, 6))
@@ -922,7 +992,7 @@ def timed_step(engine):
     out = engine.scheduler.schedule()
     t1 = time.perf_counter()
     engine.model_runner.copy_blocks(out)
-    batch = engine.model_runner.prepare(out.scheduled)
+    batch = engine.model_runner.prepare(step_chunks(out.scheduled, {}))
     t2 = time.perf_counter()
     logits = engine.model(batch.input_ids, batch, engine.kv_cache)
     t3 = time.perf_counter()
@@ -1131,12 +1201,14 @@ QUICK = dict(memory=dict(num_requests=20),
                           churn=dict(rounds=3, burst=12, num_blocks=24)),
              throughput=dict(num_requests=2, max_num_seqs=2, llama_requests=2, llama_tokens=4),
              logprobs=dict(num_requests=4, max_tokens=8, repeats=1),
+             speculative=dict(batches=(1, 2), max_tokens=8, repeats=1),
              kernel=dict(grid=[(1, 256, False), (4, 512, True)]),
              overhead=dict(sizes=(16,), prompt_len=16, steps=5, take_sizes=(1_000, 10_000)),
              tensor_parallel=dict(num_requests=2, max_tokens=8),
              soak=dict(num_requests=1000))
 SECTIONS = dict(memory=bench_memory, capacity=bench_capacity, sharing=bench_sharing,
-                throughput=bench_throughput, logprobs=bench_logprobs, kernel=bench_kernel,
+                throughput=bench_throughput, logprobs=bench_logprobs,
+                speculative=bench_speculative, kernel=bench_kernel,
                 overhead=bench_overhead, tensor_parallel=bench_tensor_parallel)
 
 
@@ -1150,6 +1222,8 @@ def main():
         sharing="blocks saved by parallel sampling and beam search; prefix-cache hit rate",
         throughput="tokens/s next to transformers' generate and generate_batch (same weights)",
         logprobs="tokens/s with logprobs=5 and prompt_logprobs=5 against without",
+        speculative="tokens/s with speculative decoding (n-gram, the built-in draft) against "
+        "without, batch 1 and 16",
         kernel="decode attention latency and bandwidth vs contiguous SDPA (torch path on a CPU)",
         overhead="engine time per running sequence per step with a no-op model",
         soak="10,000 requests with aborts through a small pool; asserts nothing is lost",

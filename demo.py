@@ -148,7 +148,8 @@ def demo_workload(tokenizer, args):
         # a flag given is used as given (0 included, for SamplingParams to refuse); None: the mix
         n = 3 if args.n is None else args.n
         width = 3 if args.beam_width is None else args.beam_width
-        kind = dict(n=n) if i == 3 else dict(beam_width=width) if i == 7 else {}
+        beams = i == 7 and not args.speculative_model  # beam search does not speculate
+        kind = dict(n=n) if i == 3 else dict(beam_width=width) if beams else {}
         max_tokens = (32, 64, 128, 192)[i % 4] if args.max_tokens is None else args.max_tokens
         params.append(SamplingParams(max_tokens=max_tokens, seed=args.seed + i,
                                      temperature=args.temperature, top_k=args.top_k,
@@ -253,6 +254,19 @@ class _ArgumentParser(argparse.ArgumentParser):
         sys.exit(f"nanopaged: error: {message}")
 
 
+def speculative_config(args):
+    """Engine's speculative_config from --speculative-model and --num-speculative-tokens."""
+    if args.speculative_model is None:
+        if args.num_speculative_tokens is not None:
+            raise ValueError("--num-speculative-tokens needs --speculative-model")
+        return None
+    k = 4 if args.num_speculative_tokens is None else args.num_speculative_tokens
+    if args.speculative_model == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k}
+    draft = GPT.from_pretrained(args.speculative_model, dtype=args.dtype, device=args.device)
+    return {"method": "draft", "model": draft, "num_speculative_tokens": k}
+
+
 def main(argv=None):
     p = _ArgumentParser(
         description="Serve a mixed workload with PagedAttention and show the KV block pool.")
@@ -300,6 +314,12 @@ def main(argv=None):
     p.add_argument("--priority", type=int, action="append",
                    help="with --scheduling-policy priority: the priority of each --prompt, "
                    "lower first (repeatable, in order; default 0)")
+    p.add_argument("--speculative-model", metavar="ngram|PATH",
+                   help="speculative decoding: 'ngram' guesses from each sequence's own text "
+                   "(prompt lookup), a folder is a draft model with the same vocabulary "
+                   "(models/pydoc-draft for the built-in model)")
+    p.add_argument("--num-speculative-tokens", type=int,
+                   help="tokens guessed per sequence per step (default: 4)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
     p.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
@@ -330,7 +350,8 @@ def main(argv=None):
                         device=args.device, preemption_mode=args.preemption,
                         enable_prefix_caching=not args.no_prefix_cache, max_num_seqs=len(CELLS),
                         scheduling_policy=args.scheduling_policy,
-                        eviction_policy=args.eviction_policy)
+                        eviction_policy=args.eviction_policy,
+                        speculative_config=speculative_config(args))
         tokenizer = Tokenizer(args.model)
         if args.prompt:
             prompts = [tokenizer.encode(text) for text in args.prompt]
@@ -387,6 +408,11 @@ def main(argv=None):
           f"{summary['num_blocks']} blocks; a contiguous cache reserving "
           f"max_seq_len={model.config.max_seq_len} per sequence holds "
           f"{summary['contiguous_capacity']} in the same memory")
+    if args.speculative_model:
+        s = engine.stats()
+        print(f"speculative decoding ({args.speculative_model}): {s['num_accepted_tokens']} of "
+              f"{s['num_proposed_tokens']} guessed tokens accepted "
+              f"({100 * s['num_accepted_tokens'] / max(1, s['num_proposed_tokens']):.0f}%)")
     if args.plot and is_rank_0:
         plot_demo(args.plot, snapshot, timeline, engine)
         print(f"wrote {args.plot}")

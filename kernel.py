@@ -417,14 +417,14 @@ def _attend(q, k, v, mask, scale):
 def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
                           max_q_len=None, decode_attention=None):
     """paged_attention in plain torch: the decoding sequences (q_len == 1) in one batched call,
-    then one call per sequence with more new tokens. Accepts float64 (the tests run models in
+    those with a few new tokens (2 to SHORT_Q_LEN: speculative verification, short prompts) in
+    another, then one call per sequence with more. Accepts float64 (the tests run models in
     it). max_q_len is accepted for the same signature; this path reads the lengths on the host.
     K/V are gathered only from positions < seq_len, so unused slots (even NaN) are never read.
     decode_attention: a function (q, k_cache, v_cache, block_tables, seq_lens, scale) of the
-    decoding rows alone that replaces the batched call (paged_attention_flex, opt-in)."""
+    decoding rows alone that replaces their batched call (paged_attention_flex, opt-in)."""
     n_head, head_dim = q.shape[1:]
     n_kv_head = k_cache.shape[2]
-    group = n_head // n_kv_head
     assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim
     assert n_head % n_kv_head == 0, "n_head must be a multiple of n_kv_head"
     out = torch.empty_like(q)
@@ -433,25 +433,23 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
     q_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
 
     decode = [i for i, n in enumerate(q_lens) if n == 1]
-    if decode:
+    if decode and decode_attention is not None:
         idx = torch.tensor(decode, device=q.device)
         rows = cu_seqlens_q.index_select(0, idx).long()              # (B,) their one new token
-        tables = block_tables.index_select(0, idx)                               # (B, max_blocks)
-        if decode_attention is not None:
-            o = decode_attention(q.index_select(0, rows), k_cache, v_cache, tables,
-                                 seq_lens.index_select(0, idx), scale)            # (B, nh, D)
-            out.index_copy_(0, rows, o.to(q.dtype))
-        else:
-            ctx = seq_lens.index_select(0, idx).long()[:, None]                   # (B, 1)
-            pos = torch.arange(max(lens[i] for i in decode), device=q.device)[None]  # (1, L)
-            # positions past a sequence's end re-read its last token: real values, masked below
-            k, v = _gather_kv(k_cache, v_cache, tables, torch.minimum(pos, ctx - 1))
-            q_dec = q.index_select(0, rows).view(len(decode), n_kv_head, group, head_dim)
-            o = _attend(q_dec, k, v, (pos < ctx)[:, None, None, :], scale)       # (B, nkv, G, D)
-            out.index_copy_(0, rows, o.reshape(len(decode), n_head, head_dim).to(q.dtype))
-
+        o = decode_attention(q.index_select(0, rows), k_cache, v_cache,
+                             block_tables.index_select(0, idx), seq_lens.index_select(0, idx),
+                             scale)                                              # (B, nh, D)
+        out.index_copy_(0, rows, o.to(q.dtype))
+    elif decode:
+        _attend_batched(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+                        decode, lens, 1)
+    short = [i for i, n in enumerate(q_lens) if 1 < n <= SHORT_Q_LEN]
+    if short:
+        _attend_batched(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+                        short, lens, max(q_lens[i] for i in short))
+    group = n_head // n_kv_head
     for i, q_len in enumerate(q_lens):
-        if q_len <= 1:
+        if q_len <= SHORT_Q_LEN:
             continue
         pos = torch.arange(lens[i], device=q.device)                              # (L,)
         k, v = _gather_kv(k_cache, v_cache, block_tables[i : i + 1], pos[None])   # (1, nkv, L, D)
@@ -463,6 +461,37 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
         o = o.view(n_kv_head, group, q_len, head_dim).permute(2, 0, 1, 3)  # (q_len, nkv, G, D)
         out[cu[i] : cu[i + 1]] = o.reshape(q_len, n_head, head_dim).to(q.dtype)
     return out
+
+
+SHORT_Q_LEN = 16  # sequences with at most this many new tokens share one padded call
+
+
+def _attend_batched(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+                    seqs, lens, Q):
+    """Attention for the sequences seqs, at most Q new tokens each, in one call: each padded to
+    Q query rows (a padding row repeats the sequence's last one and is not written back) and to
+    the longest context among them (masked)."""
+    B, (n_head, D), n_kv_head = len(seqs), q.shape[1:], k_cache.shape[2]
+    G, dev = n_head // n_kv_head, q.device
+    idx = torch.tensor(seqs, device=dev)
+    ctx = seq_lens.index_select(0, idx).long()[:, None]                           # (B, 1)
+    q_len = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).index_select(0, idx).long()[:, None]
+    j = torch.arange(Q, device=dev)[None]                                         # (1, Q)
+    last = torch.minimum(j, q_len - 1)                                            # (B, Q)
+    rows = cu_seqlens_q.index_select(0, idx).long()[:, None] + last   # (B, Q) rows of q and out
+    pos = torch.arange(max(lens[i] for i in seqs), device=dev)[None]             # (1, L)
+    # positions past a sequence's end re-read its last token: real values, masked below
+    k, v = _gather_kv(k_cache, v_cache, block_tables.index_select(0, idx),
+                      torch.minimum(pos, ctx - 1))                                # (B, nkv, L, D)
+    q_b = q[rows.flatten()].view(B, Q, n_kv_head, G, D).permute(0, 2, 3, 1, 4)
+    q_b = q_b.reshape(B, n_kv_head, G * Q, D)  # (B, nkv, G*Q, D): per K/V head, G heads' Q rows
+    # causal: new token j of a sequence sits at position ctx - q_len + j and sees up to there
+    mask = pos[:, None, :] <= (ctx - q_len + last)[:, :, None]                    # (B, Q, L)
+    mask = mask[:, None].expand(B, G, Q, mask.shape[-1]).reshape(B, 1, G * Q, -1)
+    o = _attend(q_b, k, v, mask, scale).view(B, n_kv_head, G, Q, D)
+    o = o.permute(0, 3, 1, 2, 4).reshape(B, Q, n_head, D)                         # (B, Q, nh, D)
+    real = (j < q_len).flatten()                                                  # (B*Q,)
+    out.index_copy_(0, rows.flatten()[real], o.flatten(0, 1)[real].to(q.dtype))
 
 
 _flex = None  # flex_attention compiled by Inductor, made on first use (tens of seconds)

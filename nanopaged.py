@@ -422,6 +422,20 @@ class BlockAllocator:
         seq.block_table[-1] = new
         return last, new
 
+    def append_lookahead_slots(self, seq, num_slots):
+        """Speculative decoding: room for num_slots proposed tokens after seq's newest, in fresh
+        blocks (append_slot already made the newest token's block seq's own, copied on write)."""
+        while len(seq.block_table) * self.block_size < len(seq) + num_slots:
+            seq.block_table.append(self._take())
+
+    def free_lookahead_slots(self, seq):
+        """After verification: give back the blocks past seq's computed tokens, which only
+        rejected proposals wrote. Its table covers its computed tokens again, as after any step."""
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        for block_id in reversed(seq.block_table[keep:]):
+            self._release(block_id)
+        del seq.block_table[keep:]
+
     def fork(self, parent, child):
         """The child shares every block of the parent: parallel samples and beams start this way."""
         child.block_table = list(parent.block_table)
@@ -583,16 +597,18 @@ class SchedulerOutput:
     blocks_to_swap_in: list = field(default_factory=list)  # (cpu block, device block)
     blocks_to_copy: list = field(default_factory=list)  # (src, dst) device blocks, copy-on-write
     preempted: list = field(default_factory=list)  # groups preempted this step
+    lookahead: list = field(default_factory=list)  # (seq, slots) for proposals: see speculative
     num_batched_tokens: int = 0
 
 
 class Scheduler:
 
     def __init__(self, allocator, max_num_seqs, max_num_batched_tokens, preemption_mode="recompute",
-                 watermark=0.01, scheduling_policy="fcfs"):
+                 watermark=0.01, scheduling_policy="fcfs", num_lookahead_slots=0):
         self.allocator, self.key = allocator, SCHEDULING_POLICIES[scheduling_policy]
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.preemption_mode = preemption_mode
+        self.num_lookahead_slots = num_lookahead_slots  # proposals per sequence, when speculating
         # Admission keeps a few blocks spare, so a request just let in is not preempted by the
         # next decode step (vLLM's watermark, 1% of the pool).
         self.watermark_blocks = max(1, round(watermark * allocator.num_blocks))
@@ -669,6 +685,8 @@ class Scheduler:
                 self._schedule_prefill(group, out)
             elif not self._over_budget(out, len(group.seqs)):
                 self._append_slots(group, out)  # recomputed samples, all but the last tokens cached
+        if self.num_lookahead_slots:
+            self._reserve_lookahead(out)
         return out
 
     def _ahead(self, queue, other):  # whether queue's first group comes before other's
@@ -693,6 +711,27 @@ class Scheduler:
                 out.blocks_to_copy.append(copy)
             out.scheduled.append((seq, 1))
         out.num_batched_tokens += len(group.seqs)
+
+    def _reserve_lookahead(self, out):
+        """Speculative decoding: slots for up to num_lookahead_slots proposed tokens after each
+        sequence whose last token runs this step (one sampled already: a prompt's first token is
+        sampled plainly). Reserved last, from the token budget and free blocks the step left, so
+        speculation never preempts nor holds back what plain decoding would run; and never past
+        max_tokens, which the proposals and the token after them must stay within."""
+        a = self.allocator
+        last = {seq.seq_id for seq, n in out.scheduled if seq.num_computed_tokens + n == len(seq)}
+        for group in self.running:
+            for seq in group.seqs:
+                if seq.seq_id not in last or not seq.num_output_tokens:
+                    continue
+                room = (len(seq.block_table) + a.num_free_blocks) * a.block_size - len(seq)
+                slots = min(self.num_lookahead_slots, room,
+                            group.params.max_tokens - seq.num_output_tokens - 1,
+                            self.max_num_batched_tokens - out.num_batched_tokens)
+                if slots > 0:
+                    a.append_lookahead_slots(seq, slots)
+                    out.lookahead.append((seq, slots))
+                    out.num_batched_tokens += slots
 
     def _schedule_prefill(self, group, out):
         # Samples or beams being recomputed stop one token short: their last tokens go together
@@ -1111,13 +1150,17 @@ class ModelRunner:
         self.cpu_kv_cache = torch.zeros(num_cpu_blocks, *shape, dtype=dtype,
                                         pin_memory=device.type == "cuda")
 
-    def execute(self, out):
-        """Copy the blocks out orders, then run its scheduled tokens. Returns the logits (R, V)
-        after each sequence whose last token is now computed, or None if nothing runs."""
+    def execute(self, out, proposals={}):
+        """Copy the blocks out orders, then run its scheduled tokens, each sequence's proposals
+        after them (speculative decoding). Returns the logits (R, V) after each sequence whose
+        last token is now computed, and after each of its proposals; or None if nothing runs."""
         self.copy_blocks(out)
         if not out.scheduled:
             return None
-        batch = self.prepare(out.scheduled)
+        return self.forward(step_chunks(out.scheduled, proposals))
+
+    def forward(self, chunks, prompt_logprobs=True):
+        batch = self.prepare(chunks, prompt_logprobs)
         with torch.inference_mode():
             return self.model(batch.input_ids, batch, self.kv_cache)  # (R, V)
 
@@ -1138,36 +1181,46 @@ class ModelRunner:
             src, dst = zip(*out.blocks_to_copy)
             self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
 
-    def prepare(self, scheduled):
-        """Pack the scheduled tokens of all sequences into one varlen batch: the tokens
-        [num_computed_tokens, num_computed_tokens + num_new) of each."""
-        bs = self.block_size
-        max_blocks = max(len(seq.block_table) for seq, _ in scheduled)
+    def prepare(self, chunks, prompt_logprobs=True):
+        """Pack chunks (seq, start, tokens, num_logits) into one varlen batch: each puts tokens
+        at positions [start, start + len(tokens)) of its sequence and wants the logits after its
+        last num_logits of them; then the rows that prompt logprobs need, if asked for."""
+        bs, chunks = self.block_size, list(chunks)
+        max_blocks = max(len(seq.block_table) for seq, *_ in chunks)
         input_ids, positions, slot_mapping, block_tables, seq_lens = [], [], [], [], []
         cu_seqlens_q, logits_indices, prompt_rows = [0], [], []
-        for seq, num_new in scheduled:
-            table = seq.block_table
-            start = seq.num_computed_tokens
-            end = start + num_new
-            input_ids += seq.token_ids[start:end]
+        for seq, start, tokens, num_logits in chunks:
+            table, end = seq.block_table, start + len(tokens)
+            input_ids += tokens
             positions += range(start, end)
             slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
             block_tables += table
             block_tables += [-1] * (max_blocks - len(table))  # rows end in -1s
             seq_lens.append(end)
-            cu_seqlens_q.append(cu_seqlens_q[-1] + num_new)
-            if end == len(seq):  # its last token is in: we need the logits that follow it
-                logits_indices.append(cu_seqlens_q[-1] - 1)
-            prompt_rows += [cu_seqlens_q[-1] - end + p  # rows after the sampling rows
-                            for p in seq.prompt_logprob_positions(start, end)]
+            cu_seqlens_q.append(cu_seqlens_q[-1] + len(tokens))
+            logits_indices += range(cu_seqlens_q[-1] - num_logits, cu_seqlens_q[-1])
+            if prompt_logprobs:  # rows after the sampling rows
+                prompt_rows += [cu_seqlens_q[-1] - end + p
+                                for p in seq.prompt_logprob_positions(start, end)]
 
         def tensor(x, dtype=torch.int64):
             return torch.tensor(x, dtype=dtype, device=self.device)
-        block_tables = tensor(block_tables, torch.int32).view(len(scheduled), max_blocks)
+        block_tables = tensor(block_tables, torch.int32).view(len(chunks), max_blocks)
         return Batch(tensor(input_ids), tensor(positions), tensor(slot_mapping), block_tables,
                      tensor(seq_lens, torch.int32), tensor(cu_seqlens_q, torch.int32),
-                     max(n for _, n in scheduled), tensor(logits_indices + prompt_rows),
-                     self.use_triton)
+                     max(len(tokens) for _, _, tokens, _ in chunks),
+                     tensor(logits_indices + prompt_rows), self.use_triton)
+
+
+def step_chunks(scheduled, proposals):
+    """A step's chunks for ModelRunner.prepare: the tokens [num_computed_tokens, + num_new) of
+    each scheduled sequence, then its proposals; logits after its last token and each proposal
+    when its last token is in."""
+    for seq, num_new in scheduled:
+        start, proposal = seq.num_computed_tokens, proposals.get(seq.seq_id, [])
+        complete = start + num_new == len(seq)
+        yield seq, start, seq.token_ids[start:start + num_new] + proposal, \
+            complete * (1 + len(proposal))
 
 
 # -----------------------------------------------------------------------------
@@ -1255,25 +1308,28 @@ class OutputProcessor:
         self.seq_ids = seq_ids  # the engine's counter of sequence ids, shared with forks
         self.device = device
         self.num_generated_tokens = 0
+        self.num_proposed_tokens = self.num_accepted_tokens = 0  # speculative decoding
 
     @property
     def allocator(self):
         return self.scheduler.allocator
 
-    def process(self, scheduled, logits):
+    def process(self, scheduled, logits, proposals={}):
         """Advance the scheduled sequences past their new tokens, then give each group whose
-        sequences got logits its next token. Returns a RequestOutput for each such group."""
-        row_of = {}  # seq_id -> its row of logits, for sequences whose last token is now in
-        owed = []  # (seq, position p): prompt logprobs, from the rows after those of row_of
+        sequences got logits its next token, or, speculating, the tokens its proposals earn.
+        Returns a RequestOutput for each such group."""
+        row_of = {}  # seq_id -> its first row of logits, for sequences whose last token is now in
+        num_rows, owed = 0, []  # owed: (seq, position p), prompt logprobs from the rows after
         for seq, num_new in scheduled:
             start = seq.num_computed_tokens
             owed += [(seq, p) for p in seq.prompt_logprob_positions(start, start + num_new)]
             seq.num_computed_tokens += num_new
             self.allocator.cache_full_blocks(seq)
             if seq.num_computed_tokens == len(seq):
-                row_of[seq.seq_id] = len(row_of)
+                row_of[seq.seq_id] = num_rows  # then a row after each of its proposals
+                num_rows += 1 + len(proposals.get(seq.seq_id, ()))
         if owed:
-            self.record_prompt_logprobs(owed, logits[len(row_of):])
+            self.record_prompt_logprobs(owed, logits[num_rows:])
         # The scheduler completes all sequences of a group in the same step.
         ready = list({seq.request_id: self.requests[seq.request_id] for seq, _ in scheduled
                       if seq.seq_id in row_of}.values())
@@ -1289,38 +1345,59 @@ class OutputProcessor:
                 self.fork_samples(group)  # they draw their first tokens from the prompt's logits
             to_sample += [(group, seq, row_of.get(seq.seq_id, prompt_row)) for seq in group.seqs]
         if to_sample:
-            self.sample_tokens(to_sample, logits)
+            self.sample_tokens(to_sample, logits, proposals)
         self.scheduler.remove_finished()
         return [self.output(g) for g in ready]
 
-    def sample_tokens(self, to_sample, logits):
-        """Draw one token for each (group, seq, row of logits); finish the seqs that stop."""
-        params = [g.params for g, _, _ in to_sample]
-        rows = [r for _, _, r in to_sample]
-        logits = logits if rows == list(range(len(logits))) else logits[rows]           # (S, V)
+    def sample_tokens(self, to_sample, logits, proposals):
+        """Draw the next token of each (group, seq, row of logits); finish the seqs that stop.
+        A sequence with proposals has a row after each of them too: it draws token j from row j
+        as if nothing were proposed, and goes on to row j + 1 while token j is proposal j, whose
+        K/V the step computed (speculative.py: this is rejection sampling). The blocks past the
+        tokens it keeps go back to the pool."""
+        draws = [(g, seq, row + j, j) for g, seq, row in to_sample
+                 for j in range(1 + len(proposals.get(seq.seq_id, ())))]
+        params = [g.params for g, *_ in draws]
+        rows = [r for _, _, r, _ in draws]
+        logits = logits if rows == list(range(len(logits))) else logits[rows]           # (D, V)
         generators = [None if g.seed is None else sample_generator(
-            g.seed, seq.index, seq.num_output_tokens, self.device) for g, seq, _ in to_sample]
+            g.seed, seq.index, seq.num_output_tokens + j, self.device) for g, seq, _, j in draws]
         tokens = sample(logits, [p.temperature for p in params], [p.top_k for p in params],
                         [p.top_p for p in params], generators)
         # Tensor parallel ranks run this same scheduler on bit-identical logits (the all-reduce
         # gives each the same sum), so greedy picks, beams and stops agree; a random draw may
         # not (unseeded, each rank has its own seed), so all take rank 0's tokens.
         tokens = broadcast(tokens)
-        logprobs = log_probs(logits)                                                   # (S, V)
+        logprobs = log_probs(logits)                                                   # (D, V)
         chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
         top = logprobs.topk(max(p.logprobs or 0 for p in params))  # for those who asked
-        for r, ((group, seq, _), token) in enumerate(zip(to_sample, tokens.tolist())):
+        done = set()  # sequences that stopped, or drew a token other than their proposal
+        for r, ((group, seq, _, j), token) in enumerate(zip(draws, tokens.tolist())):
+            if seq.seq_id in done:
+                continue
             seq.token_ids.append(token)
             seq.cumulative_logprob += chosen[r]
             if (k := group.params.logprobs) is not None:
                 seq.logprobs.append(logprob_entry(token, chosen[r], top, r, k))
+            proposal = proposals.get(seq.seq_id, ())
+            accepted = j < len(proposal) and token == proposal[j]
+            seq.num_computed_tokens += accepted
+            self.num_accepted_tokens += accepted
+            self.num_generated_tokens += 1
             reason = self.stop_reason(seq, group.params)
             if reason:
                 seq.finish_reason = reason
                 self.allocator.free(seq)
                 group.seqs.remove(seq)
                 group.finished.append(seq)
-        self.num_generated_tokens += len(to_sample)
+            if reason or not accepted:
+                done.add(seq.seq_id)
+        for _, seq, _ in to_sample:
+            if seq.seq_id in proposals:
+                self.num_proposed_tokens += len(proposals[seq.seq_id])
+                if seq.finish_reason is None:  # a finished one gave back every block
+                    self.allocator.free_lookahead_slots(seq)
+                    self.allocator.cache_full_blocks(seq)
 
     def record_prompt_logprobs(self, owed, logits):
         """Prompt token p + 1's logprob and the k likeliest, from the logits after position p."""
@@ -1452,7 +1529,7 @@ class Engine:
                  num_cpu_blocks=None, preemption_mode="recompute", enable_prefix_caching=True,
                  max_num_seqs=256, max_num_batched_tokens=2048, device=None,
                  attention_backend=None, swap_space=4, allocator_cls=None, scheduler_cls=None,
-                 scheduling_policy="fcfs", eviction_policy="lru"):
+                 scheduling_policy="fcfs", eviction_policy="lru", speculative_config=None):
         device, attention_backend = check_engine_settings(
             model, device, attention_backend, preemption_mode, enable_prefix_caching, swap_space,
             scheduling_policy=scheduling_policy, eviction_policy=eviction_policy,
@@ -1466,7 +1543,12 @@ class Engine:
         self.block_size = block_size
         # The KV cache is sized like vLLM's: by a byte budget, by default 90% of free GPU
         # memory. Each rank holds its own K/V heads: the same budget makes tp times the blocks.
+        proposer = None
+        if speculative_config is not None:  # speculative.py, imported only when asked for
+            import speculative
+            proposer = speculative.make_proposer(speculative_config, model, device)
         bytes_per_block = math.prod(kv_block_shape(config, block_size)) * dtype.itemsize
+        bytes_per_block += proposer.bytes_per_block(block_size) if proposer else 0  # a draft's
         if num_blocks is None:
             if kv_cache_bytes is None:  # but no more than max_num_seqs full-length sequences use
                 free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 30
@@ -1487,9 +1569,12 @@ class Engine:
                                                       enable_prefix_caching, eviction_policy)
         self.scheduler = (scheduler_cls or Scheduler)(
             allocator, max_num_seqs, max_num_batched_tokens, preemption_mode,
-            scheduling_policy=scheduling_policy)
+            scheduling_policy=scheduling_policy,
+            num_lookahead_slots=proposer.num_speculative_tokens if proposer else 0)
         self.model_runner = ModelRunner(self.model, num_blocks, num_cpu_blocks, block_size,
                                         attention_backend == "triton", device)
+        self.proposer = proposer and proposer.allocate_cache(num_blocks, num_cpu_blocks,
+                                                             block_size, self.model_runner)
         self.kv_cache = self.model_runner.kv_cache  # (2, n_layer, num_blocks, block_size, nkv, hs)
         self.requests = {}  # request_id -> SequenceGroup, until it finishes or is aborted
         self.request_ids = itertools.count()
@@ -1515,8 +1600,10 @@ class Engine:
             out = self.scheduler.schedule()
             if not (out.scheduled or out.preempted) and self.scheduler.has_unfinished():
                 raise RuntimeError(self.stall_message())  # nothing outside could unblock it
-            logits = self.model_runner.execute(out)
-            return [] if logits is None else self.output_processor.process(out.scheduled, logits)
+            proposals = self.proposer.propose(out) if self.proposer else {}  # seq_id -> tokens
+            logits = self.model_runner.execute(out, proposals)
+            return [] if logits is None else self.output_processor.process(out.scheduled, logits,
+                                                                            proposals)
         except BaseException as e:
             self.rollback(saved)
             if tp.world_size > 1:  # every rank learns of it: see tp_shut_down
@@ -1541,18 +1628,19 @@ class Engine:
                      seq.finish_reason)
                     for seq in g.seqs])
                   for g in itertools.chain(s.running, s.swapped, reachable)]
+        o = self.output_processor
         return (groups, list(s.waiting), list(s.running), list(s.swapped), s.num_preemptions,
-                self.output_processor.num_generated_tokens)
+                (o.num_generated_tokens, o.num_proposed_tokens, o.num_accepted_tokens))
 
     def rollback(self, saved):
         """Undo a failed step. Its writes into the KV cache cannot be undone, and they land only
         in blocks it handed out: a request that held such a block before the step (its blocks
         were taken from it by a preemption in the step) is left preempted by recompute."""
-        groups, waiting, running, swapped, num_preemptions, num_generated = saved
-        s, taken = self.scheduler, self.allocator.rollback()
+        groups, waiting, running, swapped, num_preemptions, counts = saved
+        s, o, taken = self.scheduler, self.output_processor, self.allocator.rollback()
         s.waiting, s.running, s.swapped = deque(waiting), running, swapped
         s.num_preemptions = num_preemptions
-        self.output_processor.num_generated_tokens = num_generated
+        o.num_generated_tokens, o.num_proposed_tokens, o.num_accepted_tokens = counts
         for group, seqs, num_finished, metrics, *counts, seq_states in groups:
             group.seqs, group.metrics = seqs, RequestMetrics(**metrics)
             group.num_cached_tokens, group.num_preemptions = counts
@@ -1727,6 +1815,9 @@ def check_request(prompt, params, priority, config, scheduler, allocator):
         raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
                          f"({params.max_tokens}) = {total} exceeds the model's max_seq_len "
                          f"({config.max_seq_len})")
+    if params.beam_width is not None and scheduler.num_lookahead_slots:
+        raise ValueError("beam search does not run with speculative decoding: use an Engine "
+                         "without speculative_config for beam_width requests")
     # a request's sequences decode together, so they must fit in one step
     limit = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
     if params.num_seqs > limit:
@@ -1766,6 +1857,9 @@ def engine_stats(engine):
         # minus the blocks in use: the blocks that sharing saved
         num_logical_blocks=sum(len(seq.block_table) for seq in running),
         num_generated_tokens=engine.output_processor.num_generated_tokens,
+        # speculative decoding: tokens proposed, and those the target model drew too
+        num_proposed_tokens=engine.output_processor.num_proposed_tokens,
+        num_accepted_tokens=engine.output_processor.num_accepted_tokens,
         prefix_cache_hit_tokens=a.num_hit_tokens,
         prefix_cache_queried_tokens=a.num_queried_tokens,
     )

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from collections import Counter
 from fractions import Fraction
+from types import SimpleNamespace
 
 import torch
 
@@ -1393,12 +1394,13 @@ class RecordingEngine(Engine):
         self.logits = {}  # token ids -> next-token logits
         process = self.output_processor.process
 
-        def record(scheduled, logits):
+        def record(scheduled, logits, proposals):
+            assert not proposals, "one row per sequence"
             done = [seq for seq, num_new in scheduled
                     if seq.num_computed_tokens + num_new == len(seq)]
             self.logits.update({tuple(s.token_ids): row
                                 for s, row in zip(done, logits, strict=True)})
-            return process(scheduled, logits)
+            return process(scheduled, logits, proposals)
         self.output_processor.process = record
 
 
@@ -2350,6 +2352,15 @@ def test_engine_on_the_triton_kernel_generates_like_naive():
                     max_num_batched_tokens=10)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
     assert [o.outputs[0].token_ids for o in outputs] == [naive_greedy(model, p, 6) for p in prompts]
+    assert_all_blocks_free(engine)
+    # speculating: each sequence's verification is a chunk of several new tokens, the draft's
+    # cache is written by the Triton store too
+    engine = Engine(model, block_size=4, num_blocks=24, attention_backend="triton",
+                    speculative_config={"method": "draft", "model": model,
+                                        "num_speculative_tokens": 3})
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0))
+    assert [o.outputs[0].token_ids for o in outputs] == [naive_greedy(model, p, 6) for p in prompts]
+    assert engine.stats()["num_accepted_tokens"] > 0
     assert_all_blocks_free(engine)
 
 
@@ -3328,6 +3339,209 @@ def test_stop_tokens_always_stop_and_max_tokens_is_exact(
         else:
             assert c.finish_reason == "length" and len(c.token_ids) == max_tokens
             assert c.token_ids[-1] not in ends
+
+
+# -----------------------------------------------------------------------------
+# Speculative decoding: proposals verified in one step, lookahead slots given back
+#
+# The speculating engine must produce the target's output exactly (greedy, and seeded samples
+# too: see speculative.py), and plain scheduling must not change: lookahead only uses what it
+# left.
+
+def speculative_config(name, k, target):
+    """ngram; a draft equal to the target (its every guess is kept); an unrelated draft (few)."""
+    if name == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
+                "prompt_lookup_min": 1}
+    draft = target if name == "draft=target" else LLAMA if target is MODEL else MODEL
+    return {"method": "draft", "model": draft, "num_speculative_tokens": k}
+
+
+SPECULATORS = ["ngram", "draft=target", "draft=other"]
+
+
+def checked_speculation(engine, register_cache):
+    """Check every step of a speculating engine: its schedule is plain scheduling's plus
+    lookahead slots within the budgets; after it, no block past a sequence's tokens is kept, the
+    prefix cache holds only kept tokens, and no KV write (target's or draft's) lands in a shared
+    block."""
+    s, k = engine.scheduler, engine.scheduler.num_lookahead_slots
+    register_cache(engine)
+    if hasattr(engine.proposer, "runner"):  # the draft's cache, paged by the same allocator
+        register_cache(SimpleNamespace(kv_cache=engine.proposer.runner.kv_cache,
+                                       allocator=engine.allocator, block_size=engine.block_size))
+
+    def schedule():
+        plain = copy.deepcopy(s)
+        plain.num_lookahead_slots = 0
+        expected, out = nanopaged.Scheduler.schedule(plain), nanopaged.Scheduler.schedule(s)
+        slots = [n for _, n in out.lookahead]
+        assert [(q.seq_id, n) for q, n in out.scheduled] == \
+            [(q.seq_id, n) for q, n in expected.scheduled]
+        # as many as fit: a sequence with fewer than it may take found the budget or pool spent
+        got = {q.seq_id: n for q, n in out.lookahead}
+        for q, n in out.scheduled:
+            if q.num_computed_tokens + n == len(q) and q.num_output_tokens:
+                want = min(k, engine.requests[q.request_id].params.max_tokens
+                           - q.num_output_tokens - 1)
+                room = len(q.block_table) * s.allocator.block_size - len(q)
+                assert got.get(q.seq_id, 0) == want or \
+                    out.num_batched_tokens == s.max_num_batched_tokens or \
+                    s.allocator.num_free_blocks == 0 and room == got.get(q.seq_id, 0)
+        assert [g.request_id for g in out.preempted] == [g.request_id for g in expected.preempted]
+        for name in ("blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy"):
+            assert getattr(out, name) == getattr(expected, name)
+        assert all(1 <= n <= k for n in slots)
+        assert out.num_batched_tokens == expected.num_batched_tokens + sum(slots) <= \
+            s.max_num_batched_tokens
+        return out
+
+    s.schedule = schedule
+    real_step = engine.step
+
+    def step():
+        outputs = real_step()
+        a, bs, held = engine.allocator, engine.block_size, Counter()
+        for group in s.running:
+            for seq in group.seqs:
+                held.update(seq.block_table)
+                assert len(seq.block_table) <= -(-len(seq) // bs), "a block past its tokens"
+                for i, block_id in enumerate(seq.block_table):
+                    if a.blocks[block_id].hash is not None:  # cached: kept, computed tokens only
+                        assert (i + 1) * bs <= seq.num_computed_tokens
+                        assert a.blocks[block_id].token_ids == tuple(seq.token_ids[i * bs:][:bs])
+        assert all(a.blocks[b].ref_count == held[b] for b in range(a.num_blocks))
+        return outputs
+
+    engine.step = step
+    return engine
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(mix=request_mixes(), name=st.sampled_from(["gpt2", "llama"]),
+       speculator=st.sampled_from(SPECULATORS), k=st.integers(1, 5))
+def test_speculative_greedy_output_is_the_targets_and_speculation_only_adds_lookahead(
+        mix, name, speculator, k, no_writes_into_shared_blocks):
+    prompts, max_tokens, priorities, engine_args = mix
+    model = MODELS[name]
+    engine = checked_speculation(
+        Engine(model, speculative_config=speculative_config(speculator, k, model), **engine_args),
+        no_writes_into_shared_blocks)
+    params = [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens]
+    ids = [engine.add_request(p, q, priority=r) for p, q, r in zip(prompts, params, priorities)]
+    outputs = drain(engine)
+    for i, prompt, m in zip(ids, prompts, max_tokens):
+        assert outputs[i].outputs[0].token_ids == naive_greedy(model, prompt, m)
+    stats = engine.stats()
+    assert stats["num_accepted_tokens"] <= stats["num_proposed_tokens"]
+    if speculator == "draft=target":  # float64: the draft's argmax is the target's
+        assert stats["num_accepted_tokens"] == stats["num_proposed_tokens"]
+    # every token is drawn once: a kept guess is one of them, never one more
+    assert stats["num_generated_tokens"] == sum(max_tokens)
+    event(f"proposed: {stats['num_proposed_tokens'] > 0}")
+    assert_all_blocks_free(engine)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompts=st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=12), min_size=1,
+                        max_size=5),
+       seed=st.integers(0, 2**32), n=st.integers(1, 2), top_k=st.sampled_from([0, 3]),
+       top_p=st.sampled_from([1.0, 0.8]), temperature=st.sampled_from([0.5, 1.0]),
+       speculator=st.sampled_from(SPECULATORS), k=st.integers(1, 4),
+       mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
+       spare=st.integers(0, 24))
+def test_speculative_seeded_samples_are_the_targets_token_for_token(
+        prompts, seed, n, top_k, top_p, temperature, speculator, k, mode, caching, spare):
+    params = [SamplingParams(max_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p,
+                             seed=seed + i, n=n, ignore_eos=True) for i in range(len(prompts))]
+    worst = n * -(-(max(map(len, prompts)) + 10) // 2)  # from one request at a time to roomy
+    settings_ = dict(block_size=2, num_blocks=worst + spare, preemption_mode=mode,
+                     enable_prefix_caching=caching, max_num_batched_tokens=12)
+    plain = Engine(MODEL, **settings_).generate(prompts, params)
+    engine = Engine(MODEL, speculative_config=speculative_config(speculator, k, MODEL),
+                    **settings_)
+    outputs = engine.generate(prompts, params)
+    assert_same_but_rounding([[(c.token_ids, c.cumulative_logprob) for c in o.outputs]
+                              for o in outputs],
+                             [[(c.token_ids, c.cumulative_logprob) for c in o.outputs]
+                              for o in plain])
+    assert_all_blocks_free(engine)
+
+
+def test_speculative_sampling_keeps_the_targets_distribution():
+    # Many seeds of one prompt, a draft that often guesses wrong: the second token, given the
+    # first, must follow the target's distribution (chi-square, 8 tokens, 7 degrees of freedom:
+    # 24.3 is the 0.1% tail). Keeping guesses the target would not draw, or drawing the
+    # replacement of a rejected guess from the draft's side, moves mass onto the guesses.
+    target, draft = tiny_model(vocab_size=8, seed=3).float(), tiny_model(vocab_size=8, seed=4)
+    with torch.no_grad():  # a flatter target: every token keeps some mass
+        target.lm_head.weight.mul_(0.05)
+    prompt, draws = [1, 2, 3], 3000
+    engine = Engine(target, block_size=4, num_blocks=4000, max_num_seqs=512,
+                    speculative_config={"method": "draft", "model": draft,
+                                        "num_speculative_tokens": 2})
+    outputs = engine.generate([prompt] * draws, [SamplingParams(max_tokens=3, seed=i)
+                                                 for i in range(draws)])
+    firsts = Counter(o.outputs[0].token_ids[0] for o in outputs)
+    first = firsts.most_common(1)[0][0]
+    seconds = Counter(o.outputs[0].token_ids[1] for o in outputs
+                      if o.outputs[0].token_ids[0] == first)
+    p = naive_logprobs(target.double(), prompt + [first]).exp()
+    total = sum(seconds.values())
+    chi2 = sum((seconds[t] - total * p[t].item()) ** 2 / (total * p[t].item()) for t in range(8))
+    stats = engine.stats()
+    assert 0 < stats["num_accepted_tokens"] < stats["num_proposed_tokens"]  # both branches ran
+    assert chi2 < 24.3, (chi2, seconds, p)
+
+
+def test_lookahead_slots_are_reserved_from_what_plain_scheduling_left_and_given_back():
+    # One decoding sequence of 5 tokens at block_size 4 (one block full, one with 1 slot used):
+    # 4 guesses need the rest of the second block and one more block; rejected, it goes back.
+    a = BlockAllocator(num_blocks=4, block_size=4)
+    seq = make_seq(0, [1, 2, 3, 4, 5])
+    a.allocate(seq)
+    seq.num_computed_tokens = 4
+    a.append_lookahead_slots(seq, 4)
+    assert len(seq.block_table) == 3 and a.num_free_blocks == 1
+    seq.num_computed_tokens = 5  # the target kept no guess: only token 5 was computed
+    a.free_lookahead_slots(seq)
+    assert len(seq.block_table) == 2 and a.num_free_blocks == 2
+    # the watermark keeps blocks from admission, not from guesses; max_tokens bounds them
+    engine = Engine(MODEL, block_size=4, num_blocks=4, speculative_config=speculative_config(
+        "draft=target", 12, MODEL))
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=13, temperature=0))
+    engine.step()  # prefill, first token
+    out = engine.scheduler.schedule()
+    # 4 tokens, then 11 guesses: with the token after them, the 13th output token
+    assert [n for _, n in out.lookahead] == [11] and engine.allocator.num_free_blocks == 0
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "'method' one of"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+    ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,
+      "prompt_lookup_max": 2}, "prompt_lookup_max >= prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": MODEL}, "unknown keys"),
+    ({"method": "draft", "num_speculative_tokens": 2, "model": "gpt2"}, "must be a GPT"),
+    ({"method": "draft", "num_speculative_tokens": 2, "model": tiny_model(vocab_size=16)},
+     "vocab_size is 16, the target's 32"),
+    ({"method": "draft", "num_speculative_tokens": 2, "model": tiny_model(max_seq_len=32)},
+     "max_seq_len 32 is shorter"),
+    ("ngram", "must be a dict"),
+])
+def test_bad_speculative_configs_are_clear_errors(config, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(MODEL, num_blocks=16, speculative_config=config)
+
+
+def test_beam_search_is_refused_when_speculating_and_n_samples_run():
+    engine = Engine(MODEL, block_size=4, num_blocks=64,
+                    speculative_config=speculative_config("draft=target", 3, MODEL))
+    with pytest.raises(ValueError, match="beam search does not run with speculative decoding"):
+        engine.add_request([1, 2, 3], SamplingParams(beam_width=2))
+    assert serves_normally(engine)
 
 
 # -----------------------------------------------------------------------------

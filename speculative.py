@@ -1,0 +1,162 @@
+"""
+speculative.py: speculative decoding's proposers, imported only when an Engine is given a
+speculative_config.
+
+    Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative Decoding",
+    ICML 2023.  Chen et al., "Accelerating Large Language Model Decoding with Speculative
+    Sampling", 2023.  Saxena, "Prompt Lookup Decoding", 2023 (the n-gram proposer).
+
+Decoding makes one token per sequence per step, and a small step costs about what its fixed
+overheads cost, not its arithmetic. So each step checks a few guessed tokens as well: a
+proposer guesses up to k tokens after each decoding sequence, the target model runs the
+sequence's next token and the k guesses as one chunk of the packed batch (a chunk of k + 1
+new tokens, as chunked prefill already runs), and the guesses its own draws agree with are
+kept: up to k + 1 tokens for one step of the target.
+
+The rest is paging, and lives in nanopaged.py: the scheduler reserves lookahead slots for the
+guesses from what plain scheduling left (Scheduler._reserve_lookahead), the verification
+writes their K/V there, and the blocks past the kept tokens go back to the pool
+(BlockAllocator.free_lookahead_slots). A guess's block enters the prefix cache only once the
+guess is kept, because only computed tokens are published.
+
+Acceptance (OutputProcessor.sample_tokens) is rejection sampling. Leviathan et al. accept a
+guess d with probability min(1, p(d) / q(d)), p the target's distribution and q the
+proposer's, and on a rejection draw from max(0, p - q), renormalised; the tokens that come out
+are distributed as p exactly. Both proposers here guess deterministically (q is all on d), and
+then the rule is: keep d with probability p(d), else draw from p without d. Drawing x from p
+and keeping d iff x == d (x is the token then) does exactly that, so the engine draws each
+token as it would without speculation, with the same seeded generator, and keeps going while
+the draws equal the guesses. (vLLM's rejection sampler treats its n-gram and greedy draft
+guesses as such one-point q too.) The output is then the target's alone, token for token:
+greedy or seeded, with or without speculation, and whatever the batch-mates.
+"""
+
+import math
+
+from nanopaged import GPT, ModelRunner, kv_block_shape, step_chunks, tp
+
+METHODS = ("ngram", "draft")
+
+
+def make_proposer(config, model, device):
+    """The proposer a speculative_config asks for, or a ValueError naming what is wrong.
+    ngram: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+    "prompt_lookup_min": m}; draft: {"method": "draft", "model": a GPT, "num_speculative_tokens":
+    k}, the draft with the target's vocabulary and context length."""
+    if not isinstance(config, dict) or config.get("method") not in METHODS:
+        raise ValueError(f"speculative_config must be a dict with 'method' one of {METHODS}, "
+                         f"got {config!r}")
+    allowed = {"method", "num_speculative_tokens"} | (
+        {"prompt_lookup_max", "prompt_lookup_min"} if config["method"] == "ngram" else {"model"})
+    if unknown := set(config) - allowed:
+        raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} for method "
+                         f"{config['method']!r} (it takes {sorted(allowed)})")
+    k = config.get("num_speculative_tokens")
+    if not positive_int(k):
+        raise ValueError(f"speculative_config: num_speculative_tokens must be an int >= 1, "
+                         f"got {k!r}")
+    if tp.world_size > 1:
+        raise ValueError("speculative_config: speculative decoding under tensor parallelism is "
+                         "not supported")
+    if config["method"] == "ngram":
+        n, m = config.get("prompt_lookup_max", 4), config.get("prompt_lookup_min", 2)
+        if not (positive_int(n) and positive_int(m) and m <= n):
+            raise ValueError(f"speculative_config: need ints prompt_lookup_max >= "
+                             f"prompt_lookup_min >= 1, got {n!r} and {m!r}")
+        return NgramProposer(k, n, m)
+    draft, target = config.get("model"), model.config
+    if not isinstance(draft, GPT):
+        raise ValueError(f"speculative_config: 'model' must be a GPT (the draft), "
+                         f"got {type(draft).__name__}")
+    if draft.config.vocab_size != target.vocab_size:  # the same token ids
+        raise ValueError(f"speculative_config: the draft's vocab_size is "
+                         f"{draft.config.vocab_size}, the target's {target.vocab_size}: a draft "
+                         f"must share the target's vocabulary")
+    if draft.config.max_seq_len < target.max_seq_len:  # and every position
+        raise ValueError(f"speculative_config: the draft's max_seq_len "
+                         f"{draft.config.max_seq_len} is shorter than the target's "
+                         f"{target.max_seq_len}")
+    return DraftProposer(draft.to(device).eval(), k)
+
+
+def positive_int(x):
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
+
+
+def ngram_proposal(tokens, max_n, min_n, k):
+    """Prompt lookup: the longest suffix of tokens, max_n down to min_n long, that occurred
+    earlier; the up to k tokens that followed its latest earlier occurrence. [] if none."""
+    for n in range(min(max_n, len(tokens) - 1), min_n - 1, -1):
+        suffix = tokens[-n:]
+        for i in range(len(tokens) - n - 1, -1, -1):  # the latest first: the likeliest to recur
+            if tokens[i:i + n] == suffix:
+                return tokens[i + n:i + n + k]
+    return []
+
+
+class NgramProposer:
+    """Guesses that a sequence repeats itself: continuations of its own earlier text (quoting,
+    code, a list). No model, no cache, and nearly free to ask."""
+
+    def __init__(self, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min):
+        self.num_speculative_tokens = num_speculative_tokens
+        self.max_n, self.min_n = prompt_lookup_max, prompt_lookup_min
+
+    def bytes_per_block(self, block_size):
+        return 0
+
+    def allocate_cache(self, num_blocks, num_cpu_blocks, block_size, target_runner):
+        return self
+
+    def propose(self, out):
+        """{seq_id: up to its reserved slots of guesses} for each (seq, slots) in out.lookahead."""
+        return {seq.seq_id: ngram_proposal(seq.token_ids, self.max_n, self.min_n, slots)
+                for seq, slots in out.lookahead}
+
+
+class DraftProposer:
+    """A smaller model with the target's vocabulary guesses greedily, one token per forward.
+    Its KV cache is paged by the same block tables (one allocator, one set of block ids, two
+    caches), so it follows every block copy the scheduler orders: preemption, swap,
+    copy-on-write and prefix caching cover it with no code of its own. It runs on every token
+    the target runs, so a block that holds the target's K/V holds the draft's as well."""
+
+    def __init__(self, draft, num_speculative_tokens):
+        self.draft, self.num_speculative_tokens = draft, num_speculative_tokens
+
+    def bytes_per_block(self, block_size):  # the pool's budget pays for both caches
+        dtype = next(self.draft.parameters()).dtype
+        return math.prod(kv_block_shape(self.draft.config, block_size)) * dtype.itemsize
+
+    def allocate_cache(self, num_blocks, num_cpu_blocks, block_size, target_runner):
+        self.runner = ModelRunner(self.draft, num_blocks, num_cpu_blocks, block_size,
+                                  target_runner.use_triton, target_runner.device)
+        return self
+
+    def propose(self, out):
+        """Guesses for each (seq, slots) in out.lookahead, by 1 + max(slots) forwards of the
+        draft: the step's own tokens (its K/V for everything the target computes this step, and
+        each first guess), then each sequence's latest guess, at the slot reserved for it. The
+        last forward only writes the K/V of the last guesses, so that however many of them the
+        target keeps, the draft's cache holds every token the target's does."""
+        self.runner.copy_blocks(out)
+        if not out.scheduled:
+            return {}
+        chunks = list(step_chunks(out.scheduled, {}))
+        logits = self.runner.forward(chunks, prompt_logprobs=False)                 # (R, V)
+        rows = {seq.seq_id: i for i, seq in enumerate(seq for seq, *_, n in chunks if n)}
+        live = list(out.lookahead)  # (seq, slots) still guessing
+        guesses = logits[[rows[seq.seq_id] for seq, _ in live]].argmax(-1).tolist()
+        proposals = {seq.seq_id: [] for seq, _ in live}
+        while live:
+            chunks = []
+            for (seq, _), token in zip(live, guesses):
+                proposal = proposals[seq.seq_id]
+                proposal.append(token)
+                chunks.append((seq, len(seq) + len(proposal) - 1, [token], 1))
+            logits = self.runner.forward(chunks, prompt_logprobs=False)             # (S, V)
+            more = [i for i, (seq, slots) in enumerate(live)
+                    if len(proposals[seq.seq_id]) < slots]
+            live, guesses = [live[i] for i in more], logits[more].argmax(-1).tolist()
+        return proposals
+
