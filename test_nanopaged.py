@@ -2396,6 +2396,22 @@ def test_demo_serves_its_workload_and_reports_true_numbers(capsys, tmp_path):
     assert (tmp_path / "demo.png").stat().st_size > 10_000
 
 
+def test_the_demo_speculates_with_the_built_in_draft_and_says_how_much_it_kept(capsys):
+    flags = ["--max-tokens", "24", "--temperature", "0"]
+    plain = nanopaged.main(flags)
+    draft = os.path.join(os.path.dirname(demo.DEMO_MODEL), "pydoc-draft")
+    report = nanopaged.main(flags + ["--speculative-model", draft])
+    s, printed = report["engine"].stats(), capsys.readouterr().out
+    # the same requests but the beam search, which does not speculate; the same greedy tokens
+    assert [len(o.outputs) for o in report["outputs"]] == \
+        [3 if i == 3 else 1 for i in range(len(report["outputs"]))]
+    assert [o.outputs[0].token_ids for i, o in enumerate(report["outputs"]) if i != 7] == \
+        [o.outputs[0].token_ids for i, o in enumerate(plain["outputs"]) if i != 7]
+    assert 0 < s["num_accepted_tokens"] < s["num_proposed_tokens"]
+    assert (f"speculative decoding ({draft}): {s['num_accepted_tokens']} of "
+            f"{s['num_proposed_tokens']} guessed tokens accepted") in printed
+
+
 def test_demo_takes_the_policies_and_priorities_from_the_command_line(capsys):
     report = nanopaged.main(["--prompt", "def ", "--priority", "1", "--prompt", "class ",
                              "--priority", "0", "--max-tokens", "2", "--temperature", "0",
@@ -2423,6 +2439,11 @@ def test_demo_takes_the_policies_and_priorities_from_the_command_line(capsys):
     (["--scheduling-policy", "sjf"], r"scheduling_policy must be one of \['fcfs', 'priority'"),
     (["--eviction-policy", "fifo"], r"eviction_policy must be one of \['lfu', 'lru'\], got 'fifo'"),
     (["--prompt", "x", "--priority", "1", "--priority", "0"], "got 2 --priority for 1 prompts"),
+    (["--num-speculative-tokens", "3"], "--num-speculative-tokens needs --speculative-model"),
+    (["--speculative-model", "ngram", "--num-speculative-tokens", "0"],
+     "num_speculative_tokens must be an int >= 1, got 0"),
+    (["--speculative-model", "ngram", "--beam-width", "2", "--prompt", "x"],
+     "beam search does not run with speculative decoding"),
 ])
 def test_demo_bad_flags_end_with_one_clear_line(flags, message):
     run = subprocess.run([sys.executable, "nanopaged.py", *flags], capture_output=True, text=True,
