@@ -571,51 +571,51 @@ def topic_prompts(num_requests, length=48, seed=SEED):
     return [list(topics[rng.choice(names)].encode()[:length]) for _ in range(num_requests)]
 
 
-def bench_speculative(batches=(1, 16), max_tokens=96, k=4, repeats=2):
+def bench_speculative(batches=(1, 16), max_tokens=96, k=4, repeats=3):
     """Greedy tokens/s of the built-in model with and without speculative decoding, one request
     at a time and 16 at once: n-gram guesses on prompts that quote a passage, the built-in
-    draft (models/pydoc-draft) on the same and on openings of help topics. Best of repeats;
-    every speculating run must generate exactly the tokens of the plain one."""
+    draft (models/pydoc-draft) on the same and on openings of help topics. Each setting is
+    timed repeats times, in turn with the others (best kept); every speculating run must
+    generate exactly the tokens of the plain one."""
     model = GPT.from_pretrained(DEMO_MODEL)
     draft = GPT.from_pretrained(os.path.join(os.path.dirname(DEMO_MODEL), "pydoc-draft"))
-    methods = {"ngram": {"method": "ngram", "num_speculative_tokens": k},
+    methods = {"none": None, "ngram": {"method": "ngram", "num_speculative_tokens": k},
                "draft": {"method": "draft", "model": draft, "num_speculative_tokens": k}}
-    workloads = {"quoting": quoting_prompts, "help topics": topic_prompts}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     results, rows = {}, []
-    for workload, make in workloads.items():
+    for workload, make in {"quoting": quoting_prompts, "help topics": topic_prompts}.items():
         for batch in batches:
             prompts = make(2 * batch if batch > 1 else 4)
-            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-            runs = {}
-            for name in ["none"] + list(methods):
-                if name == "ngram" and workload != "quoting":
-                    continue  # nothing to look up: an opening is continued, not repeated
-                best = math.inf
-                for _ in range(repeats):
+            # n-gram lookup has nothing to find in an opening: it is continued, not repeated
+            names = [n for n in methods if n != "ngram" or workload == "quoting"]
+            best, runs = dict.fromkeys(names, math.inf), {}
+            for _ in range(repeats):
+                for name in names:
                     engine = Engine(model, num_blocks=1024, max_num_seqs=batch, device="cpu",
-                                    speculative_config=methods.get(name))
+                                    speculative_config=methods[name])
                     start = time.perf_counter()
                     outs = engine.generate(prompts, params)
-                    best = min(best, time.perf_counter() - start)
-                s = engine.stats()
-                runs[name] = (best, [o.outputs[0].token_ids for o in outs],
-                              s["num_accepted_tokens"] / max(1, s["num_proposed_tokens"]),
-                              s["num_accepted_tokens"] / len(prompts) / max_tokens)
-            plain = runs["none"]
-            for name, (seconds, tokens, rate, kept) in runs.items():
-                assert tokens == plain[1], f"{name} changed the greedy tokens"
-                r = dict(seconds=seconds, tokens_per_s=len(prompts) * max_tokens / seconds,
-                         speedup=plain[0] / seconds, acceptance=rate, accepted_per_token=kept)
+                    best[name] = min(best[name], time.perf_counter() - start)
+                    s = engine.stats()
+                    runs[name] = ([o.outputs[0].token_ids for o in outs],
+                                  s["num_accepted_tokens"] / max(1, s["num_proposed_tokens"]),
+                                  s["num_accepted_tokens"] / len(prompts) / max_tokens)
+            for name in names:
+                tokens, rate, kept = runs[name]
+                assert tokens == runs["none"][0], f"{name} changed the greedy tokens"
+                r = dict(seconds=best[name], tokens_per_s=len(prompts) * max_tokens / best[name],
+                         speedup=best["none"] / best[name], acceptance=rate,
+                         accepted_per_token=kept)
                 results[f"{workload}, batch {batch}: {name}"] = r
                 rows.append([workload, str(batch), name, f"{r['tokens_per_s']:.0f}",
                              f"{r['speedup']:.2f}x",
                              "" if name == "none" else f"{100 * rate:.0f}%",
                              "" if name == "none" else f"{100 * kept:.0f}%"])
     print_table(f"Speculative decoding: the built-in model, greedy, {max_tokens} tokens a request,"
-                f" k={k} guesses a step (4 requests one at a time, or 32 with 16 at once; best of "
-                f"{repeats}); every run generates the plain run's tokens",
-                ["workload", "batch", "speculation", "tokens/s", "speedup", "guesses kept",
-                 "tokens from guesses"], rows)
+                f" k={k} guesses a step (4 requests one at a time, or {2 * max(batches)} with "
+                f"{max(batches)} at once; best of {repeats}, interleaved); every run generates the "
+                f"plain run's tokens", ["workload", "batch", "speculation", "tokens/s", "speedup",
+                                        "guesses kept", "tokens from guesses"], rows)
     return results
 
 

@@ -432,24 +432,29 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
     lens = seq_lens.tolist()
     q_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
 
+    group = n_head // n_kv_head
     decode = [i for i, n in enumerate(q_lens) if n == 1]
-    if decode and decode_attention is not None:
+    if decode:
         idx = torch.tensor(decode, device=q.device)
         rows = cu_seqlens_q.index_select(0, idx).long()              # (B,) their one new token
-        o = decode_attention(q.index_select(0, rows), k_cache, v_cache,
-                             block_tables.index_select(0, idx), seq_lens.index_select(0, idx),
-                             scale)                                              # (B, nh, D)
-        out.index_copy_(0, rows, o.to(q.dtype))
-    elif decode:
-        _attend_batched(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                        decode, lens, 1)
+        tables = block_tables.index_select(0, idx)                               # (B, max_blocks)
+        if decode_attention is not None:
+            o = decode_attention(q.index_select(0, rows), k_cache, v_cache, tables,
+                                 seq_lens.index_select(0, idx), scale)            # (B, nh, D)
+            out.index_copy_(0, rows, o.to(q.dtype))
+        else:
+            ctx = seq_lens.index_select(0, idx).long()[:, None]                   # (B, 1)
+            pos = torch.arange(max(lens[i] for i in decode), device=q.device)[None]  # (1, L)
+            # positions past a sequence's end re-read its last token: real values, masked below
+            k, v = _gather_kv(k_cache, v_cache, tables, torch.minimum(pos, ctx - 1))
+            q_dec = q.index_select(0, rows).view(len(decode), n_kv_head, group, head_dim)
+            o = _attend(q_dec, k, v, (pos < ctx)[:, None, None, :], scale)       # (B, nkv, G, D)
+            out.index_copy_(0, rows, o.reshape(len(decode), n_head, head_dim).to(q.dtype))
     short = [i for i, n in enumerate(q_lens) if 1 < n <= SHORT_Q_LEN]
-    if short:
-        _attend_batched(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                        short, lens, max(q_lens[i] for i in short))
-    group = n_head // n_kv_head
+    if len(short) > 1:  # one alone is cheaper the plain way
+        _attend_batched(out, q, k_cache, v_cache, block_tables, scale, short, cu, lens, q_lens)
     for i, q_len in enumerate(q_lens):
-        if q_len <= SHORT_Q_LEN:
+        if q_len == 1 or len(short) > 1 and q_len <= SHORT_Q_LEN:
             continue
         pos = torch.arange(lens[i], device=q.device)                              # (L,)
         k, v = _gather_kv(k_cache, v_cache, block_tables[i : i + 1], pos[None])   # (1, nkv, L, D)
@@ -466,32 +471,31 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
 SHORT_Q_LEN = 16  # sequences with at most this many new tokens share one padded call
 
 
-def _attend_batched(out, q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                    seqs, lens, Q):
-    """Attention for the sequences seqs, at most Q new tokens each, in one call: each padded to
-    Q query rows (a padding row repeats the sequence's last one and is not written back) and to
-    the longest context among them (masked)."""
-    B, (n_head, D), n_kv_head = len(seqs), q.shape[1:], k_cache.shape[2]
+def _attend_batched(out, q, k_cache, v_cache, block_tables, scale, seqs, cu, lens, q_lens):
+    """Attention for the sequences seqs, a few new tokens each, in one call: each padded to the
+    most new tokens among them, Q (a padding row repeats the sequence's last and is not written
+    back), and to their longest context (masked). Indices are built on the host, which knows
+    the lengths: no device round trip."""
+    B, Q, (n_head, D), n_kv_head = len(seqs), max(q_lens[i] for i in seqs), q.shape[1:], \
+        k_cache.shape[2]
     G, dev = n_head // n_kv_head, q.device
-    idx = torch.tensor(seqs, device=dev)
-    ctx = seq_lens.index_select(0, idx).long()[:, None]                           # (B, 1)
-    q_len = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).index_select(0, idx).long()[:, None]
-    j = torch.arange(Q, device=dev)[None]                                         # (1, Q)
-    last = torch.minimum(j, q_len - 1)                                            # (B, Q)
-    rows = cu_seqlens_q.index_select(0, idx).long()[:, None] + last   # (B, Q) rows of q and out
-    pos = torch.arange(max(lens[i] for i in seqs), device=dev)[None]             # (1, L)
+    last = [(i, min(j, q_lens[i] - 1)) for i in seqs for j in range(Q)]  # row j, or the last
+    rows = torch.tensor([cu[i] + j for i, j in last], device=dev)     # (B*Q,) rows of q and out
+    # causal: new token j of a sequence sits at position len - q_len + j and sees up to there
+    q_pos = torch.tensor([lens[i] - q_lens[i] + j for i, j in last], device=dev).view(B, Q)
+    ctx = torch.tensor([lens[i] for i in seqs], device=dev)[:, None]              # (B, 1)
+    pos = torch.arange(max(lens[i] for i in seqs), device=dev)[None]              # (1, L)
     # positions past a sequence's end re-read its last token: real values, masked below
-    k, v = _gather_kv(k_cache, v_cache, block_tables.index_select(0, idx),
-                      torch.minimum(pos, ctx - 1))                                # (B, nkv, L, D)
-    q_b = q[rows.flatten()].view(B, Q, n_kv_head, G, D).permute(0, 2, 3, 1, 4)
+    k, v = _gather_kv(k_cache, v_cache, block_tables[seqs], torch.minimum(pos, ctx - 1))
+    q_b = q.index_select(0, rows).view(B, Q, n_kv_head, G, D).permute(0, 2, 3, 1, 4)
     q_b = q_b.reshape(B, n_kv_head, G * Q, D)  # (B, nkv, G*Q, D): per K/V head, G heads' Q rows
-    # causal: new token j of a sequence sits at position ctx - q_len + j and sees up to there
-    mask = pos[:, None, :] <= (ctx - q_len + last)[:, :, None]                    # (B, Q, L)
+    mask = pos[:, None, :] <= q_pos[:, :, None]                                   # (B, Q, L)
     mask = mask[:, None].expand(B, G, Q, mask.shape[-1]).reshape(B, 1, G * Q, -1)
     o = _attend(q_b, k, v, mask, scale).view(B, n_kv_head, G, Q, D)
-    o = o.permute(0, 3, 1, 2, 4).reshape(B, Q, n_head, D)                         # (B, Q, nh, D)
-    real = (j < q_len).flatten()                                                  # (B*Q,)
-    out.index_copy_(0, rows.flatten()[real], o.flatten(0, 1)[real].to(q.dtype))
+    o = o.permute(0, 3, 1, 2, 4).reshape(B * Q, n_head, D)                        # (B*Q, nh, D)
+    real = torch.tensor([b * Q + j for b, i in enumerate(seqs) for j in range(q_lens[i])],
+                        device=dev)
+    out.index_copy_(0, rows[real], o[real].to(q.dtype))
 
 
 _flex = None  # flex_attention compiled by Inductor, made on first use (tens of seconds)
