@@ -3475,7 +3475,8 @@ def test_speculative_greedy_output_is_the_targets_and_speculation_only_adds_look
 def test_speculative_seeded_samples_are_the_targets_token_for_token(
         prompts, seed, n, top_k, top_p, temperature, speculator, k, mode, caching, spare):
     params = [SamplingParams(max_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p,
-                             seed=seed + i, n=n, ignore_eos=True) for i in range(len(prompts))]
+                             seed=seed + i, n=n, ignore_eos=True, logprobs=2)
+              for i in range(len(prompts))]
     worst = n * -(-(max(map(len, prompts)) + 10) // 2)  # from one request at a time to roomy
     settings_ = dict(block_size=2, num_blocks=worst + spare, preemption_mode=mode,
                      enable_prefix_caching=caching, max_num_batched_tokens=12)
@@ -3483,10 +3484,10 @@ def test_speculative_seeded_samples_are_the_targets_token_for_token(
     engine = Engine(MODEL, speculative_config=speculative_config(speculator, k, MODEL),
                     **settings_)
     outputs = engine.generate(prompts, params)
-    assert_same_but_rounding([[(c.token_ids, c.cumulative_logprob) for c in o.outputs]
-                              for o in outputs],
-                             [[(c.token_ids, c.cumulative_logprob) for c in o.outputs]
-                              for o in plain])
+    assert_same_but_rounding([[(c.token_ids, c.cumulative_logprob, c.logprobs)
+                               for c in o.outputs] for o in outputs],
+                             [[(c.token_ids, c.cumulative_logprob, c.logprobs)
+                               for c in o.outputs] for o in plain])
     assert_all_blocks_free(engine)
 
 
