@@ -12,11 +12,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+from types import SimpleNamespace
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # no Triton wheel (macOS, Windows): the torch path below still works
-    from types import SimpleNamespace
     triton, tl = SimpleNamespace(jit=lambda fn: None), SimpleNamespace(constexpr=None)
 
 # -----------------------------------------------------------------------------
@@ -34,6 +35,7 @@ except ImportError:  # no Triton wheel (macOS, Windows): the torch path below st
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, num_splits,
+    k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
     stride_ot, stride_oh, stride_os,
@@ -87,6 +89,10 @@ def _paged_attention_kernel(
     # fp32 caches and for bf16 under the interpreter, whose bf16 tl.dot is wrong
     q = tl.load(q_ptr + q_offs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     q = q.to(DOT_DTYPE)  # (BLOCK_M, HEAD_DIM_PAD)
+    if k_scale_ptr is not None:  # an 8-bit cache: fp8 -> the dot dtype is exact (fp16 holds every
+        # e4m3 and e5m2 value); the per-layer scales are scalars, so dequantizing K multiplies
+        # the scores once per tile, and V the output once at the end, not every loaded element
+        qk_scale *= tl.load(k_scale_ptr)
 
     # keys past the tile's last new token are masked for every row: never load them
     kv_end = seq_len - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
@@ -126,6 +132,8 @@ def _paged_attention_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split has l = 0 and acc = 0
     out = acc / l_safe[:, None]
+    if v_scale_ptr is not None:
+        out *= tl.load(v_scale_ptr)
     # out rows are tokens; split partials are rows of decoding sequences
     row = tl.full([BLOCK_M], seq, tl.int64) if SPLIT_KV else token
     out_offs = row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] + split * stride_os
@@ -230,21 +238,21 @@ def _resident_programs(q, args, config):
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                    max_q_len=None, num_splits=None):
+                    max_q_len=None, num_splits=None, k_scale=None, v_scale=None):
     """Causal attention of the packed new tokens q over their sequences' paged K/V.
     q [num_tokens, n_head, head_dim]; caches [num_blocks, block_size, n_kv_head, head_dim];
     block_tables int32 [num_seqs, max_blocks] (-1 past the end); seq_lens int32 [num_seqs]
     (context including the new tokens); cu_seqlens_q int32 [num_seqs + 1].
     max_q_len (>= every q_len; if known) saves a device->host sync; num_splits (1..64) forces
-    the split-KV of the decoding sequences (default: split_count, on a GPU)."""
+    the split-KV of the decoding sequences (default: split_count, on a GPU). An 8-bit cache
+    comes with k_scale and v_scale, one-element fp32 tensors on q's device (see quantize)."""
     assert q.dim() == 3 and k_cache.dim() == 4, \
         "q is [num_tokens, n_head, head_dim], caches are 4-D"
     num_tokens, n_head, head_dim = q.shape
     block_size, n_kv_head = k_cache.shape[1:3]
     num_seqs = seq_lens.shape[0]
     assert q.dtype in DTYPES, f"unsupported dtype {q.dtype}"
-    assert k_cache.dtype == v_cache.dtype == q.dtype, \
-        f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+    check_scales(q, k_cache, v_cache, k_scale, v_scale)
     assert v_cache.shape == k_cache.shape, \
         f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}"
     assert v_cache.stride() == k_cache.stride(), "k_cache and v_cache must have the same strides"
@@ -275,7 +283,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
 
     def args(out, lse, num_splits):
         return (q, k_cache, v_cache, out, lse, block_tables, seq_lens, cu_seqlens_q,
-                num_seqs, num_splits,
+                num_seqs, num_splits, k_scale, v_scale,
                 q.stride(0), q.stride(1), *k_cache.stride()[:3],
                 *out.stride()[:3], *lse.stride()[:2], block_tables.stride(0),
                 scale * 1.4426950408889634)  # log2(e): the kernel uses exp2, cheaper than exp
@@ -308,18 +316,134 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
 
 
 # -----------------------------------------------------------------------------
-# KV store: write the new tokens' K/V into their cache slots
+# 8-bit KV caches (vLLM's fp8 KV cache): a slot in half the bytes of a 16-bit one, so the same
+# memory holds twice the blocks. One scale per layer for K and one for V (vLLM's per-tensor
+# scales): a value x is stored as q = clamp(x / scale, -fmax, fmax) in fp8 and read back as
+# q * scale in the query's dtype. The scales are fixed when the engine is built, from one
+# calibration prefill (calibrate_kv_scales): scale = KV_SCALE_HEADROOM * amax / fmax, amax the
+# largest |K| (or |V|) of the layer on it. A value up to KV_SCALE_HEADROOM times that comes back
+# within fp8's relative error, 2**-4 for e4m3 (3 mantissa bits) and 2**-3 for e5m2 (2), round
+# to nearest (below fp8's smallest normal, within half its smallest step times scale); a larger
+# one saturates at fmax * scale. The clamp is explicit: a cast past fp8's range is not
+# saturation everywhere (e5m2 gives inf; e4m3fn has no inf and its format says NaN). Fixed
+# scales make a token's stored bytes independent of the requests before it, so recompute and
+# prefix caching store the same bytes, and swap and copy-on-write move blocks and nothing else.
+# Finer scales (per head or per block, as in KIVI or KVQuant) follow outliers more closely but
+# must move with their blocks. Triton converts e4m3 (fp8e4nv) only on sm_89 and later; e5m2
+# compiles from sm_80 (see check_kv_cache_dtype).
+
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# amax comes from a few hundred fixed tokens; real prompts may go past it. 2x keeps e4m3's 448
+# at 224 for the calibration's largest value: one binade of room, one bit of range spent
+KV_SCALE_HEADROOM = 2.0
+
+
+def check_kv_cache_dtype(name, model_dtype, device, attention_backend):
+    """Engine(kv_cache_dtype=name) -> the cache's torch dtype, or a ValueError naming it."""
+    if not isinstance(name, str) or name not in ("auto", *KV_CACHE_DTYPES):
+        raise ValueError(f"Engine: kv_cache_dtype must be one of "
+                         f"{['auto', *KV_CACHE_DTYPES]}, got {name!r}")
+    dtype = model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
+    if (dtype == torch.float8_e4m3fn and attention_backend == "triton"
+            and torch.cuda.get_device_capability(device) < (8, 9)):
+        raise ValueError(f"Engine: kv_cache_dtype={name!r} is e4m3, which Triton converts only "
+                         f"on compute capability 8.9 and later (this GPU is "
+                         f"{torch.cuda.get_device_capability(device)}); use 'fp8_e5m2'")
+    return dtype
+
+
+def check_scales(x, k_cache, v_cache, k_scale, v_scale):
+    """The launchers' check: caches in x's dtype and no scales, or 8-bit ones with a scale each."""
+    if k_cache.dtype in FP8_DTYPES and k_cache.dtype == v_cache.dtype:
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            assert (s is not None and s.dtype == torch.float32 and s.numel() == 1
+                    and s.device == x.device), \
+                f"an 8-bit cache needs {name}: a one-element fp32 tensor on {x.device}"
+    else:
+        assert k_cache.dtype == v_cache.dtype == x.dtype, \
+            f"dtypes differ: q {x.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+        assert k_scale is None and v_scale is None, "scales go with 8-bit caches only"
+
+
+def quantize(x, scale, dtype):
+    """x as a cache of dtype stores it: 8-bit with scale (the scheme above), else a cast."""
+    if scale is None:
+        return x.to(dtype)
+    fmax = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
+
+
+def dequantize(x, scale, dtype):
+    """What a cache holds, in dtype: q * scale for an 8-bit cache."""
+    return x.to(dtype) if scale is None else x.to(dtype) * scale.to(dtype)
+
+
+def kv_scales(amax, dtype):
+    """The scales for K/V whose largest magnitude on the calibration is amax (a tensor)."""
+    scale = KV_SCALE_HEADROOM * amax.float() / torch.finfo(dtype).max
+    return torch.where(scale > 0, scale, 1.0)  # a layer of zeros: any scale stores them exactly
+
+
+@torch.no_grad()
+def calibrate_kv_scales(model, token_shape, dtype, use_triton, num_tokens=256):
+    """(2, n_layer) fp32 scales of an 8-bit cache of dtype for model (see above): num_tokens fixed
+    ids spread over the vocabulary, in sequences of at most max_seq_len, prefilled through the
+    model's own paged path into a cache of the model's dtype; amax per layer of what it stored.
+    token_shape: (2, n_layer, 1, n_kv_head, head_dim) of this rank (each rank calibrates its own
+    heads; the ranks run it together, so their collectives match)."""
+    config, param = model.config, next(model.parameters())
+    seq_len = min(num_tokens, config.max_seq_len)
+    num_seqs, device = -(-num_tokens // seq_len), param.device
+    # a prime stride walks the vocabulary in a fixed order, no two neighbours alike
+    ids = torch.arange(num_seqs * seq_len, device=device) * 7919 % config.vocab_size
+    cache = torch.zeros(*token_shape[:2], num_seqs, seq_len, *token_shape[3:], dtype=param.dtype,
+                        device=device)  # (2, n_layer, num_seqs, seq_len, nkv, hs): a block each
+    int32 = dict(dtype=torch.int32, device=device)
+    batch = SimpleNamespace(  # nanopaged's Batch: one block per sequence, the whole of it new
+        input_ids=ids, positions=torch.arange(seq_len, device=device).repeat(num_seqs),
+        slot_mapping=torch.arange(len(ids), device=device),
+        block_tables=torch.arange(num_seqs, **int32)[:, None],
+        seq_lens=torch.full((num_seqs,), seq_len, **int32),
+        cu_seqlens_q=torch.arange(0, len(ids) + 1, seq_len, **int32), max_q_len=seq_len,
+        logits_indices=torch.zeros(0, dtype=torch.long, device=device), use_triton=use_triton,
+        kv_scales=[{}] * config.n_layer)
+    with torch.inference_mode():
+        model(ids, batch, cache)
+    return kv_scales(cache.abs().amax(dim=(2, 3, 4, 5)), dtype)  # (2, n_layer)
+
+
+# -----------------------------------------------------------------------------
+# KV store: write the new tokens' K/V into their cache slots (quantized, for an 8-bit cache)
+
+
+@triton.jit
+def _round_to_fp8(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr):
+    """fp32 x (within fp8's range) rounded to nearest even onto fp8's grid, so the cast that
+    follows is exact: Triton's own fp32 -> fp8 casts round wrongly in places (the interpreter
+    drops the carry into the next binade, 31.98 -> 16 in e4m3, triton issue #8322; Ada's e4m3
+    goes through fp16 and pre-Ada e5m2 breaks ties away from zero, triton PR #11753)."""
+    drop: tl.constexpr = 23 - MANTISSA_BITS  # fp32 mantissa bits that fp8 lacks
+    bits = x.to(tl.int32, bitcast=True)  # the sign bit stays: |x| <= fmax never carries into it
+    bits = (bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) & ~((1 << drop) - 1)
+    normal = bits.to(tl.float32, bitcast=True)  # a carry out of the mantissa bumps the exponent
+    # below fp8's smallest normal its step is fixed: fp32 addition rounds onto it, to even
+    c: tl.constexpr = MIN_NORMAL * 2.0 ** (23 - MANTISSA_BITS)  # ulp(c) = fp8's subnormal step
+    tiny = (tl.abs(x) + c) - c
+    return tl.where(tl.abs(x) < MIN_NORMAL, tl.where(x < 0, -tiny, tiny), normal)
 
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     N_KV_HEAD: tl.constexpr, N_KV_HEAD_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANTISSA: tl.constexpr,
+    FP8_MIN_NORMAL: tl.constexpr,
 ):
     # one program per token: copy its (n_kv_head, head_dim) K and V rows into its slot
     token = tl.program_id(0).to(tl.int64)  # token * stride passes 2**31 at ~200k tokens a step
@@ -333,20 +457,27 @@ def _store_kv_kernel(
                   + h * stride_ch + d)
     k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(k_cache_ptr + cache_offs, k, mask=mask)
-    tl.store(v_cache_ptr + cache_offs, v, mask=mask)
+    if k_scale_ptr is not None:  # an 8-bit cache: quantize() in Triton
+        k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX, FP8_MAX)
+        k = _round_to_fp8(k, FP8_MANTISSA, FP8_MIN_NORMAL)
+        v = _round_to_fp8(v, FP8_MANTISSA, FP8_MIN_NORMAL)
+    tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=None):
+def store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=None, k_scale=None, v_scale=None):
     """Write k, v [num_tokens, n_kv_head, head_dim] into the caches at slot_mapping
     (slot = block_id * block_size + offset); a slot of -1 skips its token. On CUDA (or with
-    use_triton=True) a Triton kernel does it without the device->host sync of the torch op."""
+    use_triton=True) a Triton kernel does it without the device->host sync of the torch op.
+    An 8-bit cache comes with k_scale and v_scale, and stores quantize(k, k_scale), ..."""
     num_tokens, n_kv_head, head_dim = k.shape
     num_blocks, block_size = k_cache.shape[:2]
     assert v.shape == k.shape and slot_mapping.shape == (num_tokens,), \
         "k, v [T, n_kv_head, D], slot_mapping [T]"
     assert k_cache.shape == v_cache.shape == (num_blocks, block_size, n_kv_head, head_dim), \
         "caches do not match k"
+    check_scales(k, k_cache, v_cache, k_scale, v_scale)
     if use_triton is None:
         use_triton = k.is_cuda
     if not use_triton:
@@ -354,25 +485,29 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=None):
         if (slots < 0).any():
             keep = slots >= 0
             slots, k, v = slots[keep], k[keep], v[keep]
-        # one row per slot: view, not reshape, so a cache that is not contiguous over
-        # (block, slot) fails loudly
-        k_cache.view(num_blocks * block_size, n_kv_head, head_dim).index_copy_(
-            0, slots, k.to(k_cache.dtype))
-        v_cache.view(num_blocks * block_size, n_kv_head, head_dim).index_copy_(
-            0, slots, v.to(v_cache.dtype))
+        for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+            x = quantize(x, scale, cache.dtype)
+            if scale is not None:  # index_copy_ has no fp8 kernel on the CPU: copy the bytes
+                x, cache = x.view(torch.uint8), cache.view(torch.uint8)
+            # one row per slot: view, not reshape, so a cache that is not contiguous over
+            # (block, slot) fails loudly
+            cache.view(num_blocks * block_size, n_kv_head, head_dim).index_copy_(0, slots, x)
         return
     assert k.stride(2) == v.stride(2) == k_cache.stride(3) == 1, "head_dim must be contiguous"
     assert k_cache.stride() == v_cache.stride() and slot_mapping.is_contiguous()
     if num_tokens == 0:
         return
+    fp8 = torch.finfo(k_cache.dtype if k_scale is not None else torch.float8_e4m3fn)  # or unused
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         N_KV_HEAD=n_kv_head, N_KV_HEAD_PAD=triton.next_power_of_2(n_kv_head),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
+        FP8_MAX=fp8.max, FP8_MANTISSA=round(-math.log2(fp8.eps)),  # 3 for e4m3, 2 for e5m2
+        FP8_MIN_NORMAL=fp8.smallest_normal,
     )
 
 
@@ -393,15 +528,17 @@ def _buffer(name, shape, like):
     return _buffers[key][:numel].view(shape)
 
 
-def _gather_kv(k_cache, v_cache, block_table, positions):
+def _gather_kv(k_cache, v_cache, block_table, positions, scales, dtype):
     """K and V at positions [B, L] of the B sequences whose block tables are block_table
-    [B, max_blocks], each returned as a [B, n_kv_head, L, head_dim] view for attention."""
+    [B, max_blocks], each returned as a [B, n_kv_head, L, head_dim] view for attention, in dtype
+    (dequantized with scales, (k_scale, v_scale), for an 8-bit cache)."""
     block_size, n_kv_head, head_dim = k_cache.shape[1:]
     blocks = block_table.gather(1, positions // block_size).long()                 # (B, L)
     slots = (blocks * block_size + positions % block_size).flatten()              # (B*L,)
     rows = (len(slots), n_kv_head, head_dim)
     k = torch.index_select(k_cache.flatten(0, 1), 0, slots, out=_buffer("k", rows, k_cache))
     v = torch.index_select(v_cache.flatten(0, 1), 0, slots, out=_buffer("v", rows, v_cache))
+    k, v = (dequantize(x, s, dtype) for x, s in zip((k, v), scales))
     shape = (*positions.shape, n_kv_head, head_dim)                               # (B, L, nkv, D)
     return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)  # (B, nkv, L, D) each
 
@@ -415,18 +552,23 @@ def _attend(q, k, v, mask, scale):
 
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                          max_q_len=None, decode_attention=None):
+                          max_q_len=None, decode_attention=None, k_scale=None, v_scale=None):
     """paged_attention in plain torch: the decoding sequences (q_len == 1) in one batched call,
     then one call per sequence with more new tokens. Accepts float64 (the tests run models in
     it). max_q_len is accepted for the same signature; this path reads the lengths on the host.
     K/V are gathered only from positions < seq_len, so unused slots (even NaN) are never read.
     decode_attention: a function (q, k_cache, v_cache, block_tables, seq_lens, scale) of the
-    decoding rows alone that replaces the batched call (paged_attention_flex, opt-in)."""
+    decoding rows alone that replaces the batched call (paged_attention_flex, opt-in).
+    An 8-bit cache comes with k_scale and v_scale: what is gathered is dequantized to q's dtype."""
     n_head, head_dim = q.shape[1:]
     n_kv_head = k_cache.shape[2]
     group = n_head // n_kv_head
     assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim
     assert n_head % n_kv_head == 0, "n_head must be a multiple of n_kv_head"
+    check_scales(q, k_cache, v_cache, k_scale, v_scale)
+    if decode_attention is not None and k_scale is not None:
+        raise ValueError("paged_attention_flex reads the cache in place: it takes no 8-bit cache")
+    scales = (k_scale, v_scale)
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
@@ -445,7 +587,8 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
             ctx = seq_lens.index_select(0, idx).long()[:, None]                   # (B, 1)
             pos = torch.arange(max(lens[i] for i in decode), device=q.device)[None]  # (1, L)
             # positions past a sequence's end re-read its last token: real values, masked below
-            k, v = _gather_kv(k_cache, v_cache, tables, torch.minimum(pos, ctx - 1))
+            k, v = _gather_kv(k_cache, v_cache, tables, torch.minimum(pos, ctx - 1), scales,
+                               q.dtype)
             q_dec = q.index_select(0, rows).view(len(decode), n_kv_head, group, head_dim)
             o = _attend(q_dec, k, v, (pos < ctx)[:, None, None, :], scale)       # (B, nkv, G, D)
             out.index_copy_(0, rows, o.reshape(len(decode), n_head, head_dim).to(q.dtype))
@@ -454,7 +597,8 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
         if q_len <= 1:
             continue
         pos = torch.arange(lens[i], device=q.device)                              # (L,)
-        k, v = _gather_kv(k_cache, v_cache, block_tables[i : i + 1], pos[None])   # (1, nkv, L, D)
+        k, v = _gather_kv(k_cache, v_cache, block_tables[i : i + 1], pos[None], scales,
+                          q.dtype)                                            # (1, nkv, L, D)
         q_seq = q[cu[i] : cu[i + 1]].view(q_len, n_kv_head, group, head_dim)
         q_seq = q_seq.permute(1, 2, 0, 3).reshape(1, n_kv_head, group * q_len, head_dim)
         # causal: new token j sits at position L - q_len + j and sees positions 0..that

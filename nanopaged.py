@@ -824,6 +824,7 @@ class Batch:
     max_q_len: int                # longest run of new tokens, so the kernel needs no host sync
     logits_indices: torch.Tensor  # (R,) int64, rows whose next-token logits we need
     use_triton: bool = False      # the Triton kernel, or the plain-torch paged path
+    kv_scales: list = None        # per layer: {} or an 8-bit cache's {k_scale, v_scale} (kernel.py)
 
 
 def rope_cos_sin(config, positions, dtype):
@@ -876,11 +877,11 @@ class CausalSelfAttention(nn.Module):
             return all_reduce(self.c_proj(y.transpose(1, 2).flatten(2)))
         # paged (T, C): first write the new K/V into their slots, then every new token attends
         # to its sequence's whole context, gathered block by block through the block table
-        k_cache, v_cache = kv_cache                           # (num_blocks, block_size, nkv, hs)
-        store_kv(k, v, k_cache, v_cache, batch.slot_mapping, use_triton=batch.use_triton)
+        k_cache, v_cache, scales = kv_cache                   # (num_blocks, block_size, nkv, hs)
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping, use_triton=batch.use_triton, **scales)
         attention = paged_attention if batch.use_triton else paged_attention_torch
         y = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
-                      self.scale, max_q_len=batch.max_q_len)  # (T, nh, hs)
+                      self.scale, max_q_len=batch.max_q_len, **scales)  # (T, nh, hs)
         return all_reduce(self.c_proj(y.flatten(1)))
 
 
@@ -964,7 +965,8 @@ class GPT(nn.Module):
                     self.config, torch.arange(self.config.max_seq_len, device=x.device), x.dtype)
             rope = [t[pos] for t in self.rope_table[key]]
         for i, block in enumerate(self.transformer.h):
-            x = block(x, batch, None if batch is None else (kv_cache[0, i], kv_cache[1, i]), rope)
+            kv = None if batch is None else (kv_cache[0, i], kv_cache[1, i], batch.kv_scales[i])
+            x = block(x, batch, kv, rope)  # kv: this layer's K and V caches and their scales
         if batch is not None:
             x = x[batch.logits_indices]  # the LM head is the widest matmul: only where we sample
         return self.lm_head(self.transformer.ln_f(x))
@@ -1095,8 +1097,7 @@ def kv_block_shape(config, block_size):
 
 class ModelRunner:
 
-    def __init__(self, model, num_blocks, num_cpu_blocks, block_size, use_triton, device):
-        dtype = next(model.parameters()).dtype
+    def __init__(self, model, num_blocks, num_cpu_blocks, block_size, use_triton, device, dtype):
         self.model = model
         self.block_size = block_size
         self.use_triton = use_triton
@@ -1110,6 +1111,11 @@ class ModelRunner:
         # before the forward.
         self.cpu_kv_cache = torch.zeros(num_cpu_blocks, *shape, dtype=dtype,
                                         pin_memory=device.type == "cuda")
+        # an 8-bit cache's scales, fixed here once (kernel.py says how and why): (2, n_layer)
+        s = kernel.calibrate_kv_scales(model, shape[:2] + (1,) + shape[3:], dtype, use_triton) \
+            if dtype in kernel.FP8_DTYPES else None
+        self.kv_scales = [{} if s is None else dict(k_scale=s[0, i], v_scale=s[1, i])
+                          for i in range(model.config.n_layer)]
 
     def execute(self, out):
         """Copy the blocks out orders, then run its scheduled tokens. Returns the logits (R, V)
@@ -1167,7 +1173,7 @@ class ModelRunner:
         return Batch(tensor(input_ids), tensor(positions), tensor(slot_mapping), block_tables,
                      tensor(seq_lens, torch.int32), tensor(cu_seqlens_q, torch.int32),
                      max(n for _, n in scheduled), tensor(logits_indices + prompt_rows),
-                     self.use_triton)
+                     self.use_triton, self.kv_scales)
 
 
 # -----------------------------------------------------------------------------
@@ -1452,14 +1458,15 @@ class Engine:
                  num_cpu_blocks=None, preemption_mode="recompute", enable_prefix_caching=True,
                  max_num_seqs=256, max_num_batched_tokens=2048, device=None,
                  attention_backend=None, swap_space=4, allocator_cls=None, scheduler_cls=None,
-                 scheduling_policy="fcfs", eviction_policy="lru"):
-        device, attention_backend = check_engine_settings(
+                 scheduling_policy="fcfs", eviction_policy="lru", kv_cache_dtype="auto"):
+        device, attention_backend, dtype = check_engine_settings(
             model, device, attention_backend, preemption_mode, enable_prefix_caching, swap_space,
+            kv_cache_dtype,
             scheduling_policy=scheduling_policy, eviction_policy=eviction_policy,
             block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             num_cpu_blocks=num_cpu_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens)
-        config, dtype = model.config, next(model.parameters()).dtype
+        config = model.config  # dtype: the KV cache's (kv_cache_dtype "fp8": half the bytes)
         self.model = model.to(device).eval()
         self.config = config
         self.device = device
@@ -1489,7 +1496,7 @@ class Engine:
             allocator, max_num_seqs, max_num_batched_tokens, preemption_mode,
             scheduling_policy=scheduling_policy)
         self.model_runner = ModelRunner(self.model, num_blocks, num_cpu_blocks, block_size,
-                                        attention_backend == "triton", device)
+                                        attention_backend == "triton", device, dtype)
         self.kv_cache = self.model_runner.kv_cache  # (2, n_layer, num_blocks, block_size, nkv, hs)
         self.requests = {}  # request_id -> SequenceGroup, until it finishes or is aborted
         self.request_ids = itertools.count()
@@ -1645,10 +1652,10 @@ class Engine:
 
 
 def check_engine_settings(model, device, attention_backend, preemption_mode,
-                          enable_prefix_caching, swap_space, scheduling_policy, eviction_policy,
-                          **counts):
+                          enable_prefix_caching, swap_space, kv_cache_dtype, scheduling_policy,
+                          eviction_policy, **counts):
     """Raise ValueError for engine settings that cannot work, naming the setting and its range.
-    Returns the torch.device and the attention backend, their defaults filled in."""
+    Returns the torch.device, the attention backend and the KV cache's dtype, defaults filled in."""
     try:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except (RuntimeError, TypeError):
@@ -1690,7 +1697,8 @@ def check_engine_settings(model, device, attention_backend, preemption_mode,
         raise ValueError(f"Engine: the Triton kernel takes head sizes {kernel.HEAD_DIMS} in "
                          f"{kernel.DTYPES}; this model has head size {config.head_dim} in {dtype} "
                          f"(attention_backend='torch' takes any)")
-    return device, attention_backend
+    return device, attention_backend, kernel.check_kv_cache_dtype(kv_cache_dtype, dtype, device,
+                                                                  attention_backend)
 
 
 def check_request(prompt, params, priority, config, scheduler, allocator):
@@ -1758,6 +1766,7 @@ def engine_stats(engine):
     num_used = a.num_blocks - a.num_free_blocks
     return dict(
         num_blocks=a.num_blocks, num_free_blocks=a.num_free_blocks,
+        kv_cache_dtype=str(engine.kv_cache.dtype).removeprefix("torch."),
         num_cached_blocks=sum(1 for b in a.free_keys if a.blocks[b].hash is not None),
         num_cpu_blocks=len(a.cpu_ref_count), num_free_cpu_blocks=len(a.cpu_free_block_ids),
         num_running=len(running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
