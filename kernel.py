@@ -346,7 +346,7 @@ def check_kv_cache_dtype(name, model_dtype, device, attention_backend):
         raise ValueError(f"Engine: kv_cache_dtype must be one of "
                          f"{['auto', *KV_CACHE_DTYPES]}, got {name!r}")
     dtype = model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
-    if (dtype == torch.float8_e4m3fn and attention_backend == "triton"
+    if (dtype == torch.float8_e4m3fn and attention_backend == "triton" and device.type == "cuda"
             and torch.cuda.get_device_capability(device) < (8, 9)):
         raise ValueError(f"Engine: kv_cache_dtype={name!r} is e4m3, which Triton converts only "
                          f"on compute capability 8.9 and later (this GPU is "

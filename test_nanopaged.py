@@ -53,11 +53,14 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfl
 @st.composite
 def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, min_seqs=1,
                   long_prefills=0, head_dims=HEAD_DIMS, block_sizes=(1, 3, 4, 5, 16),
-                  groups=(1, 2, 3, 4, 8)):
+                  groups=(1, 2, 3, 4, 8), cache_dtypes=(None,)):
     """A packed batch of sequences in a paged cache, and the same K/V laid out contiguously.
     Tables are shuffled, later sequences may share a prefix of sequence 0's blocks (as after
     a fork or a prefix-cache hit), and every cache slot no sequence uses holds NaN.
-    long_prefills: that many more sequences, prefilling 2-4x max_seq_len tokens, anywhere."""
+    long_prefills: that many more sequences, prefilling 2-4x max_seq_len tokens, anywhere.
+    cache_dtypes: None (q's dtype) or 8-bit ones: the cache is quantized with per-batch scales
+    from its amax times 0.5-2 (k_scale, v_scale in the batch), k and v are what it holds
+    dequantized to q's dtype, and k_full, v_full what was quantized."""
     num_seqs = draw(st.integers(min_seqs, max_seqs))
     block_size = draw(st.sampled_from(block_sizes))
     n_kv_head = draw(st.sampled_from([1, 2]))
@@ -111,18 +114,40 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, 
             v_ctx.append(v_cache[b, o])
     q = torch.randn(sum(q_lens), n_kv_head * group, head_dim, generator=g).to(dtype)
     cu_seqlens_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    k, v = torch.stack(k_ctx), torch.stack(v_ctx)
+    scales, cache_dtype = {}, draw(st.sampled_from(cache_dtypes))
+    if cache_dtype is not None:  # an 8-bit cache: unused slots stay NaN (clamp keeps NaN)
+        for name, x in (("k", k), ("v", v)):
+            scales[name] = kernel.kv_scales(x.abs().amax() * draw(st.sampled_from([0.5, 1, 2])),
+                                            cache_dtype)
+        # the quantized cache, and the contiguous copy of what it holds, dequantized
+        k_cache, v_cache = (kernel.quantize(c, scales[n], cache_dtype)
+                            for c, n in ((k_cache, "k"), (v_cache, "v")))
+        full = dict(k_full=k.to(DEVICE), v_full=v.to(DEVICE))
+        k, v = (kernel.dequantize(kernel.quantize(x, scales[n], cache_dtype), scales[n], dtype)
+                for x, n in ((k, "k"), (v, "v")))
     def to(t):
         return t.to(DEVICE)
     return dict(
         q=to(q), k_cache=to(k_cache), v_cache=to(v_cache), block_tables=to(block_tables),
         seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)), cu_seqlens_q=to(cu_seqlens_q),
-        scale=head_dim**-0.5, k=to(torch.stack(k_ctx)), v=to(torch.stack(v_ctx)),
+        scale=head_dim**-0.5, k=to(k), v=to(v),
+        **({} if cache_dtype is None else dict(
+            k_scale=to(scales["k"]), v_scale=to(scales["v"]), **full)),
     )
+
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def paged_args(b):
     return (b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"],
             b["cu_seqlens_q"], b["scale"])
+
+
+def scales(b):
+    """An 8-bit batch's k_scale and v_scale, as keyword arguments (none for a 16/32-bit one)."""
+    return {name: b[name] for name in ("k_scale", "v_scale") if name in b}
 
 
 def reference(b):
@@ -149,26 +174,28 @@ def test_triton_matches_naive(b, num_splits, pass_max_q_len):
     assert_close(out, reference(b))
 
 
-@settings(max_examples=15, deadline=None)
-@given(paged_batches(dtypes=[torch.float32], max_seqs=2, max_seq_len=300, decode_only=True),
+@settings(max_examples=18, deadline=None)
+@given(paged_batches(dtypes=[torch.float32], max_seqs=2, max_seq_len=300, decode_only=True,
+                     cache_dtypes=(None, None, *FP8)),
        st.integers(2, 64))
 def test_split_kv_agrees_with_one_split(b, num_splits):
     # the split path must give the same result as one program per sequence, including
-    # splits left empty because the context is shorter than num_splits tiles
-    one = paged_attention(*paged_args(b), max_q_len=1, num_splits=1)
-    split = paged_attention(*paged_args(b), max_q_len=1, num_splits=num_splits)
+    # splits left empty because the context is shorter than num_splits tiles (8-bit caches too)
+    one = paged_attention(*paged_args(b), max_q_len=1, num_splits=1, **scales(b))
+    split = paged_attention(*paged_args(b), max_q_len=1, num_splits=num_splits, **scales(b))
     assert_close(split, one)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(paged_batches(dtypes=[torch.float32, torch.float16, torch.bfloat16], min_seqs=8, max_seqs=24,
-                     max_seq_len=60, long_prefills=2, head_dims=(16, 32, 64, 80)),
+                     max_seq_len=60, long_prefills=2, head_dims=(16, 32, 64, 80),
+                     cache_dtypes=(None, None, *FP8)),
        st.integers(1, 64))
 def test_triton_mixed_batches_many_decodes_few_long_prefills(b, num_splits):
     # the engine's usual step: the decode launch (split or not) and the prefill launch, whose
     # query tiles are numbered across sequences, each take their own rows and only those
     max_q_len = int(b["cu_seqlens_q"].diff().max())
-    out = paged_attention(*paged_args(b), max_q_len=max_q_len, num_splits=num_splits)
+    out = paged_attention(*paged_args(b), max_q_len=max_q_len, num_splits=num_splits, **scales(b))
     assert_close(out, reference(b))
 
 
@@ -176,6 +203,79 @@ def test_triton_mixed_batches_many_decodes_few_long_prefills(b, num_splits):
 @given(paged_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16]))
 def test_torch_path_matches_naive(b):
     assert_close(paged_attention_torch(*paged_args(b)), reference(b))
+
+
+# 8-bit caches (kernel.py's scheme): both paths read what the cache holds, dequantized to q's
+# dtype, as naive attention over those K/V does, within q's dtype's tolerance
+
+
+@settings(max_examples=25, deadline=None)
+@given(paged_batches(dtypes=[torch.float32, torch.float16, torch.bfloat16], cache_dtypes=FP8),
+       st.sampled_from([None, 1, 2, 3]))
+def test_triton_reads_an_8bit_cache_as_naive_attention_over_what_it_holds(b, num_splits):
+    out = paged_attention(*paged_args(b), num_splits=num_splits, **scales(b))
+    assert_close(out, reference(b))
+
+
+@settings(max_examples=100, deadline=None)
+@given(paged_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16], cache_dtypes=FP8))
+def test_torch_path_reads_an_8bit_cache_as_naive_attention_over_what_it_holds(b):
+    assert_close(paged_attention_torch(*paged_args(b), **scales(b)), reference(b))
+
+
+def fp8_error(dtype, scale):
+    """(eps, eta): an 8-bit cache stores x as x' with |x' - x| <= eps |x| + eta. Round to nearest:
+    half a step, relative 2**-4 (e4m3, 3 mantissa bits) or 2**-3 (e5m2); below the smallest
+    normal the step is fixed, and eta is half of it, times the scale."""
+    f = torch.finfo(dtype)
+    return f.eps / 2, f.smallest_normal * f.eps / 2 * float(scale)
+
+
+@settings(max_examples=60, deadline=None)
+@given(paged_batches(dtypes=[torch.float64, torch.float32], cache_dtypes=FP8))
+def test_an_8bit_cache_moves_attention_within_its_documented_bound(b):
+    # The bound (README): every K element off by <= eps|k| + eta moves a score q.k * scale by at
+    # most delta = scale * sum_d |q_d| (eps max|k_d| + eta); softmax weights then move by a factor
+    # within exp(+-delta) each, their sum of changes by <= exp(2 delta) - 1; V's own error adds
+    # eps max|v| + eta. So |out - out_full| <= eps max|v| + eta + (exp(2 delta) - 1) max|v|.
+    q, dtype = b["q"], b["k_cache"].dtype
+    group = q.shape[1] // b["k"].shape[1]
+    (eps, eta_k), (_, eta_v) = fp8_error(dtype, b["k_scale"]), fp8_error(dtype, b["v_scale"])
+    k_max = b["k_full"].abs().amax(0).repeat_interleave(group, 0)                   # (nh, D)
+    v_max = b["v_full"].abs().amax((0, 2)).repeat_interleave(group, 0)             # (nh,)
+    delta = b["scale"] * (q.abs() * (eps * k_max + eta_k)).sum(-1)                 # (T, nh)
+    bound = eps * v_max + eta_v + torch.expm1(2 * delta) * v_max + TOL[q.dtype]    # (T, nh)
+    full = naive_attention(q, b["k_full"], b["v_full"], b["cu_seqlens_q"], b["seq_lens"],
+                           b["scale"])
+    error = (paged_attention_torch(*paged_args(b), **scales(b)) - full).abs().amax(-1)
+    assert (error <= bound).all(), f"error {error.max():.3g} past the bound {bound.min():.3g}"
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(FP8), st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       st.integers(-2, 4), st.booleans(), st.integers(0, 2**31))
+def test_an_8bit_cache_round_trips_kv_up_to_1e4_within_fp8s_relative_error(
+        cache_dtype, dtype, top, use_triton, seed):
+    # K/V whose magnitudes spread over seven decades up to 10**top (1e4 at most), scaled as the
+    # engine's calibration scales them (amax, KV_SCALE_HEADROOM); a last token at 3x the
+    # headroom saturates at +-fmax * scale instead of turning into inf or NaN
+    g = torch.Generator().manual_seed(seed)
+    decades = torch.rand(17, 2, 32, generator=g) * 7                                # (T, nkv, D)
+    x = (torch.randn(17, 2, 32, generator=g).sign() * 10.0 ** (top - decades)).to(dtype)
+    amax = x[:16].abs().amax()
+    x[16] = 3 * kernel.KV_SCALE_HEADROOM * amax * x[16].sign()
+    caches = [torch.zeros(5, 4, 2, 32, dtype=cache_dtype, device=DEVICE) for _ in range(2)]
+    scale = kernel.kv_scales(amax, cache_dtype).to(DEVICE)
+    x = x.to(DEVICE)
+    store_kv(x, -x, *caches, torch.arange(17, device=DEVICE), use_triton=use_triton,
+             k_scale=scale, v_scale=scale)
+    eps, eta = fp8_error(cache_dtype, scale)
+    for sign, cache in zip((1, -1), caches):
+        back = kernel.dequantize(cache.flatten(0, 1)[:17], scale, torch.float32)  # (T, nkv, D)
+        want = sign * x.float()
+        assert (back[:16] - want[:16]).abs().le(eps * want[:16].abs() + eta).all()
+        fmax = torch.finfo(cache_dtype).max
+        assert torch.equal(back[16], want[16].sign() * fmax * scale)
 
 
 @settings(max_examples=8, deadline=None)
@@ -191,10 +291,11 @@ def test_flex_decode_matches_naive(b):
 @settings(max_examples=50, deadline=None)
 @given(
     st.integers(1, 6), st.integers(1, 5), st.integers(1, 3), st.sampled_from([16, 80]),
-    st.sampled_from([torch.float32, torch.bfloat16]), st.booleans(), st.data(),
+    st.sampled_from([torch.float32, torch.bfloat16]), st.booleans(),
+    st.sampled_from([None, None, *FP8]), st.data(),
 )
 def test_store_kv_writes_exactly_the_given_slots(
-    num_blocks, block_size, n_kv_head, head_dim, dtype, use_triton, data
+    num_blocks, block_size, n_kv_head, head_dim, dtype, use_triton, cache_dtype, data
 ):
     num_slots = num_blocks * block_size
     slots = data.draw(st.lists(st.integers(0, num_slots - 1), max_size=num_slots, unique=True))
@@ -205,17 +306,24 @@ def test_store_kv_writes_exactly_the_given_slots(
     qkv = torch.randn(len(slots), 3, n_kv_head, head_dim, device=DEVICE).to(dtype)
     k, v = qkv[:, 1], qkv[:, 2]
     k_cache = torch.full((num_blocks, block_size, n_kv_head, head_dim), float("nan"), device=DEVICE,
-                         dtype=dtype)
+                         dtype=dtype).to(cache_dtype or dtype)
     v_cache = k_cache.clone()
-    store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=use_triton)
+    # an 8-bit cache: scales that put k, v anywhere in fp8's range, up to saturation
+    kv_scales = {} if cache_dtype is None else {
+        name: kernel.kv_scales(x.abs().amax() if len(x) else torch.ones(()),
+                               cache_dtype) * data.draw(st.sampled_from([0.1, 0.5, 1.0, 30.0]))
+        for name, x in (("k_scale", k), ("v_scale", v))}
+    store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=use_triton, **kv_scales)
+    k_want, v_want = (kernel.quantize(x, kv_scales.get(n), k_cache.dtype).view(torch.uint8)
+                      for x, n in ((k, "k_scale"), (v, "v_scale")))  # the bytes (bitwise: fp8)
     written = torch.zeros(num_slots, dtype=torch.bool, device=DEVICE)
     for i, s in enumerate(slots):
         if s >= 0:
             written[s] = True
-            assert torch.equal(k_cache.flatten(0, 1)[s], k[i]) and \
-                torch.equal(v_cache.flatten(0, 1)[s], v[i])
-    assert k_cache.flatten(0, 1)[~written].isnan().all() and \
-        v_cache.flatten(0, 1)[~written].isnan().all()
+            assert torch.equal(k_cache.flatten(0, 1)[s].view(torch.uint8), k_want[i]) and \
+                torch.equal(v_cache.flatten(0, 1)[s].view(torch.uint8), v_want[i])
+    assert k_cache.flatten(0, 1)[~written].float().isnan().all() and \
+        v_cache.flatten(0, 1)[~written].float().isnan().all()
 
 
 def small_batch(head_dim=64, dtype=torch.float32):
