@@ -387,10 +387,11 @@ def kv_scales(amax, dtype):
 
 
 @torch.no_grad()
-def calibrate_kv_scales(model, token_shape, dtype, use_triton, num_tokens=256):
+def calibrate_kv_scales(model, token_shape, dtype, num_tokens=256):
     """(2, n_layer) fp32 scales of an 8-bit cache of dtype for model (see above): num_tokens fixed
     ids spread over the vocabulary, in sequences of at most max_seq_len, prefilled through the
     model's own paged path into a cache of the model's dtype; amax per layer of what it stored.
+    The torch path, whatever the engine's backend, so the scales depend on the model alone.
     token_shape: (2, n_layer, 1, n_kv_head, head_dim) of this rank (each rank calibrates its own
     heads; the ranks run it together, so their collectives match)."""
     config, param = model.config, next(model.parameters())
@@ -407,7 +408,7 @@ def calibrate_kv_scales(model, token_shape, dtype, use_triton, num_tokens=256):
         block_tables=torch.arange(num_seqs, **int32)[:, None],
         seq_lens=torch.full((num_seqs,), seq_len, **int32),
         cu_seqlens_q=torch.arange(0, len(ids) + 1, seq_len, **int32), max_q_len=seq_len,
-        logits_indices=torch.zeros(0, dtype=torch.long, device=device), use_triton=use_triton,
+        logits_indices=torch.zeros(0, dtype=torch.long, device=device), use_triton=False,
         kv_scales=[{}] * config.n_layer)
     with torch.inference_mode():
         model(ids, batch, cache)

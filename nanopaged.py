@@ -1112,7 +1112,7 @@ class ModelRunner:
         self.cpu_kv_cache = torch.zeros(num_cpu_blocks, *shape, dtype=dtype,
                                         pin_memory=device.type == "cuda")
         # an 8-bit cache's scales, fixed here once (kernel.py says how and why): (2, n_layer)
-        s = kernel.calibrate_kv_scales(model, shape[:2] + (1,) + shape[3:], dtype, use_triton) \
+        s = kernel.calibrate_kv_scales(model, shape[:2] + (1,) + shape[3:], dtype) \
             if dtype in kernel.FP8_DTYPES else None
         self.kv_scales = [{} if s is None else dict(k_scale=s[0, i], v_scale=s[1, i])
                           for i in range(model.config.n_layer)]

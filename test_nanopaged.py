@@ -938,16 +938,69 @@ def test_greedy_paged_generation_equals_naive_generation(mix, name):
     assert_all_blocks_free(engine)
 
 
+def greedy_reference(model, prompts, max_tokens, kv_cache_dtype="auto"):
+    """What greedy generation must give: naive generation; with an 8-bit cache (whose rounding
+    naive attention does not do), each prompt alone in an engine of ample blocks, no sharing."""
+    if kv_cache_dtype == "auto":
+        return [naive_greedy(model, p, max_tokens) for p in prompts]
+    return [list(_alone(model, tuple(p), max_tokens, kv_cache_dtype)) for p in prompts]
+
+
+@functools.lru_cache(maxsize=None)
+def _alone(model, prompt, max_tokens, kv_cache_dtype):
+    engine = Engine(model, block_size=16, num_blocks=32, enable_prefix_caching=False,
+                    kv_cache_dtype=kv_cache_dtype)
+    out = engine.generate([list(prompt)], SamplingParams(max_tokens=max_tokens, temperature=0))
+    return tuple(out[0].outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_tight_pool_forces_preemption_and_outputs_do_not_change(mode):
+def test_tight_pool_forces_preemption_and_outputs_do_not_change(mode, kv_cache_dtype):
     prompts = [[(7 * i + j) % 32 for j in range(5 + 3 * i)] for i in range(8)]
-    engine = Engine(MODEL, block_size=4, num_blocks=16, preemption_mode=mode)
+    engine = Engine(MODEL, block_size=4, num_blocks=16, preemption_mode=mode,
+                    kv_cache_dtype=kv_cache_dtype)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
     assert engine.stats()["num_preemptions"] > 0
     assert any(o.num_preemptions for o in outputs)
     assert [o.outputs[0].token_ids for o in outputs] == \
-        [naive_greedy(MODEL, p, 24) for p in prompts]
+        greedy_reference(MODEL, prompts, 24, kv_cache_dtype)
     assert_all_blocks_free(engine)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(request_mixes(), st.sampled_from(["gpt2", "llama"]), st.sampled_from(["fp8", "fp8_e5m2"]))
+def test_greedy_generation_with_an_8bit_cache_does_not_depend_on_how_it_is_served(
+        mix, name, kv_cache_dtype):
+    # sharing, chunking, preemption (both modes), prefix caching and batch-mates change where
+    # and when a token's K/V are stored, never what: the scales are fixed, so the tokens are
+    # those of each request alone
+    prompts, max_tokens, priorities, engine_args = mix
+    engine = Engine(MODELS[name], kv_cache_dtype=kv_cache_dtype, **engine_args)
+    params = [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens]
+    outputs = engine.generate(prompts, params, priority=priorities)
+    for prompt, m, out in zip(prompts, max_tokens, outputs):
+        assert out.outputs[0].token_ids == greedy_reference(MODELS[name], [prompt], m,
+                                                            kv_cache_dtype)[0]
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.float16])
+def test_an_8bit_cache_holds_twice_the_blocks_of_16_bits_and_4x_of_32_in_the_same_bytes(
+        model_dtype):
+    model = copy.deepcopy(MODEL).to(model_dtype)
+    budget = 1 << 20
+    engines = {d: Engine(model, block_size=16, num_blocks=None, kv_cache_bytes=budget,
+                         kv_cache_dtype=d) for d in ("auto", "fp8", "fp8_e5m2")}
+    blocks = {d: e.stats()["num_blocks"] for d, e in engines.items()}
+    per_block = 2 * 2 * 16 * 4 * 8  # K and V, 2 layers, 16 tokens, 4 heads of 8
+    assert blocks["auto"] == budget // (per_block * model_dtype.itemsize)
+    assert blocks["fp8"] == blocks["fp8_e5m2"] == model_dtype.itemsize * blocks["auto"]
+    for d, e in engines.items():
+        assert e.kv_cache.nbytes <= budget and e.kv_cache.nbytes == blocks[d] * per_block * \
+            e.kv_cache.dtype.itemsize
+        assert e.stats()["kv_cache_dtype"] == {"auto": str(model_dtype)[6:], "fp8": "float8_e4m3fn",
+                                               "fp8_e5m2": "float8_e5m2"}[d]
 
 
 def test_gqa_model_generates_like_naive():
@@ -1207,10 +1260,12 @@ def no_writes_into_shared_blocks(monkeypatch):
     return engines.append
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("model", [MODEL, LLAMA], ids=["gpt2", "llama"])
-def test_parallel_samples_equal_the_same_seeds_run_one_by_one(model, no_writes_into_shared_blocks):
+def test_parallel_samples_equal_the_same_seeds_run_one_by_one(model, kv_cache_dtype,
+                                                              no_writes_into_shared_blocks):
     prompt = list(range(1, 11))  # 2.5 blocks: two shared full blocks and a partial one to copy
-    engine = Engine(model, block_size=4, num_blocks=64)
+    engine = Engine(model, block_size=4, num_blocks=64, kv_cache_dtype=kv_cache_dtype)
     no_writes_into_shared_blocks(engine)
     params = SamplingParams(max_tokens=12, temperature=1.0, n=4, seed=42)
     request_id = engine.add_request(prompt, params)
@@ -1224,7 +1279,7 @@ def test_parallel_samples_equal_the_same_seeds_run_one_by_one(model, no_writes_i
     samples = [c.token_ids for c in outputs[request_id].outputs]
     singles = []
     for i in range(4):  # sample i alone: a request of one sample that draws as sample i
-        single = Engine(model, block_size=4, num_blocks=64)
+        single = Engine(model, block_size=4, num_blocks=64, kv_cache_dtype=kv_cache_dtype)
         only = single.add_request(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=42))
         single.requests[only].seqs[0].index = i
         singles += [o.outputs[0].token_ids for o in drain(single).values()]
@@ -1322,16 +1377,18 @@ def _from_pretrained64(path):
     return GPT.from_pretrained(path, dtype=torch.float64)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_beam_search_and_parallel_samples_survive_preemption(mode):
+def test_beam_search_and_parallel_samples_survive_preemption(mode, kv_cache_dtype):
     prompts = [[(5 * i + j) % 32 for j in range(6 + i)] for i in range(4)]
     params = [SamplingParams(max_tokens=10, beam_width=3),
               SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=7),
               SamplingParams(max_tokens=10, temperature=0),
               SamplingParams(max_tokens=10, beam_width=2)]
-    ample = Engine(MODEL, block_size=2, num_blocks=256).generate(prompts, params)
+    ample = Engine(MODEL, block_size=2, num_blocks=256,
+                   kv_cache_dtype=kv_cache_dtype).generate(prompts, params)
     engine = Engine(MODEL, block_size=2, num_blocks=27, preemption_mode=mode,
-                    max_num_batched_tokens=8)
+                    max_num_batched_tokens=8, kv_cache_dtype=kv_cache_dtype)
     tight = engine.generate(prompts, params)
     assert engine.stats()["num_preemptions"] > 0
     assert [[c.token_ids for c in o.outputs] for o in tight] == \
@@ -1339,15 +1396,17 @@ def test_beam_search_and_parallel_samples_survive_preemption(mode):
     assert_all_blocks_free(engine)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("model", [MODEL, LLAMA], ids=["gpt2", "llama"])
-def test_prefix_caching_on_and_off_give_identical_outputs(model, no_writes_into_shared_blocks):
+def test_prefix_caching_on_and_off_give_identical_outputs(model, kv_cache_dtype,
+                                                          no_writes_into_shared_blocks):
     system = [(11 * j) % 32 for j in range(13)]
     prompts = [system + [i, i + 1] for i in range(6)] + [system[:8], system]
     params = SamplingParams(max_tokens=6, temperature=0)
     results = {}
     for caching in (True, False):
         engine = Engine(model, block_size=4, num_blocks=64, enable_prefix_caching=caching,
-                        max_num_seqs=2)
+                        max_num_seqs=2, kv_cache_dtype=kv_cache_dtype)
         no_writes_into_shared_blocks(engine)
         results[caching] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
         hits = engine.stats()["prefix_cache_hit_tokens"]
@@ -1355,7 +1414,42 @@ def test_prefix_caching_on_and_off_give_identical_outputs(model, no_writes_into_
         assert_all_blocks_free(engine)
         assert engine.stats()["num_cached_blocks"] > 0 if caching else \
             engine.stats()["num_cached_blocks"] == 0
-    assert results[True] == results[False] == [naive_greedy(model, p, 6) for p in prompts]
+    assert results[True] == results[False] == greedy_reference(model, prompts, 6, kv_cache_dtype)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_copy_on_write_and_swap_move_8bit_blocks_byte_for_byte_and_scales_stay(mode):
+    # the scales are per layer and fixed: a block copy (copy-on-write, swap out, swap in) is
+    # its bytes and nothing else, and no step changes a scale
+    engine = Engine(MODEL, block_size=2, num_blocks=27, preemption_mode=mode,
+                    max_num_batched_tokens=8, kv_cache_dtype="fp8")
+    runner, moved = engine.model_runner, Counter()
+    scales = [{n: s.clone() for n, s in layer.items()} for layer in runner.kv_scales]
+    real_copy_blocks = runner.copy_blocks
+
+    def block(cache, b, on_cpu):  # (2, n_layer, block_size, nkv, hs) as bytes
+        return (cache[b] if on_cpu else cache[:, :, b]).view(torch.uint8).clone()
+
+    def copy_blocks(out):
+        moves = [(out.blocks_to_swap_out, False, True), (out.blocks_to_swap_in, True, False),
+                 (out.blocks_to_copy, False, False)]
+        caches = {False: runner.kv_cache, True: runner.cpu_kv_cache}
+        want = [(dst, to_cpu, block(caches[from_cpu], src, from_cpu))
+                for pairs, from_cpu, to_cpu in moves for src, dst in pairs]
+        real_copy_blocks(out)
+        for dst, to_cpu, data in want:
+            assert torch.equal(block(caches[to_cpu], dst, to_cpu), data)
+        moved.update(name for name, (pairs, _, _) in zip(("out", "in", "copy"), moves) if pairs)
+
+    runner.copy_blocks = copy_blocks
+    prompts = [[(5 * i + j) % 32 for j in range(6 + i)] for i in range(4)]
+    engine.generate(prompts, [SamplingParams(max_tokens=10, beam_width=3),
+                              SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=7),
+                              SamplingParams(max_tokens=10, temperature=0),
+                              SamplingParams(max_tokens=10, beam_width=2)])
+    assert moved["copy"] and (mode == "recompute" or moved["out"] and moved["in"]), moved
+    assert all(torch.equal(s[n], runner.kv_scales[i][n]) for i, s in enumerate(scales) for n in s)
+    assert_all_blocks_free(engine)
 
 
 def test_prompt_fully_in_the_cache_still_gets_its_next_token():
@@ -1763,6 +1857,9 @@ def test_a_batch_with_one_bad_prompt_is_rejected_whole():
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an integer >= 1, got 0"),
     (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False, got 'no'"),
     (dict(device="gpu"), "device must be like 'cpu', 'cuda' or 'cuda:1', got 'gpu'"),
+    (dict(kv_cache_dtype="int8"),
+     r"kv_cache_dtype must be one of \['auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'\], got 'int8'"),
+    (dict(kv_cache_dtype=torch.float8_e4m3fn), "kv_cache_dtype must be one of .* got torch"),
 ])
 def test_bad_engine_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -2448,6 +2545,46 @@ EngineMachine.TestCase.settings = settings(max_examples=150, stateful_step_count
 test_engine_state_machine = EngineMachine.TestCase
 
 
+def test_e4m3_on_a_gpu_before_sm_89_is_a_clear_error_naming_e5m2(monkeypatch):
+    # Triton converts e4m3 (fp8e4nv) from compute capability 8.9 on; e5m2 from 8.0
+    for capability, ok in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+        cuda = torch.device("cuda")
+        assert kernel.check_kv_cache_dtype("fp8_e5m2", torch.float16, cuda, "triton") == \
+            torch.float8_e5m2
+        if ok:
+            assert kernel.check_kv_cache_dtype("fp8", torch.float16, cuda, "triton") == \
+                torch.float8_e4m3fn
+        else:
+            with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' is e4m3.*use 'fp8_e5m2'"):
+                kernel.check_kv_cache_dtype("fp8", torch.float16, cuda, "triton")
+        assert kernel.check_kv_cache_dtype("fp8", torch.float16, cuda, "torch") == \
+            torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_engine_on_the_triton_kernel_with_an_8bit_cache_generates_like_the_torch_path(
+        kv_cache_dtype):
+    # the Triton store quantizes to the same bytes and the kernel reads them as the torch path
+    torch.manual_seed(3)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_kv_head=1, n_embd=32, vocab_size=32,
+                          max_seq_len=64))
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10] * 12]
+    engines = [Engine(model, block_size=4, num_blocks=24, attention_backend=backend,
+                      max_num_batched_tokens=10, kv_cache_dtype=kv_cache_dtype)
+               for backend in ("triton", "torch")]
+    assert torch.equal(engines[0].model_runner.kv_scales[1]["v_scale"],
+                       engines[1].model_runner.kv_scales[1]["v_scale"])
+    outputs = [e.generate(prompts, SamplingParams(max_tokens=6, temperature=0, logprobs=1))
+               for e in engines]
+    assert [o.outputs[0].token_ids for o in outputs[0]] == \
+        [o.outputs[0].token_ids for o in outputs[1]]
+    for a, b in zip(*outputs):
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob,
+                                                                abs=1e-4)
+    assert_all_blocks_free(engines[0])
+
+
 def test_engine_on_the_triton_kernel_generates_like_naive():
     # the engine's GPU path (Triton attention and KV store), here under the interpreter on a CPU
     torch.manual_seed(3)
@@ -2493,6 +2630,13 @@ def test_demo_serves_its_workload_and_reports_true_numbers(capsys, tmp_path):
     assert (tmp_path / "demo.png").stat().st_size > 10_000
 
 
+def test_demo_takes_the_kv_cache_dtype_from_the_command_line(capsys):
+    report = nanopaged.main(["--prompt", "def ", "--max-tokens", "4", "--temperature", "0",
+                             "--kv-cache-dtype", "fp8_e5m2"])
+    assert report["engine"].kv_cache.dtype == torch.float8_e5m2
+    assert "blocks x 16 tokens in float8_e5m2 on" in capsys.readouterr().out
+
+
 def test_demo_takes_the_policies_and_priorities_from_the_command_line(capsys):
     report = nanopaged.main(["--prompt", "def ", "--priority", "1", "--prompt", "class ",
                              "--priority", "0", "--max-tokens", "2", "--temperature", "0",
@@ -2520,6 +2664,7 @@ def test_demo_takes_the_policies_and_priorities_from_the_command_line(capsys):
     (["--scheduling-policy", "sjf"], r"scheduling_policy must be one of \['fcfs', 'priority'"),
     (["--eviction-policy", "fifo"], r"eviction_policy must be one of \['lfu', 'lru'\], got 'fifo'"),
     (["--prompt", "x", "--priority", "1", "--priority", "0"], "got 2 --priority for 1 prompts"),
+    (["--kv-cache-dtype", "int8"], "argument --kv-cache-dtype: invalid choice: 'int8'"),
 ])
 def test_demo_bad_flags_end_with_one_clear_line(flags, message):
     run = subprocess.run([sys.executable, "nanopaged.py", *flags], capture_output=True, text=True,
