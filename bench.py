@@ -731,16 +731,19 @@ class TargetDriver:
         return None
 
 
-def engine_step(dtype, head_dim, group, block_size, q_lens, contexts, n_kv_head=2, seed=SEED):
+def engine_step(dtype, head_dim, group, block_size, q_lens, contexts, n_kv_head=2, seed=SEED,
+                cache_dtype=None):
     """paged_attention's arguments on CPU tensors laid out as the engine lays them out: q a view
     of the fused qkv projection, the caches slices of one (2, n_layer, ...) tensor, shuffled
-    block tables padded with -1. For compiling and capturing launches: the caches are empty."""
+    block tables padded with -1. For compiling and capturing launches: the caches are empty.
+    cache_dtype: an 8-bit cache (its scales: kv_scale_args), or None for q's dtype."""
     g = torch.Generator().manual_seed(seed)
     n_head, max_blocks = n_kv_head * group, max(-(-c // block_size) for c in contexts)
     num_blocks = sum(-(-c // block_size) for c in contexts)
     qkv = torch.randn(sum(q_lens), (n_head + 2 * n_kv_head) * head_dim, generator=g).to(dtype)
     q = qkv[:, :n_head * head_dim].view(-1, n_head, head_dim)                    # (T, nh, D)
-    kv_cache = torch.empty(2, 2, num_blocks, block_size, n_kv_head, head_dim, dtype=dtype)  # unread
+    kv_cache = torch.empty(2, 2, num_blocks, block_size, n_kv_head, head_dim,
+                           dtype=cache_dtype or dtype)                            # unread
     ids = torch.randperm(num_blocks, generator=g).tolist()
     tables = []
     for c in contexts:
@@ -752,8 +755,15 @@ def engine_step(dtype, head_dim, group, block_size, q_lens, contexts, n_kv_head=
             torch.tensor(contexts, dtype=torch.int32), cu, head_dim**-0.5)
 
 
-def capture_launches(args, **kwargs):
-    """The Triton launches paged_attention(*args, **kwargs) makes, as (kernel, grid, args,
+def kv_scale_args(args):
+    """k_scale and v_scale for engine_step's args if its cache is 8-bit, as the engine's are."""
+    import kernel
+    one = torch.ones((), dtype=torch.float32)
+    return dict(k_scale=one, v_scale=one) if args[1].dtype in kernel.FP8_DTYPES else {}
+
+
+def capture_launches(args, launcher="paged_attention", **kwargs):
+    """The Triton launches kernel.<launcher>(*args, **kwargs) makes, as (kernel, grid, args,
     kwargs), captured instead of run: the launcher's real arguments, no GPU needed."""
     import kernel
     launches = []
@@ -765,12 +775,12 @@ def capture_launches(args, **kwargs):
         def __getitem__(self, grid):
             return lambda *a, **k: launches.append((self.fn, grid, a, k))
 
-    names = ("_paged_attention_kernel", "_merge_splits_kernel")
+    names = ("_paged_attention_kernel", "_merge_splits_kernel", "_store_kv_kernel")
     saved = [getattr(kernel, name) for name in names]
     try:
         for name, fn in zip(names, saved):
             setattr(kernel, name, Recorder(fn))
-        kernel.paged_attention(*args, **kwargs)
+        getattr(kernel, launcher)(*args, **kwargs)
     finally:
         for name, fn in zip(names, saved):
             setattr(kernel, name, fn)
@@ -831,33 +841,56 @@ def aot_compile(cc, fn, grid, args, kwargs):
     )
 
 
-def aot_config(cc, dtype, head_dim, group, block_size, step):
+def aot_config(cc, dtype, head_dim, group, block_size, step, cache_dtype=None):
     """Every distinct kernel one engine step of this shape launches, compiled for cc: a list
-    of aot_compile's rows, tagged with the configuration."""
+    of aot_compile's rows, tagged with the configuration. An 8-bit cache_dtype: its launches,
+    and the KV store's that quantizes into it."""
     q_lens, contexts, num_splits = AOT_STEPS[step]
-    args = engine_step(dtype, head_dim, group, block_size, q_lens, contexts)
+    args = engine_step(dtype, head_dim, group, block_size, q_lens, contexts,
+                       cache_dtype=cache_dtype)
+    scales = kv_scale_args(args)
+    launches = capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits, **scales)
+    if scales:  # k and v of the step's new tokens, as views of q's fused qkv like the engine's
+        k = torch.zeros(sum(q_lens), 3, *args[1].shape[2:], dtype=dtype)[:, 1]  # (T, nkv, D)
+        launches += capture_launches((k, k, args[1], args[2], torch.arange(sum(q_lens))),
+                                     launcher="store_kv", use_triton=True, **scales)
     rows = []
-    for fn, grid, a, k in capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits):
-        launch = ("merge" if fn.__name__ == "_merge_splits_kernel" else "prefill" if not k["DECODE"]
-                  else "split decode" if k["SPLIT_KV"] else "decode")
+    for fn, grid, a, k in launches:
+        launch = ("merge" if fn.__name__ == "_merge_splits_kernel" else
+                  "store" if fn.__name__ == "_store_kv_kernel" else
+                  "prefill" if not k["DECODE"] else "split decode" if k["SPLIT_KV"] else "decode")
         row = aot_compile(cc, fn, grid, a, k)
         rows.append(dict(sm=cc, dtype=str(dtype).replace("torch.", ""), head_dim=head_dim,
+                         cache=str(args[1].dtype).replace("torch.", ""),
                          group=group, block_size=block_size, step=step, launch=launch, **row))
     return rows
 
 
+# 8-bit caches Triton builds per target: e4m3 (fp8e4nv) needs compute capability 8.9 or later
+# (Triton's NVIDIA backend adds it to supported_fp8_dtypes only there), e5m2 compiles from 8.0
+AOT_FP8 = {80: (torch.float8_e5m2,), 86: (torch.float8_e5m2,),
+           90: (torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
 def aot_matrix(full=True):
     """The configurations the compile gate covers: every combination the issue names (full), or
-    a subset for CI that still takes every head size, dtype, group, block size, step and target."""
+    a subset for CI that still takes every head size, dtype, group, block size, step and target;
+    then the 8-bit caches each target supports (AOT_FP8), rotating through the same."""
     import itertools
     dtypes, head_dims, groups = (torch.float16, torch.bfloat16), (64, 80, 128, 256), (1, 4, 8)
+    fp8 = [(cc, c) for cc in AOT_GPUS for c in AOT_FP8[cc]]
     if full:
-        return list(itertools.product(AOT_GPUS, dtypes, head_dims, groups, (16, 32), AOT_STEPS))
+        return (list(itertools.product(AOT_GPUS, dtypes, head_dims, groups, (16, 32), AOT_STEPS))
+                + [(cc, dt, d, groups[i % 3], (16, 32)[i // 3 % 2], step, c) for i, ((cc, c), dt, d,
+                   step) in enumerate(itertools.product(fp8, dtypes, head_dims, AOT_STEPS))])
     # each target, dtype and head size; a plain decode step and a mixed step (split decode, merge
     # and prefill) give every kernel variant; groups and block sizes rotate through them
     combos = itertools.product(AOT_GPUS, dtypes, head_dims, ("decode", "mixed"))
-    return [(cc, dt, d, groups[i % 3], (16, 32)[i // 2 % 2], step)
-            for i, (cc, dt, d, step) in enumerate(combos)]
+    # 8-bit: each target's formats, in both dtypes, a mixed step each, head sizes rotating
+    return ([(cc, dt, d, groups[i % 3], (16, 32)[i // 2 % 2], step)
+             for i, (cc, dt, d, step) in enumerate(combos)]
+            + [(cc, dt, head_dims[(i + j) % 4], groups[i % 3], 16, "mixed", c)
+               for i, (cc, c) in enumerate(fp8) for j, dt in enumerate(dtypes)])
 
 
 def _aot_worker(config):
@@ -879,19 +912,23 @@ def bench_kernel_aot(full=True):
     seconds = time.perf_counter() - start
     binaries = {}  # the mixed step reuses the binaries of the others
     for r in rows:
-        binaries[r["sm"], r["dtype"], r["head_dim"], r["group"], r["block_size"], r["launch"]] = r
-    table = [[f"sm_{r['sm']}", r["dtype"], r["head_dim"], r["group"], r["block_size"], r["launch"],
+        binaries[r["sm"], r["dtype"], r["cache"], r["head_dim"], r["group"], r["block_size"],
+                 r["launch"]] = r
+    table = [[f"sm_{r['sm']}", r["dtype"], r["cache"], r["head_dim"], r["group"], r["block_size"],
+              r["launch"],
               r["num_warps"], r["regs"], r["spills"], f"{r['shared'] / 1024:.1f}",
               r["programs_per_sm"],
-              r["loop"] if r["launch"] != "merge" else "-", " ".join(r["mma"]) or "-"]
+              r["loop"] if r["launch"] not in ("merge", "store") else "-",
+              " ".join(r["mma"]) or "-"]
              for r in binaries.values()]
     print_table(f"--kernel --aot: paged attention compiled for GPUs this machine lacks, from the "
                 f"launches of engine-shaped steps ({len(rows)} launches, {len(table)} binaries, "
                 f"{seconds:.0f}s); loop = SASS instructions per warp per iteration of the K/V loop "
                 "(goal at sm_90, fp16, head_dim 128, group 4, decode: <= 300)",
-                ["GPU", "dtype", "head_dim", "group", "block", "launch", "warps", "regs", "spills",
+                ["GPU", "dtype", "cache", "head_dim", "group", "block", "launch", "warps", "regs",
+                 "spills",
                  "smem KiB", "programs/SM", "loop", "MMA"], table)
-    goal = binaries.get((90, "float16", 128, 4, 16, "decode"))
+    goal = binaries.get((90, "float16", "float16", 128, 4, 16, "decode"))
     return dict(seconds=seconds, binaries=len(table), spills=sum(r["spills"] for r in rows),
                 all_fit=all(r["fits"] for r in rows), max_regs=max(r["regs"] for r in rows),
                 goal=goal)

@@ -116,8 +116,11 @@ def _paged_attention_kernel(
         kv_mask = pos_mask[:, None] & d_mask[None, :]
         slot_offs = block * stride_cb + offset * stride_cs + kv_head * stride_ch  # K and V alike
         kv_offs = slot_offs[:, None] + d[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)  # (N, D_PAD)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)  # (N, D_PAD)
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # (N, D_PAD)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # (N, D_PAD)
+        if k_scale_ptr is not None:  # fp8 -> fp16 is exact and cheap (e5m2 is fp16's top byte);
+            k, v = k.to(tl.float16), v.to(tl.float16)  # fp16 -> bf16 too, for fp8's few bits
+        k, v = k.to(DOT_DTYPE), v.to(DOT_DTYPE)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) fp32
         s = tl.where(pos_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -181,7 +184,7 @@ MAX_SPLITS = 64
 INTERPRETED = type(_paged_attention_kernel).__name__ == "InterpretedFunction"
 
 
-def kernel_config(dtype, head_dim, group, block_size, decode, split_kv=False):
+def kernel_config(dtype, head_dim, group, block_size, decode, split_kv=False, cache_dtype=None):
     """The paged-attention kernel's compile-time constants and launch options for the decode
     launch (decode=True) or the prefill launch of one call. Sized for the ~100 KiB of shared
     memory of consumer GPUs, and for no register spills (the compile gate checks both)."""
@@ -201,7 +204,9 @@ def kernel_config(dtype, head_dim, group, block_size, decode, split_kv=False):
         DECODE=decode, SPLIT_KV=split_kv,
         DOT_DTYPE=tl.float32 if upcast else tl.float16 if dtype == torch.float16 else tl.bfloat16,
         DOT_PRECISION="ieee" if upcast else None,
-        num_warps=4 if head_dim_pad <= 128 or decode else 8, num_stages=3 if decode else 2,
+        num_warps=4 if head_dim_pad <= 128 or decode else 8,
+        # an 8-bit cache's prefill at head_dim 256 spilled with two stages (sm_90): one there
+        num_stages=3 if decode else 1 if cache_dtype in FP8_DTYPES and head_dim_pad > 128 else 2,
     )
 
 
@@ -289,7 +294,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
                 scale * 1.4426950408889634)  # log2(e): the kernel uses exp2, cheaper than exp
 
     # decode: one program per sequence x KV head x split; those not decoding exit at once
-    decode = kernel_config(q.dtype, head_dim, group, block_size, decode=True)
+    decode = kernel_config(q.dtype, head_dim, group, block_size, decode=True,
+                           cache_dtype=k_cache.dtype)
     if num_splits is None:
         resident = _resident_programs(q, args(out[:, :, None], out, 1), decode) if q.is_cuda else 0
         num_splits = split_count(num_seqs, n_kv_head, block_tables.shape[1] * block_size, resident)
@@ -299,7 +305,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
         f32 = q.new_empty(0, dtype=torch.float32)
         partial = _buffer("partial", (num_seqs, n_head, num_splits, head_dim), f32)  # (S, nh, n, D)
         lse = _buffer("lse", (num_seqs, n_head, num_splits), f32)                     # (S, nh, n)
-        decode = kernel_config(q.dtype, head_dim, group, block_size, decode=True, split_kv=True)
+        decode = kernel_config(q.dtype, head_dim, group, block_size, decode=True, split_kv=True,
+                               cache_dtype=k_cache.dtype)
         grid = (num_seqs, n_kv_head, num_splits)
         _paged_attention_kernel[grid](*args(partial, lse, num_splits), **decode)
         _merge_splits_kernel[(num_seqs, n_head)](
@@ -309,7 +316,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
             HEAD_DIM=head_dim, HEAD_DIM_PAD=decode["HEAD_DIM_PAD"],
         )
     if max_q_len > 1:  # prefill: query tiles numbered across sequences; decoding ones exit at once
-        prefill = kernel_config(q.dtype, head_dim, group, block_size, decode=False)
+        prefill = kernel_config(q.dtype, head_dim, group, block_size, decode=False,
+                                cache_dtype=k_cache.dtype)
         grid = (num_tokens // prefill["BLOCK_Q"] + num_seqs, n_kv_head, 1)  # >= all the tiles
         _paged_attention_kernel[grid](*args(out[:, :, None], out, 1), **prefill)
     return out

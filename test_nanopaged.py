@@ -355,17 +355,29 @@ def test_kernel_compiles_for_a_gpu():
     # the interpreter never runs Triton's compiler. bench.py --kernel --aot captures the
     # launcher's real arguments for engine-shaped steps, lets Triton's JIT specialize them as a
     # launch would and compile them for sm_80, sm_86 and sm_90, and reads the binaries: here a
-    # subset that still takes every target, dtype, head size, group, block size and launch
+    # subset that still takes every target, dtype, head size, group, block size and launch, and
+    # every 8-bit cache each target supports
     import json
     code = "import json, bench; print(json.dumps(bench.aot_rows(bench.aot_matrix(full=False), 2)))"
     rows = json.loads(run_without_interpreter(code))
-    launches = Counter((r["sm"], r["dtype"], r["head_dim"], r["launch"]) for r in rows)
+    launches = Counter((r["sm"], r["dtype"], r["head_dim"], r["launch"]) for r in rows
+                       if r["cache"] == r["dtype"])
     assert len(launches) == 3 * 2 * 4 * 4, "a target, dtype, head size or launch is missing"
+    # 8-bit caches: e4m3 on sm_90 (Triton has it from sm_89), e5m2 on every target, each with
+    # both query dtypes, the store that quantizes and every attention launch of a mixed step
+    fp8 = {(r["sm"], r["cache"], r["dtype"], r["launch"]) for r in rows if r["cache"] != r["dtype"]}
+    assert fp8 == {(sm, cache, dtype, launch) for sm, cache in [
+        (80, "float8_e5m2"), (86, "float8_e5m2"), (90, "float8_e5m2"), (90, "float8_e4m3fn")]
+        for dtype in ("float16", "bfloat16")
+        for launch in ("split decode", "merge", "prefill", "store")}, fp8
+    assert len({r["head_dim"] for r in rows if r["cache"] != r["dtype"]}) == 4
     for r in rows:
-        where = "sm_{sm} {dtype} head_dim {head_dim} group {group} {launch}".format(**r)
+        where = "sm_{sm} {dtype} cache {cache} head_dim {head_dim} group {group} {launch}".format(
+            **r)
         assert r["fits"], f"{where}: {r['shared']} bytes of shared memory do not fit"
         assert r["spills"] == 0, f"{where}: {r['spills']} spills ({r['regs']} registers)"
-        if r["launch"] != "merge":  # tensor cores on the cache dtype: no tf32, no fp16 for bf16
+        if r["launch"] not in ("merge", "store"):  # tensor cores on the 16-bit dtype: no tf32,
+            # no fp16 for bf16 (an 8-bit cache is converted to q's dtype before the dots)
             assert r["mma"] and all(("BF16" in m) == (r["dtype"] == "bfloat16") and "TF32" not in m
                                     for m in r["mma"]), f"{where}: MMA {r['mma']}"
 
