@@ -3,7 +3,8 @@ bench.py: the numbers that made PagedAttention matter, measured side by side in 
 
     python bench.py              # every section
     python bench.py --memory     # or any of: --memory --capacity --sharing --throughput
-                                 #            --kernel --overhead --tensor-parallel
+                                 #            --logprobs --kernel --quality --overhead
+                                 #            --tensor-parallel
                                  #            --soak (the soak is not in "every")
     python bench.py --kernel --aot   # the Triton kernels compiled for sm_80/86/90, without a GPU
     python bench.py --quick          # every section (the soak too) at a small size, in a temp dir
@@ -207,25 +208,31 @@ def bench_capacity(num_requests=96, kv_tokens=8192, rates=(4.0, 16.0, math.inf),
     trace = synthetic_trace(trace_name, num_requests, max_len=max_seq_len // 2)
     prompts = random_prompts(trace)
     results, rows = {}, []
-    for mode in ("paged", "contiguous"):
+    # the same bytes in every mode: kv_tokens slots in the model's dtype (fp32 here), which an
+    # 8-bit cache (kv_cache_dtype="fp8") fills with 4x the slots (2x those of a 16-bit cache)
+    kv_bytes = kv_tokens * 2 * model.config.n_layer * model.config.n_embd * 4
+    for mode in ("paged", "contiguous", "paged fp8"):
         for rate in rates:
             reserving = functools.partial(ReservingAllocator, max_seq_len=max_seq_len)
-            engine = Engine(model, block_size=16, num_blocks=kv_tokens // 16,
+            engine = Engine(model, block_size=16, kv_cache_bytes=kv_bytes,
                             enable_prefix_caching=False, max_num_seqs=256, device="cpu",
-                            allocator_cls=reserving if mode == "contiguous" else None)
+                            allocator_cls=reserving if mode == "contiguous" else None,
+                            kv_cache_dtype="fp8" if mode == "paged fp8" else "auto")
+            assert engine.kv_cache.nbytes == kv_bytes
             r = serve_trace(engine, prompts, trace, rate)
             results[f"{mode} @ {rate}/s"] = r
             rows.append([mode, rate, f"{r['mean_running']:.1f}", r["peak_running"],
                          f"{r['requests_per_s']:.2f}", f"{r['mean_latency_s']:.2f}"])
-    for rate in rates:
-        p, c = results[f"paged @ {rate}/s"], results[f"contiguous @ {rate}/s"]
-        rows.append(["paged / contiguous", rate, f"{p['mean_running'] / c['mean_running']:.2f}x",
-                     f"{p['peak_running'] / c['peak_running']:.2f}x",
-                     f"{p['requests_per_s'] / c['requests_per_s']:.2f}x",
-                     f"{p['mean_latency_s'] / c['mean_latency_s']:.2f}x"])
-    print_table(f"Capacity at a fixed KV budget of {kv_tokens} token slots "
-                f"({num_requests} {trace_name} requests, max_seq_len {max_seq_len}, "
-                f"tiny random model on CPU)",
+    for a, b in (("paged", "contiguous"), ("paged fp8", "paged")):
+        for rate in rates:
+            p, c = results[f"{a} @ {rate}/s"], results[f"{b} @ {rate}/s"]
+            rows.append([f"{a} / {b}", rate, f"{p['mean_running'] / c['mean_running']:.2f}x",
+                         f"{p['peak_running'] / c['peak_running']:.2f}x",
+                         f"{p['requests_per_s'] / c['requests_per_s']:.2f}x",
+                         f"{p['mean_latency_s'] / c['mean_latency_s']:.2f}x"])
+    print_table(f"Capacity at a fixed KV budget of {kv_tokens} fp32 token slots, {kv_bytes >> 10} "
+                f"KiB ({num_requests} {trace_name} requests, max_seq_len {max_seq_len}, "
+                f"tiny random model on CPU; fp8: the same bytes, 4x the slots)",
                 ["cache", "arrivals/s", "mean running", "peak running", "requests/s",
                  "mean latency s"], rows)
     plot_concurrency(results)
@@ -934,6 +941,61 @@ def bench_kernel_aot(full=True):
                 goal=goal)
 
 # -----------------------------------------------------------------------------
+# --quality: what an 8-bit KV cache costs the built-in model
+
+
+def held_out_bytes(val_fraction=0.1):
+    """The built-in model's held-out text: the tail of each help topic, as train.py splits it."""
+    from pydoc_data.topics import topics
+    tails = [(topics[name] + "\n").encode("utf-8") for name in sorted(topics)]
+    return b"".join(t[int(len(t) * (1 - val_fraction)):] for t in tails)
+
+
+def bench_quality(windows=32, prompts=8, prompt_len=16, kv_cache_dtypes=("fp8", "fp8_e5m2")):
+    """Loss (nats per byte) on held-out windows of max_seq_len - 1 bytes, each scored in one
+    prefill that reads its own K/V from the cache; next-byte argmax agreement there; and greedy
+    generation from held-out prompts to max_seq_len, token for token against the model's dtype."""
+    model = GPT.from_pretrained(DEMO_MODEL)
+    text, n = held_out_bytes(), model.config.max_seq_len - 1
+    starts = np.linspace(0, len(text) - n, windows).astype(int)
+    scored = [list(text[s:s + n]) for s in starts]
+    starts = np.linspace(0, len(text) - prompt_len, prompts).astype(int)
+    prompted = [list(text[s:s + prompt_len]) for s in starts]
+    max_tokens = model.config.max_seq_len - prompt_len
+    results, rows = {}, []
+    for dtype in ("auto", *kv_cache_dtypes):
+        engine = Engine(model, block_size=16, num_blocks=windows * 16, device="cpu",
+                        kv_cache_dtype=dtype)
+        outs = engine.generate(scored, SamplingParams(max_tokens=1, prompt_logprobs=1))
+        rows_lp = [o.prompt_logprobs[1:] for o in outs]
+        loss = -np.mean([e[t] for o, lp in zip(scored, rows_lp) for t, e in zip(o[1:], lp)])
+        top = [max(e, key=e.get) for lp in rows_lp for e in lp]
+        gen = [o.outputs[0].token_ids for o in engine.generate(
+            prompted, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))]
+        results[dtype] = dict(loss=float(loss), top=top, gen=gen,
+                              cache=str(engine.kv_cache.dtype).removeprefix("torch."))
+    ref = results["auto"]
+    for dtype, r in results.items():
+        same = sum(a == b for a, b in zip(r["top"], ref["top"])) / len(ref["top"])
+        # tokens until the first that differs, per prompt; after it the contexts differ
+        agree = [next((i for i, (a, b) in enumerate(zip(g, h)) if a != b), len(g))
+                 for g, h in zip(r["gen"], ref["gen"])]
+        r.update(argmax_agreement=same, greedy_prefix=agree, greedy_agreement=sum(agree) /
+                 (len(agree) * max_tokens))
+        rows.append([r["cache"], f"{r['loss']:.4f}", f"{r['loss'] - ref['loss']:+.4f}",
+                     f"{100 * same:.2f}%", f"{100 * r['greedy_agreement']:.1f}%",
+                     f"{min(agree)} / {np.median(agree):.0f} / {max(agree)}"])
+    print_table(f"An 8-bit KV cache on the built-in model ({DEMO_MODEL}, float32 weights): loss "
+                f"on {windows} held-out windows of {n} bytes, next-byte argmax agreement there, "
+                f"and {prompts} greedy generations of {max_tokens} tokens against the model's "
+                "dtype (tokens before the first difference)",
+                ["KV cache", "loss nats/byte", "vs float32", "argmax agreement",
+                 "greedy tokens agreeing", "first difference min / median / max"], rows)
+    return {d: {k: v for k, v in r.items() if k not in ("top", "gen")}
+            for d, r in results.items()}
+
+
+# -----------------------------------------------------------------------------
 # --overhead and --soak: the engine with a model that does nothing
 
 
@@ -1169,11 +1231,13 @@ QUICK = dict(memory=dict(num_requests=20),
              throughput=dict(num_requests=2, max_num_seqs=2, llama_requests=2, llama_tokens=4),
              logprobs=dict(num_requests=4, max_tokens=8, repeats=1),
              kernel=dict(grid=[(1, 256, False), (4, 512, True)]),
+             quality=dict(windows=2, prompts=2, kv_cache_dtypes=("fp8",)),
              overhead=dict(sizes=(16,), prompt_len=16, steps=5, take_sizes=(1_000, 10_000)),
              tensor_parallel=dict(num_requests=2, max_tokens=8),
              soak=dict(num_requests=1000))
 SECTIONS = dict(memory=bench_memory, capacity=bench_capacity, sharing=bench_sharing,
                 throughput=bench_throughput, logprobs=bench_logprobs, kernel=bench_kernel,
+                quality=bench_quality,
                 overhead=bench_overhead, tensor_parallel=bench_tensor_parallel)
 
 
@@ -1188,6 +1252,8 @@ def main():
         throughput="tokens/s next to transformers' generate and generate_batch (same weights)",
         logprobs="tokens/s with logprobs=5 and prompt_logprobs=5 against without",
         kernel="decode attention latency and bandwidth vs contiguous SDPA (torch path on a CPU)",
+        quality="the built-in model with an 8-bit KV cache against its own dtype: loss on\n"
+                "held-out text, argmax agreement, greedy tokens agreeing",
         overhead="engine time per running sequence per step with a no-op model",
         soak="10,000 requests with aborts through a small pool; asserts nothing is lost",
         tensor_parallel="KV bytes, blocks and sequences per rank at one budget, tokens/s "

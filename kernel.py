@@ -395,19 +395,23 @@ def kv_scales(amax, dtype):
 
 
 @torch.no_grad()
-def calibrate_kv_scales(model, token_shape, dtype, num_tokens=256):
-    """(2, n_layer) fp32 scales of an 8-bit cache of dtype for model (see above): num_tokens fixed
-    ids spread over the vocabulary, in sequences of at most max_seq_len, prefilled through the
-    model's own paged path into a cache of the model's dtype; amax per layer of what it stored.
-    The torch path, whatever the engine's backend, so the scales depend on the model alone.
-    token_shape: (2, n_layer, 1, n_kv_head, head_dim) of this rank (each rank calibrates its own
-    heads; the ranks run it together, so their collectives match)."""
+def calibrate_kv_scales(model, block_shape, dtype, num_tokens=256):
+    """Per layer, the k_scale and v_scale (fp32, 0-d) of an 8-bit cache of dtype for model (the
+    scheme above), as keyword arguments of store_kv and the attention paths; {} for a cache of
+    16 or 32 bits. num_tokens fixed ids spread over the vocabulary, in sequences of at most
+    max_seq_len, prefilled through the model's own paged path into a cache of the model's dtype;
+    amax per layer of what it stored. The torch path, whatever the engine's backend, so the
+    scales depend on the model alone. block_shape: (2, n_layer, block_size, n_kv_head, head_dim)
+    of this rank (each rank calibrates its own heads; the ranks run it together, so their
+    collectives match)."""
     config, param = model.config, next(model.parameters())
+    if dtype not in FP8_DTYPES:
+        return [{}] * config.n_layer
     seq_len = min(num_tokens, config.max_seq_len)
     num_seqs, device = -(-num_tokens // seq_len), param.device
     # a prime stride walks the vocabulary in a fixed order, no two neighbours alike
     ids = torch.arange(num_seqs * seq_len, device=device) * 7919 % config.vocab_size
-    cache = torch.zeros(*token_shape[:2], num_seqs, seq_len, *token_shape[3:], dtype=param.dtype,
+    cache = torch.zeros(*block_shape[:2], num_seqs, seq_len, *block_shape[3:], dtype=param.dtype,
                         device=device)  # (2, n_layer, num_seqs, seq_len, nkv, hs): a block each
     int32 = dict(dtype=torch.int32, device=device)
     batch = SimpleNamespace(  # nanopaged's Batch: one block per sequence, the whole of it new
@@ -420,7 +424,8 @@ def calibrate_kv_scales(model, token_shape, dtype, num_tokens=256):
         kv_scales=[{}] * config.n_layer)
     with torch.inference_mode():
         model(ids, batch, cache)
-    return kv_scales(cache.abs().amax(dim=(2, 3, 4, 5)), dtype)  # (2, n_layer)
+    s = kv_scales(cache.abs().amax(dim=(2, 3, 4, 5)), dtype)  # (2, n_layer)
+    return [dict(k_scale=s[0, i], v_scale=s[1, i]) for i in range(config.n_layer)]
 
 
 # -----------------------------------------------------------------------------

@@ -1098,10 +1098,8 @@ def kv_block_shape(config, block_size):
 class ModelRunner:
 
     def __init__(self, model, num_blocks, num_cpu_blocks, block_size, use_triton, device, dtype):
-        self.model = model
-        self.block_size = block_size
-        self.use_triton = use_triton
-        self.device = device
+        self.model, self.block_size, self.use_triton, self.device = (model, block_size,
+                                                                     use_triton, device)
         shape = kv_block_shape(model.config, block_size)  # (2, n_layer, block_size, nkv, hs)
         # The KV cache is one tensor, so a block copy (copy-on-write, swap) is one indexing op
         # for all layers.
@@ -1111,11 +1109,8 @@ class ModelRunner:
         # before the forward.
         self.cpu_kv_cache = torch.zeros(num_cpu_blocks, *shape, dtype=dtype,
                                         pin_memory=device.type == "cuda")
-        # an 8-bit cache's scales, fixed here once (kernel.py says how and why): (2, n_layer)
-        s = kernel.calibrate_kv_scales(model, shape[:2] + (1,) + shape[3:], dtype) \
-            if dtype in kernel.FP8_DTYPES else None
-        self.kv_scales = [{} if s is None else dict(k_scale=s[0, i], v_scale=s[1, i])
-                          for i in range(model.config.n_layer)]
+        # per layer, an 8-bit cache's scales, fixed here once (kernel.py says how and why)
+        self.kv_scales = kernel.calibrate_kv_scales(model, shape, dtype)  # [{k_scale, v_scale}]
 
     def execute(self, out):
         """Copy the blocks out orders, then run its scheduled tokens. Returns the logits (R, V)
@@ -1461,8 +1456,7 @@ class Engine:
                  scheduling_policy="fcfs", eviction_policy="lru", kv_cache_dtype="auto"):
         device, attention_backend, dtype = check_engine_settings(
             model, device, attention_backend, preemption_mode, enable_prefix_caching, swap_space,
-            kv_cache_dtype,
-            scheduling_policy=scheduling_policy, eviction_policy=eviction_policy,
+            kv_cache_dtype, scheduling_policy, eviction_policy,
             block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             num_cpu_blocks=num_cpu_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens)
