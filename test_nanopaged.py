@@ -124,8 +124,8 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, 
         k_cache, v_cache = (kernel.quantize(c, scales[n], cache_dtype)
                             for c, n in ((k_cache, "k"), (v_cache, "v")))
         full = dict(k_full=k.to(DEVICE), v_full=v.to(DEVICE))
-        k, v = (kernel.dequantize(kernel.quantize(x, scales[n], cache_dtype), scales[n], dtype)
-                for x, n in ((k, "k"), (v, "v")))
+        k, v = ((kernel.quantize(x, scales[n], cache_dtype).double() * scales[n]).to(dtype)
+                for x, n in ((k, "k"), (v, "v")))  # q * scale, computed here, not by kernel.py
     def to(t):
         return t.to(DEVICE)
     return dict(
