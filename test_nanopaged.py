@@ -2185,7 +2185,11 @@ def test_bench_quick_runs_every_section_and_leaves_the_readmes_results_alone():
     assert (os.path.getmtime(cited) if os.path.exists(cited) else None) == before
     results = json.load(open(written))
     assert set(results) >= {"memory", "capacity", "sharing", "throughput", "kernel", "overhead",
-                            "tensor_parallel", "soak"}
+                            "tensor_parallel", "soak", "quality"}
+    # the same bytes: an fp8 pool holds every request the fp32 pool held, and the loss moves
+    assert results["capacity"]["paged fp8 @ inf/s"]["peak_running"] >= \
+        results["capacity"]["paged @ inf/s"]["peak_running"]
+    assert 0 < abs(results["quality"]["fp8"]["loss"] - results["quality"]["auto"]["loss"]) < 0.1
     churn = results["sharing"]["eviction under churn"]  # LFU keeps what LRU loses
     assert churn["lfu"]["popular_prefix_kept"] == 1 and churn["lru"]["popular_prefix_kept"] == 0
     assert set(results["overhead"]["take_block_us"]) == set(EVICTION_POLICIES) - {"mru"}
