@@ -195,6 +195,12 @@ def kernel_config(dtype, head_dim, group, block_size, decode, split_kv=False, ca
     # which share each K/V tile. K and V tiles of 8 KiB in fp16: decode, memory bound, keeps
     # two more in flight (num_stages=3; block-table entries too) while it computes on one
     block_m = max(16, group_pad) if decode else max(group_pad, min(64, 8192 // head_dim_pad))
+    # an 8-bit cache's fp8 -> fp16 conversions take registers. On sm_90 (the compile gate's full
+    # matrix) its decode spilled with three stages up to head_dim 128 and with two at 256, its
+    # prefill at head_dim 256 with 32-row tiles or two stages: ptxas's choices, found by trying
+    eight_bit = cache_dtype in FP8_DTYPES
+    wide_8bit = eight_bit and head_dim_pad > 128
+    block_m = max(group_pad, block_m // 2) if wide_8bit and not decode else block_m
     upcast = dtype == torch.float32 or (dtype == torch.bfloat16 and INTERPRETED)
     return dict(
         GROUP=group, GROUP_PAD=group_pad,
@@ -205,8 +211,7 @@ def kernel_config(dtype, head_dim, group, block_size, decode, split_kv=False, ca
         DOT_DTYPE=tl.float32 if upcast else tl.float16 if dtype == torch.float16 else tl.bfloat16,
         DOT_PRECISION="ieee" if upcast else None,
         num_warps=4 if head_dim_pad <= 128 or decode else 8,
-        # an 8-bit cache's prefill at head_dim 256 spilled with two stages (sm_90): one there
-        num_stages=3 if decode else 1 if cache_dtype in FP8_DTYPES and head_dim_pad > 128 else 2,
+        num_stages=(2 if eight_bit and not wide_8bit else 3) if decode else 1 if wide_8bit else 2,
     )
 
 
