@@ -3,7 +3,8 @@ bench.py: the numbers that made PagedAttention matter, measured side by side in 
 
     python bench.py              # every section
     python bench.py --memory     # or any of: --memory --capacity --sharing --throughput
-                                 #            --kernel --overhead --tensor-parallel
+                                 #            --logprobs --kernel --quality --overhead
+                                 #            --tensor-parallel
                                  #            --soak (the soak is not in "every")
     python bench.py --kernel --aot   # the Triton kernels compiled for sm_80/86/90, without a GPU
     python bench.py --quick          # every section (the soak too) at a small size, in a temp dir
@@ -207,25 +208,31 @@ def bench_capacity(num_requests=96, kv_tokens=8192, rates=(4.0, 16.0, math.inf),
     trace = synthetic_trace(trace_name, num_requests, max_len=max_seq_len // 2)
     prompts = random_prompts(trace)
     results, rows = {}, []
-    for mode in ("paged", "contiguous"):
+    # the same bytes in every mode: kv_tokens slots in the model's dtype (fp32 here), which an
+    # 8-bit cache (kv_cache_dtype="fp8") fills with 4x the slots (2x those of a 16-bit cache)
+    kv_bytes = kv_tokens * 2 * model.config.n_layer * model.config.n_embd * 4
+    for mode in ("paged", "contiguous", "paged fp8"):
         for rate in rates:
             reserving = functools.partial(ReservingAllocator, max_seq_len=max_seq_len)
-            engine = Engine(model, block_size=16, num_blocks=kv_tokens // 16,
+            engine = Engine(model, block_size=16, kv_cache_bytes=kv_bytes,
                             enable_prefix_caching=False, max_num_seqs=256, device="cpu",
-                            allocator_cls=reserving if mode == "contiguous" else None)
+                            allocator_cls=reserving if mode == "contiguous" else None,
+                            kv_cache_dtype="fp8" if mode == "paged fp8" else "auto")
+            assert engine.kv_cache.nbytes == kv_bytes
             r = serve_trace(engine, prompts, trace, rate)
             results[f"{mode} @ {rate}/s"] = r
             rows.append([mode, rate, f"{r['mean_running']:.1f}", r["peak_running"],
                          f"{r['requests_per_s']:.2f}", f"{r['mean_latency_s']:.2f}"])
-    for rate in rates:
-        p, c = results[f"paged @ {rate}/s"], results[f"contiguous @ {rate}/s"]
-        rows.append(["paged / contiguous", rate, f"{p['mean_running'] / c['mean_running']:.2f}x",
-                     f"{p['peak_running'] / c['peak_running']:.2f}x",
-                     f"{p['requests_per_s'] / c['requests_per_s']:.2f}x",
-                     f"{p['mean_latency_s'] / c['mean_latency_s']:.2f}x"])
-    print_table(f"Capacity at a fixed KV budget of {kv_tokens} token slots "
-                f"({num_requests} {trace_name} requests, max_seq_len {max_seq_len}, "
-                f"tiny random model on CPU)",
+    for a, b in (("paged", "contiguous"), ("paged fp8", "paged")):
+        for rate in rates:
+            p, c = results[f"{a} @ {rate}/s"], results[f"{b} @ {rate}/s"]
+            rows.append([f"{a} / {b}", rate, f"{p['mean_running'] / c['mean_running']:.2f}x",
+                         f"{p['peak_running'] / c['peak_running']:.2f}x",
+                         f"{p['requests_per_s'] / c['requests_per_s']:.2f}x",
+                         f"{p['mean_latency_s'] / c['mean_latency_s']:.2f}x"])
+    print_table(f"Capacity at a fixed KV budget of {kv_tokens} fp32 token slots, {kv_bytes >> 10} "
+                f"KiB ({num_requests} {trace_name} requests, max_seq_len {max_seq_len}, "
+                f"tiny random model on CPU; fp8: the same bytes, 4x the slots)",
                 ["cache", "arrivals/s", "mean running", "peak running", "requests/s",
                  "mean latency s"], rows)
     plot_concurrency(results)
@@ -801,16 +808,19 @@ class TargetDriver:
         return None
 
 
-def engine_step(dtype, head_dim, group, block_size, q_lens, contexts, n_kv_head=2, seed=SEED):
+def engine_step(dtype, head_dim, group, block_size, q_lens, contexts, n_kv_head=2, seed=SEED,
+                cache_dtype=None):
     """paged_attention's arguments on CPU tensors laid out as the engine lays them out: q a view
     of the fused qkv projection, the caches slices of one (2, n_layer, ...) tensor, shuffled
-    block tables padded with -1. For compiling and capturing launches: the caches are empty."""
+    block tables padded with -1. For compiling and capturing launches: the caches are empty.
+    cache_dtype: an 8-bit cache (its scales: kv_scale_args), or None for q's dtype."""
     g = torch.Generator().manual_seed(seed)
     n_head, max_blocks = n_kv_head * group, max(-(-c // block_size) for c in contexts)
     num_blocks = sum(-(-c // block_size) for c in contexts)
     qkv = torch.randn(sum(q_lens), (n_head + 2 * n_kv_head) * head_dim, generator=g).to(dtype)
     q = qkv[:, :n_head * head_dim].view(-1, n_head, head_dim)                    # (T, nh, D)
-    kv_cache = torch.empty(2, 2, num_blocks, block_size, n_kv_head, head_dim, dtype=dtype)  # unread
+    kv_cache = torch.empty(2, 2, num_blocks, block_size, n_kv_head, head_dim,
+                           dtype=cache_dtype or dtype)                            # unread
     ids = torch.randperm(num_blocks, generator=g).tolist()
     tables = []
     for c in contexts:
@@ -822,8 +832,15 @@ def engine_step(dtype, head_dim, group, block_size, q_lens, contexts, n_kv_head=
             torch.tensor(contexts, dtype=torch.int32), cu, head_dim**-0.5)
 
 
-def capture_launches(args, **kwargs):
-    """The Triton launches paged_attention(*args, **kwargs) makes, as (kernel, grid, args,
+def kv_scale_args(args):
+    """k_scale and v_scale for engine_step's args if its cache is 8-bit, as the engine's are."""
+    import kernel
+    one = torch.ones((), dtype=torch.float32)
+    return dict(k_scale=one, v_scale=one) if args[1].dtype in kernel.FP8_DTYPES else {}
+
+
+def capture_launches(args, launcher="paged_attention", **kwargs):
+    """The Triton launches kernel.<launcher>(*args, **kwargs) makes, as (kernel, grid, args,
     kwargs), captured instead of run: the launcher's real arguments, no GPU needed."""
     import kernel
     launches = []
@@ -835,12 +852,12 @@ def capture_launches(args, **kwargs):
         def __getitem__(self, grid):
             return lambda *a, **k: launches.append((self.fn, grid, a, k))
 
-    names = ("_paged_attention_kernel", "_merge_splits_kernel")
+    names = ("_paged_attention_kernel", "_merge_splits_kernel", "_store_kv_kernel")
     saved = [getattr(kernel, name) for name in names]
     try:
         for name, fn in zip(names, saved):
             setattr(kernel, name, Recorder(fn))
-        kernel.paged_attention(*args, **kwargs)
+        getattr(kernel, launcher)(*args, **kwargs)
     finally:
         for name, fn in zip(names, saved):
             setattr(kernel, name, fn)
@@ -901,33 +918,56 @@ def aot_compile(cc, fn, grid, args, kwargs):
     )
 
 
-def aot_config(cc, dtype, head_dim, group, block_size, step):
+def aot_config(cc, dtype, head_dim, group, block_size, step, cache_dtype=None):
     """Every distinct kernel one engine step of this shape launches, compiled for cc: a list
-    of aot_compile's rows, tagged with the configuration."""
+    of aot_compile's rows, tagged with the configuration. An 8-bit cache_dtype: its launches,
+    and the KV store's that quantizes into it."""
     q_lens, contexts, num_splits = AOT_STEPS[step]
-    args = engine_step(dtype, head_dim, group, block_size, q_lens, contexts)
+    args = engine_step(dtype, head_dim, group, block_size, q_lens, contexts,
+                       cache_dtype=cache_dtype)
+    scales = kv_scale_args(args)
+    launches = capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits, **scales)
+    if scales:  # k and v of the step's new tokens, as views of q's fused qkv like the engine's
+        k = torch.zeros(sum(q_lens), 3, *args[1].shape[2:], dtype=dtype)[:, 1]  # (T, nkv, D)
+        launches += capture_launches((k, k, args[1], args[2], torch.arange(sum(q_lens))),
+                                     launcher="store_kv", use_triton=True, **scales)
     rows = []
-    for fn, grid, a, k in capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits):
-        launch = ("merge" if fn.__name__ == "_merge_splits_kernel" else "prefill" if not k["DECODE"]
-                  else "split decode" if k["SPLIT_KV"] else "decode")
+    for fn, grid, a, k in launches:
+        launch = ("merge" if fn.__name__ == "_merge_splits_kernel" else
+                  "store" if fn.__name__ == "_store_kv_kernel" else
+                  "prefill" if not k["DECODE"] else "split decode" if k["SPLIT_KV"] else "decode")
         row = aot_compile(cc, fn, grid, a, k)
         rows.append(dict(sm=cc, dtype=str(dtype).replace("torch.", ""), head_dim=head_dim,
+                         cache=str(args[1].dtype).replace("torch.", ""),
                          group=group, block_size=block_size, step=step, launch=launch, **row))
     return rows
 
 
+# 8-bit caches Triton builds per target: e4m3 (fp8e4nv) needs compute capability 8.9 or later
+# (Triton's NVIDIA backend adds it to supported_fp8_dtypes only there), e5m2 compiles from 8.0
+AOT_FP8 = {80: (torch.float8_e5m2,), 86: (torch.float8_e5m2,),
+           90: (torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
 def aot_matrix(full=True):
     """The configurations the compile gate covers: every combination the issue names (full), or
-    a subset for CI that still takes every head size, dtype, group, block size, step and target."""
+    a subset for CI that still takes every head size, dtype, group, block size, step and target;
+    then the 8-bit caches each target supports (AOT_FP8), rotating through the same."""
     import itertools
     dtypes, head_dims, groups = (torch.float16, torch.bfloat16), (64, 80, 128, 256), (1, 4, 8)
+    fp8 = [(cc, c) for cc in AOT_GPUS for c in AOT_FP8[cc]]
     if full:
-        return list(itertools.product(AOT_GPUS, dtypes, head_dims, groups, (16, 32), AOT_STEPS))
+        return (list(itertools.product(AOT_GPUS, dtypes, head_dims, groups, (16, 32), AOT_STEPS))
+                + [(cc, dt, d, groups[i % 3], (16, 32)[i // 3 % 2], step, c) for i, ((cc, c), dt, d,
+                   step) in enumerate(itertools.product(fp8, dtypes, head_dims, AOT_STEPS))])
     # each target, dtype and head size; a plain decode step and a mixed step (split decode, merge
     # and prefill) give every kernel variant; groups and block sizes rotate through them
     combos = itertools.product(AOT_GPUS, dtypes, head_dims, ("decode", "mixed"))
-    return [(cc, dt, d, groups[i % 3], (16, 32)[i // 2 % 2], step)
-            for i, (cc, dt, d, step) in enumerate(combos)]
+    # 8-bit: each target's formats, in both dtypes, a mixed step each, head sizes rotating
+    return ([(cc, dt, d, groups[i % 3], (16, 32)[i // 2 % 2], step)
+             for i, (cc, dt, d, step) in enumerate(combos)]
+            + [(cc, dt, head_dims[(i + j) % 4], groups[i % 3], 16, "mixed", c)
+               for i, (cc, c) in enumerate(fp8) for j, dt in enumerate(dtypes)])
 
 
 def _aot_worker(config):
@@ -949,22 +989,81 @@ def bench_kernel_aot(full=True):
     seconds = time.perf_counter() - start
     binaries = {}  # the mixed step reuses the binaries of the others
     for r in rows:
-        binaries[r["sm"], r["dtype"], r["head_dim"], r["group"], r["block_size"], r["launch"]] = r
-    table = [[f"sm_{r['sm']}", r["dtype"], r["head_dim"], r["group"], r["block_size"], r["launch"],
+        binaries[r["sm"], r["dtype"], r["cache"], r["head_dim"], r["group"], r["block_size"],
+                 r["launch"]] = r
+    table = [[f"sm_{r['sm']}", r["dtype"], r["cache"], r["head_dim"], r["group"], r["block_size"],
+              r["launch"],
               r["num_warps"], r["regs"], r["spills"], f"{r['shared'] / 1024:.1f}",
               r["programs_per_sm"],
-              r["loop"] if r["launch"] != "merge" else "-", " ".join(r["mma"]) or "-"]
+              r["loop"] if r["launch"] not in ("merge", "store") else "-",
+              " ".join(r["mma"]) or "-"]
              for r in binaries.values()]
     print_table(f"--kernel --aot: paged attention compiled for GPUs this machine lacks, from the "
                 f"launches of engine-shaped steps ({len(rows)} launches, {len(table)} binaries, "
                 f"{seconds:.0f}s); loop = SASS instructions per warp per iteration of the K/V loop "
                 "(goal at sm_90, fp16, head_dim 128, group 4, decode: <= 300)",
-                ["GPU", "dtype", "head_dim", "group", "block", "launch", "warps", "regs", "spills",
+                ["GPU", "dtype", "cache", "head_dim", "group", "block", "launch", "warps", "regs",
+                 "spills",
                  "smem KiB", "programs/SM", "loop", "MMA"], table)
-    goal = binaries.get((90, "float16", 128, 4, 16, "decode"))
+    goal = binaries.get((90, "float16", "float16", 128, 4, 16, "decode"))
     return dict(seconds=seconds, binaries=len(table), spills=sum(r["spills"] for r in rows),
                 all_fit=all(r["fits"] for r in rows), max_regs=max(r["regs"] for r in rows),
                 goal=goal)
+
+# -----------------------------------------------------------------------------
+# --quality: what an 8-bit KV cache costs the built-in model
+
+
+def held_out_bytes(val_fraction=0.1):
+    """The built-in model's held-out text: the tail of each help topic, as train.py splits it."""
+    from pydoc_data.topics import topics
+    tails = [(topics[name] + "\n").encode("utf-8") for name in sorted(topics)]
+    return b"".join(t[int(len(t) * (1 - val_fraction)):] for t in tails)
+
+
+def bench_quality(windows=32, prompts=8, prompt_len=16, kv_cache_dtypes=("fp8", "fp8_e5m2")):
+    """Loss (nats per byte) on held-out windows of max_seq_len - 1 bytes, each scored in one
+    prefill that reads its own K/V from the cache; next-byte argmax agreement there; and greedy
+    generation from held-out prompts to max_seq_len, token for token against the model's dtype."""
+    model = GPT.from_pretrained(DEMO_MODEL)
+    text, n = held_out_bytes(), model.config.max_seq_len - 1
+    starts = np.linspace(0, len(text) - n, windows).astype(int)
+    scored = [list(text[s:s + n]) for s in starts]
+    starts = np.linspace(0, len(text) - prompt_len, prompts).astype(int)
+    prompted = [list(text[s:s + prompt_len]) for s in starts]
+    max_tokens = model.config.max_seq_len - prompt_len
+    results, rows = {}, []
+    for dtype in ("auto", *kv_cache_dtypes):
+        engine = Engine(model, block_size=16, num_blocks=windows * 16, device="cpu",
+                        kv_cache_dtype=dtype)
+        outs = engine.generate(scored, SamplingParams(max_tokens=1, prompt_logprobs=1))
+        rows_lp = [o.prompt_logprobs[1:] for o in outs]
+        loss = -np.mean([e[t] for o, lp in zip(scored, rows_lp) for t, e in zip(o[1:], lp)])
+        top = [max(e, key=e.get) for lp in rows_lp for e in lp]
+        gen = [o.outputs[0].token_ids for o in engine.generate(
+            prompted, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))]
+        results[dtype] = dict(loss=float(loss), top=top, gen=gen,
+                              cache=str(engine.kv_cache.dtype).removeprefix("torch."))
+    ref = results["auto"]
+    for dtype, r in results.items():
+        same = sum(a == b for a, b in zip(r["top"], ref["top"])) / len(ref["top"])
+        # tokens until the first that differs, per prompt; after it the contexts differ
+        agree = [next((i for i, (a, b) in enumerate(zip(g, h)) if a != b), len(g))
+                 for g, h in zip(r["gen"], ref["gen"])]
+        r.update(argmax_agreement=same, greedy_prefix=agree, greedy_agreement=sum(agree) /
+                 (len(agree) * max_tokens))
+        rows.append([r["cache"], f"{r['loss']:.4f}", f"{r['loss'] - ref['loss']:+.4f}",
+                     f"{100 * same:.2f}%", f"{100 * r['greedy_agreement']:.1f}%",
+                     f"{min(agree)} / {np.median(agree):.0f} / {max(agree)}"])
+    print_table(f"An 8-bit KV cache on the built-in model ({DEMO_MODEL}, float32 weights): loss "
+                f"on {windows} held-out windows of {n} bytes, next-byte argmax agreement there, "
+                f"and {prompts} greedy generations of {max_tokens} tokens against the model's "
+                "dtype (tokens before the first difference)",
+                ["KV cache", "loss nats/byte", "vs float32", "argmax agreement",
+                 "greedy tokens agreeing", "first difference min / median / max"], rows)
+    return {d: {k: v for k, v in r.items() if k not in ("top", "gen")}
+            for d, r in results.items()}
+
 
 # -----------------------------------------------------------------------------
 # --overhead and --soak: the engine with a model that does nothing
@@ -1203,12 +1302,13 @@ QUICK = dict(memory=dict(num_requests=20),
              logprobs=dict(num_requests=4, max_tokens=8, repeats=1),
              speculative=dict(batches=(1, 2), max_tokens=8, repeats=1),
              kernel=dict(grid=[(1, 256, False), (4, 512, True)]),
+             quality=dict(windows=2, prompts=2, kv_cache_dtypes=("fp8",)),
              overhead=dict(sizes=(16,), prompt_len=16, steps=5, take_sizes=(1_000, 10_000)),
              tensor_parallel=dict(num_requests=2, max_tokens=8),
              soak=dict(num_requests=1000))
 SECTIONS = dict(memory=bench_memory, capacity=bench_capacity, sharing=bench_sharing,
                 throughput=bench_throughput, logprobs=bench_logprobs,
-                speculative=bench_speculative, kernel=bench_kernel,
+                speculative=bench_speculative, kernel=bench_kernel, quality=bench_quality,
                 overhead=bench_overhead, tensor_parallel=bench_tensor_parallel)
 
 
@@ -1225,6 +1325,8 @@ def main():
         speculative="tokens/s with speculative decoding (n-gram, the built-in draft) against "
         "without, batch 1 and 16",
         kernel="decode attention latency and bandwidth vs contiguous SDPA (torch path on a CPU)",
+        quality="the built-in model with an 8-bit KV cache against its own dtype: loss on\n"
+                "held-out text, argmax agreement, greedy tokens agreeing",
         overhead="engine time per running sequence per step with a no-op model",
         soak="10,000 requests with aborts through a small pool; asserts nothing is lost",
         tensor_parallel="KV bytes, blocks and sequences per rank at one budget, tokens/s "

@@ -12,11 +12,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+from types import SimpleNamespace
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # no Triton wheel (macOS, Windows): the torch path below still works
-    from types import SimpleNamespace
     triton, tl = SimpleNamespace(jit=lambda fn: None), SimpleNamespace(constexpr=None)
 
 # -----------------------------------------------------------------------------
@@ -34,6 +35,7 @@ except ImportError:  # no Triton wheel (macOS, Windows): the torch path below st
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, num_splits,
+    k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
     stride_ot, stride_oh, stride_os,
@@ -87,6 +89,10 @@ def _paged_attention_kernel(
     # fp32 caches and for bf16 under the interpreter, whose bf16 tl.dot is wrong
     q = tl.load(q_ptr + q_offs, mask=row_mask[:, None] & d_mask[None, :], other=0.0)
     q = q.to(DOT_DTYPE)  # (BLOCK_M, HEAD_DIM_PAD)
+    if k_scale_ptr is not None:  # an 8-bit cache: fp8 -> the dot dtype is exact (fp16 holds every
+        # e4m3 and e5m2 value); the per-layer scales are scalars, so dequantizing K multiplies
+        # the scores once per tile, and V the output once at the end, not every loaded element
+        qk_scale *= tl.load(k_scale_ptr)
 
     # keys past the tile's last new token are masked for every row: never load them
     kv_end = seq_len - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
@@ -110,8 +116,11 @@ def _paged_attention_kernel(
         kv_mask = pos_mask[:, None] & d_mask[None, :]
         slot_offs = block * stride_cb + offset * stride_cs + kv_head * stride_ch  # K and V alike
         kv_offs = slot_offs[:, None] + d[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)  # (N, D_PAD)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(DOT_DTYPE)  # (N, D_PAD)
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # (N, D_PAD)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # (N, D_PAD)
+        if k_scale_ptr is not None:  # fp8 -> fp16 is exact and cheap (e5m2 is fp16's top byte);
+            k, v = k.to(tl.float16), v.to(tl.float16)  # fp16 -> bf16 too, for fp8's few bits
+        k, v = k.to(DOT_DTYPE), v.to(DOT_DTYPE)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) fp32
         s = tl.where(pos_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
@@ -126,6 +135,8 @@ def _paged_attention_kernel(
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # an empty split has l = 0 and acc = 0
     out = acc / l_safe[:, None]
+    if v_scale_ptr is not None:
+        out *= tl.load(v_scale_ptr)
     # out rows are tokens; split partials are rows of decoding sequences
     row = tl.full([BLOCK_M], seq, tl.int64) if SPLIT_KV else token
     out_offs = row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :] + split * stride_os
@@ -173,7 +184,7 @@ MAX_SPLITS = 64
 INTERPRETED = type(_paged_attention_kernel).__name__ == "InterpretedFunction"
 
 
-def kernel_config(dtype, head_dim, group, block_size, decode, split_kv=False):
+def kernel_config(dtype, head_dim, group, block_size, decode, split_kv=False, cache_dtype=None):
     """The paged-attention kernel's compile-time constants and launch options for the decode
     launch (decode=True) or the prefill launch of one call. Sized for the ~100 KiB of shared
     memory of consumer GPUs, and for no register spills (the compile gate checks both)."""
@@ -184,6 +195,12 @@ def kernel_config(dtype, head_dim, group, block_size, decode, split_kv=False):
     # which share each K/V tile. K and V tiles of 8 KiB in fp16: decode, memory bound, keeps
     # two more in flight (num_stages=3; block-table entries too) while it computes on one
     block_m = max(16, group_pad) if decode else max(group_pad, min(64, 8192 // head_dim_pad))
+    # an 8-bit cache's fp8 -> fp16 conversions take registers. On sm_90 (the compile gate's full
+    # matrix) its decode spilled with three stages up to head_dim 128 and with two at 256, its
+    # prefill at head_dim 256 with 32-row tiles or two stages: ptxas's choices, found by trying
+    eight_bit = cache_dtype in FP8_DTYPES
+    wide_8bit = eight_bit and head_dim_pad > 128
+    block_m = max(group_pad, block_m // 2) if wide_8bit and not decode else block_m
     upcast = dtype == torch.float32 or (dtype == torch.bfloat16 and INTERPRETED)
     return dict(
         GROUP=group, GROUP_PAD=group_pad,
@@ -193,7 +210,8 @@ def kernel_config(dtype, head_dim, group, block_size, decode, split_kv=False):
         DECODE=decode, SPLIT_KV=split_kv,
         DOT_DTYPE=tl.float32 if upcast else tl.float16 if dtype == torch.float16 else tl.bfloat16,
         DOT_PRECISION="ieee" if upcast else None,
-        num_warps=4 if head_dim_pad <= 128 or decode else 8, num_stages=3 if decode else 2,
+        num_warps=4 if head_dim_pad <= 128 or decode else 8,
+        num_stages=(2 if eight_bit and not wide_8bit else 3) if decode else 1 if wide_8bit else 2,
     )
 
 
@@ -230,21 +248,21 @@ def _resident_programs(q, args, config):
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                    max_q_len=None, num_splits=None):
+                    max_q_len=None, num_splits=None, k_scale=None, v_scale=None):
     """Causal attention of the packed new tokens q over their sequences' paged K/V.
     q [num_tokens, n_head, head_dim]; caches [num_blocks, block_size, n_kv_head, head_dim];
     block_tables int32 [num_seqs, max_blocks] (-1 past the end); seq_lens int32 [num_seqs]
     (context including the new tokens); cu_seqlens_q int32 [num_seqs + 1].
     max_q_len (>= every q_len; if known) saves a device->host sync; num_splits (1..64) forces
-    the split-KV of the decoding sequences (default: split_count, on a GPU)."""
+    the split-KV of the decoding sequences (default: split_count, on a GPU). An 8-bit cache
+    comes with k_scale and v_scale, one-element fp32 tensors on q's device (see quantize)."""
     assert q.dim() == 3 and k_cache.dim() == 4, \
         "q is [num_tokens, n_head, head_dim], caches are 4-D"
     num_tokens, n_head, head_dim = q.shape
     block_size, n_kv_head = k_cache.shape[1:3]
     num_seqs = seq_lens.shape[0]
     assert q.dtype in DTYPES, f"unsupported dtype {q.dtype}"
-    assert k_cache.dtype == v_cache.dtype == q.dtype, \
-        f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+    check_scales(q, k_cache, v_cache, k_scale, v_scale)
     assert v_cache.shape == k_cache.shape, \
         f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}"
     assert v_cache.stride() == k_cache.stride(), "k_cache and v_cache must have the same strides"
@@ -275,13 +293,14 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
 
     def args(out, lse, num_splits):
         return (q, k_cache, v_cache, out, lse, block_tables, seq_lens, cu_seqlens_q,
-                num_seqs, num_splits,
+                num_seqs, num_splits, k_scale, v_scale,
                 q.stride(0), q.stride(1), *k_cache.stride()[:3],
                 *out.stride()[:3], *lse.stride()[:2], block_tables.stride(0),
                 scale * 1.4426950408889634)  # log2(e): the kernel uses exp2, cheaper than exp
 
     # decode: one program per sequence x KV head x split; those not decoding exit at once
-    decode = kernel_config(q.dtype, head_dim, group, block_size, decode=True)
+    decode = kernel_config(q.dtype, head_dim, group, block_size, decode=True,
+                           cache_dtype=k_cache.dtype)
     if num_splits is None:
         resident = _resident_programs(q, args(out[:, :, None], out, 1), decode) if q.is_cuda else 0
         num_splits = split_count(num_seqs, n_kv_head, block_tables.shape[1] * block_size, resident)
@@ -291,7 +310,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
         f32 = q.new_empty(0, dtype=torch.float32)
         partial = _buffer("partial", (num_seqs, n_head, num_splits, head_dim), f32)  # (S, nh, n, D)
         lse = _buffer("lse", (num_seqs, n_head, num_splits), f32)                     # (S, nh, n)
-        decode = kernel_config(q.dtype, head_dim, group, block_size, decode=True, split_kv=True)
+        decode = kernel_config(q.dtype, head_dim, group, block_size, decode=True, split_kv=True,
+                               cache_dtype=k_cache.dtype)
         grid = (num_seqs, n_kv_head, num_splits)
         _paged_attention_kernel[grid](*args(partial, lse, num_splits), **decode)
         _merge_splits_kernel[(num_seqs, n_head)](
@@ -301,25 +321,148 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
             HEAD_DIM=head_dim, HEAD_DIM_PAD=decode["HEAD_DIM_PAD"],
         )
     if max_q_len > 1:  # prefill: query tiles numbered across sequences; decoding ones exit at once
-        prefill = kernel_config(q.dtype, head_dim, group, block_size, decode=False)
+        prefill = kernel_config(q.dtype, head_dim, group, block_size, decode=False,
+                                cache_dtype=k_cache.dtype)
         grid = (num_tokens // prefill["BLOCK_Q"] + num_seqs, n_kv_head, 1)  # >= all the tiles
         _paged_attention_kernel[grid](*args(out[:, :, None], out, 1), **prefill)
     return out
 
 
 # -----------------------------------------------------------------------------
-# KV store: write the new tokens' K/V into their cache slots
+# 8-bit KV caches (vLLM's fp8 KV cache): a slot in half the bytes of a 16-bit one, so the same
+# memory holds twice the blocks. One scale per layer for K and one for V (vLLM's per-tensor
+# scales): a value x is stored as q = clamp(x / scale, -fmax, fmax) in fp8 and read back as
+# q * scale in the query's dtype. The scales are fixed when the engine is built, from one
+# calibration prefill (calibrate_kv_scales): scale = KV_SCALE_HEADROOM * amax / fmax, amax the
+# largest |K| (or |V|) of the layer on it. A value up to KV_SCALE_HEADROOM times that comes back
+# within fp8's relative error, 2**-4 for e4m3 (3 mantissa bits) and 2**-3 for e5m2 (2), round
+# to nearest (below fp8's smallest normal, within half its smallest step times scale); a larger
+# one saturates at fmax * scale. The clamp is explicit: a cast past fp8's range is not
+# saturation everywhere (e5m2 gives inf; e4m3fn has no inf and its format says NaN). Fixed
+# scales make a token's stored bytes independent of the requests before it, so recompute and
+# prefix caching store the same bytes, and swap and copy-on-write move blocks and nothing else.
+# Finer scales (per head or per block, as in KIVI or KVQuant) follow outliers more closely but
+# must move with their blocks. Triton converts e4m3 (fp8e4nv) only on sm_89 and later; e5m2
+# compiles from sm_80 (see check_kv_cache_dtype).
+
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                   "fp8_e5m2": torch.float8_e5m2}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# amax comes from a few hundred fixed tokens; real prompts may go past it. 2x keeps e4m3's 448
+# at 224 for the calibration's largest value: one binade of room, one bit of range spent
+KV_SCALE_HEADROOM = 2.0
+
+
+def check_kv_cache_dtype(name, model_dtype, device, attention_backend):
+    """Engine(kv_cache_dtype=name) -> the cache's torch dtype, or a ValueError naming it."""
+    if not isinstance(name, str) or name not in ("auto", *KV_CACHE_DTYPES):
+        raise ValueError(f"Engine: kv_cache_dtype must be one of "
+                         f"{['auto', *KV_CACHE_DTYPES]}, got {name!r}")
+    dtype = model_dtype if name == "auto" else KV_CACHE_DTYPES[name]
+    if (dtype == torch.float8_e4m3fn and attention_backend == "triton" and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) < (8, 9)):
+        raise ValueError(f"Engine: kv_cache_dtype={name!r} is e4m3, which Triton converts only "
+                         f"on compute capability 8.9 and later (this GPU is "
+                         f"{torch.cuda.get_device_capability(device)}); use 'fp8_e5m2'")
+    return dtype
+
+
+def check_scales(x, k_cache, v_cache, k_scale, v_scale):
+    """The launchers' check: caches in x's dtype and no scales, or 8-bit ones with a scale each."""
+    if k_cache.dtype in FP8_DTYPES and k_cache.dtype == v_cache.dtype:
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            assert (s is not None and s.dtype == torch.float32 and s.numel() == 1
+                    and s.device == x.device), \
+                f"an 8-bit cache needs {name}: a one-element fp32 tensor on {x.device}"
+    else:
+        assert k_cache.dtype == v_cache.dtype == x.dtype, \
+            f"dtypes differ: q {x.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+        assert k_scale is None and v_scale is None, "scales go with 8-bit caches only"
+
+
+def quantize(x, scale, dtype):
+    """x as a cache of dtype stores it: 8-bit with scale (the scheme above), else a cast."""
+    if scale is None:
+        return x.to(dtype)
+    fmax = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-fmax, fmax).to(dtype)
+
+
+def dequantize(x, scale, dtype):
+    """What a cache holds, in dtype: q * scale for an 8-bit cache."""
+    return x.to(dtype) if scale is None else x.to(dtype) * scale.to(dtype)
+
+
+def kv_scales(amax, dtype):
+    """The scales for K/V whose largest magnitude on the calibration is amax (a tensor)."""
+    scale = KV_SCALE_HEADROOM * amax.float() / torch.finfo(dtype).max
+    return torch.where(scale > 0, scale, 1.0)  # a layer of zeros: any scale stores them exactly
+
+
+@torch.no_grad()
+def calibrate_kv_scales(model, block_shape, dtype, num_tokens=256):
+    """Per layer, the k_scale and v_scale (fp32, 0-d) of an 8-bit cache of dtype for model (the
+    scheme above), as keyword arguments of store_kv and the attention paths; {} for a cache of
+    16 or 32 bits. num_tokens fixed ids spread over the vocabulary, in sequences of at most
+    max_seq_len, prefilled through the model's own paged path into a cache of the model's dtype;
+    amax per layer of what it stored. The torch path, whatever the engine's backend, so the
+    scales depend on the model alone. block_shape: (2, n_layer, block_size, n_kv_head, head_dim)
+    of this rank (each rank calibrates its own heads; the ranks run it together, so their
+    collectives match)."""
+    config, param = model.config, next(model.parameters())
+    if dtype not in FP8_DTYPES:
+        return [{}] * config.n_layer
+    seq_len = min(num_tokens, config.max_seq_len)
+    num_seqs, device = -(-num_tokens // seq_len), param.device
+    # a prime stride walks the vocabulary in a fixed order, no two neighbours alike
+    ids = torch.arange(num_seqs * seq_len, device=device) * 7919 % config.vocab_size
+    cache = torch.zeros(*block_shape[:2], num_seqs, seq_len, *block_shape[3:], dtype=param.dtype,
+                        device=device)  # (2, n_layer, num_seqs, seq_len, nkv, hs): a block each
+    int32 = dict(dtype=torch.int32, device=device)
+    batch = SimpleNamespace(  # nanopaged's Batch: one block per sequence, the whole of it new
+        input_ids=ids, positions=torch.arange(seq_len, device=device).repeat(num_seqs),
+        slot_mapping=torch.arange(len(ids), device=device),
+        block_tables=torch.arange(num_seqs, **int32)[:, None],
+        seq_lens=torch.full((num_seqs,), seq_len, **int32),
+        cu_seqlens_q=torch.arange(0, len(ids) + 1, seq_len, **int32), max_q_len=seq_len,
+        logits_indices=torch.zeros(0, dtype=torch.long, device=device), use_triton=False,
+        kv_scales=[{}] * config.n_layer)
+    with torch.inference_mode():
+        model(ids, batch, cache)
+    s = kv_scales(cache.abs().amax(dim=(2, 3, 4, 5)), dtype)  # (2, n_layer)
+    return [dict(k_scale=s[0, i], v_scale=s[1, i]) for i in range(config.n_layer)]
+
+
+# -----------------------------------------------------------------------------
+# KV store: write the new tokens' K/V into their cache slots (quantized, for an 8-bit cache)
+
+
+@triton.jit
+def _round_to_fp8(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr):
+    """fp32 x (within fp8's range) rounded to nearest even onto fp8's grid, so the cast that
+    follows is exact: Triton's own fp32 -> fp8 casts round wrongly in places (the interpreter
+    drops the carry into the next binade, 31.98 -> 16 in e4m3, triton issue #8322; Ada's e4m3
+    goes through fp16 and pre-Ada e5m2 breaks ties away from zero, triton PR #11753)."""
+    drop: tl.constexpr = 23 - MANTISSA_BITS  # fp32 mantissa bits that fp8 lacks
+    bits = x.to(tl.int32, bitcast=True)  # the sign bit stays: |x| <= fmax never carries into it
+    bits = (bits + ((1 << (drop - 1)) - 1) + ((bits >> drop) & 1)) & ~((1 << drop) - 1)
+    normal = bits.to(tl.float32, bitcast=True)  # a carry out of the mantissa bumps the exponent
+    # below fp8's smallest normal its step is fixed: fp32 addition rounds onto it, to even
+    c: tl.constexpr = MIN_NORMAL * 2.0 ** (23 - MANTISSA_BITS)  # ulp(c) = fp8's subnormal step
+    tiny = (tl.abs(x) + c) - c
+    return tl.where(tl.abs(x) < MIN_NORMAL, tl.where(x < 0, -tiny, tiny), normal)
 
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_scale_ptr, v_scale_ptr,
     stride_kt, stride_kh,
     stride_vt, stride_vh,
     stride_cb, stride_cs, stride_ch,
     N_KV_HEAD: tl.constexpr, N_KV_HEAD_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MANTISSA: tl.constexpr,
+    FP8_MIN_NORMAL: tl.constexpr,
 ):
     # one program per token: copy its (n_kv_head, head_dim) K and V rows into its slot
     token = tl.program_id(0).to(tl.int64)  # token * stride passes 2**31 at ~200k tokens a step
@@ -333,20 +476,27 @@ def _store_kv_kernel(
                   + h * stride_ch + d)
     k = tl.load(k_ptr + token * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(k_cache_ptr + cache_offs, k, mask=mask)
-    tl.store(v_cache_ptr + cache_offs, v, mask=mask)
+    if k_scale_ptr is not None:  # an 8-bit cache: quantize() in Triton
+        k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -FP8_MAX, FP8_MAX)
+        k = _round_to_fp8(k, FP8_MANTISSA, FP8_MIN_NORMAL)
+        v = _round_to_fp8(v, FP8_MANTISSA, FP8_MIN_NORMAL)
+    tl.store(k_cache_ptr + cache_offs, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=None):
+def store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=None, k_scale=None, v_scale=None):
     """Write k, v [num_tokens, n_kv_head, head_dim] into the caches at slot_mapping
     (slot = block_id * block_size + offset); a slot of -1 skips its token. On CUDA (or with
-    use_triton=True) a Triton kernel does it without the device->host sync of the torch op."""
+    use_triton=True) a Triton kernel does it without the device->host sync of the torch op.
+    An 8-bit cache comes with k_scale and v_scale, and stores quantize(k, k_scale), ..."""
     num_tokens, n_kv_head, head_dim = k.shape
     num_blocks, block_size = k_cache.shape[:2]
     assert v.shape == k.shape and slot_mapping.shape == (num_tokens,), \
         "k, v [T, n_kv_head, D], slot_mapping [T]"
     assert k_cache.shape == v_cache.shape == (num_blocks, block_size, n_kv_head, head_dim), \
         "caches do not match k"
+    check_scales(k, k_cache, v_cache, k_scale, v_scale)
     if use_triton is None:
         use_triton = k.is_cuda
     if not use_triton:
@@ -354,25 +504,29 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=None):
         if (slots < 0).any():
             keep = slots >= 0
             slots, k, v = slots[keep], k[keep], v[keep]
-        # one row per slot: view, not reshape, so a cache that is not contiguous over
-        # (block, slot) fails loudly
-        k_cache.view(num_blocks * block_size, n_kv_head, head_dim).index_copy_(
-            0, slots, k.to(k_cache.dtype))
-        v_cache.view(num_blocks * block_size, n_kv_head, head_dim).index_copy_(
-            0, slots, v.to(v_cache.dtype))
+        for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+            x = quantize(x, scale, cache.dtype)
+            if scale is not None:  # index_copy_ has no fp8 kernel on the CPU: copy the bytes
+                x, cache = x.view(torch.uint8), cache.view(torch.uint8)
+            # one row per slot: view, not reshape, so a cache that is not contiguous over
+            # (block, slot) fails loudly
+            cache.view(num_blocks * block_size, n_kv_head, head_dim).index_copy_(0, slots, x)
         return
     assert k.stride(2) == v.stride(2) == k_cache.stride(3) == 1, "head_dim must be contiguous"
     assert k_cache.stride() == v_cache.stride() and slot_mapping.is_contiguous()
     if num_tokens == 0:
         return
+    fp8 = torch.finfo(k_cache.dtype if k_scale is not None else torch.float8_e4m3fn)  # or unused
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         k.stride(0), k.stride(1),
         v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         N_KV_HEAD=n_kv_head, N_KV_HEAD_PAD=triton.next_power_of_2(n_kv_head),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
         BLOCK_SIZE=block_size,
+        FP8_MAX=fp8.max, FP8_MANTISSA=round(-math.log2(fp8.eps)),  # 3 for e4m3, 2 for e5m2
+        FP8_MIN_NORMAL=fp8.smallest_normal,
     )
 
 
@@ -393,15 +547,17 @@ def _buffer(name, shape, like):
     return _buffers[key][:numel].view(shape)
 
 
-def _gather_kv(k_cache, v_cache, block_table, positions):
+def _gather_kv(k_cache, v_cache, block_table, positions, scales, dtype):
     """K and V at positions [B, L] of the B sequences whose block tables are block_table
-    [B, max_blocks], each returned as a [B, n_kv_head, L, head_dim] view for attention."""
+    [B, max_blocks], each returned as a [B, n_kv_head, L, head_dim] view for attention, in dtype
+    (dequantized with scales, (k_scale, v_scale), for an 8-bit cache)."""
     block_size, n_kv_head, head_dim = k_cache.shape[1:]
     blocks = block_table.gather(1, positions // block_size).long()                 # (B, L)
     slots = (blocks * block_size + positions % block_size).flatten()              # (B*L,)
     rows = (len(slots), n_kv_head, head_dim)
     k = torch.index_select(k_cache.flatten(0, 1), 0, slots, out=_buffer("k", rows, k_cache))
     v = torch.index_select(v_cache.flatten(0, 1), 0, slots, out=_buffer("v", rows, v_cache))
+    k, v = (dequantize(x, s, dtype) for x, s in zip((k, v), scales))
     shape = (*positions.shape, n_kv_head, head_dim)                               # (B, L, nkv, D)
     return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)  # (B, nkv, L, D) each
 
@@ -415,18 +571,23 @@ def _attend(q, k, v, mask, scale):
 
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                          max_q_len=None, decode_attention=None):
+                          max_q_len=None, decode_attention=None, k_scale=None, v_scale=None):
     """paged_attention in plain torch: the decoding sequences (q_len == 1) in one batched call,
     those with a few new tokens (2 to SHORT_Q_LEN: speculative verification, short prompts) in
     another, then one call per sequence with more. Accepts float64 (the tests run models in
     it). max_q_len is accepted for the same signature; this path reads the lengths on the host.
     K/V are gathered only from positions < seq_len, so unused slots (even NaN) are never read.
     decode_attention: a function (q, k_cache, v_cache, block_tables, seq_lens, scale) of the
-    decoding rows alone that replaces their batched call (paged_attention_flex, opt-in)."""
+    decoding rows alone that replaces their batched call (paged_attention_flex, opt-in).
+    An 8-bit cache comes with k_scale and v_scale: what is gathered is dequantized to q's dtype."""
     n_head, head_dim = q.shape[1:]
     n_kv_head = k_cache.shape[2]
     assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim
     assert n_head % n_kv_head == 0, "n_head must be a multiple of n_kv_head"
+    check_scales(q, k_cache, v_cache, k_scale, v_scale)
+    if decode_attention is not None and k_scale is not None:
+        raise ValueError("paged_attention_flex reads the cache in place: it takes no 8-bit cache")
+    scales = (k_scale, v_scale)
     out = torch.empty_like(q)
     cu = cu_seqlens_q.tolist()
     lens = seq_lens.tolist()
@@ -446,18 +607,21 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
             ctx = seq_lens.index_select(0, idx).long()[:, None]                   # (B, 1)
             pos = torch.arange(max(lens[i] for i in decode), device=q.device)[None]  # (1, L)
             # positions past a sequence's end re-read its last token: real values, masked below
-            k, v = _gather_kv(k_cache, v_cache, tables, torch.minimum(pos, ctx - 1))
+            k, v = _gather_kv(k_cache, v_cache, tables, torch.minimum(pos, ctx - 1), scales,
+                               q.dtype)
             q_dec = q.index_select(0, rows).view(len(decode), n_kv_head, group, head_dim)
             o = _attend(q_dec, k, v, (pos < ctx)[:, None, None, :], scale)       # (B, nkv, G, D)
             out.index_copy_(0, rows, o.reshape(len(decode), n_head, head_dim).to(q.dtype))
     short = [i for i, n in enumerate(q_lens) if 1 < n <= SHORT_Q_LEN]
     if len(short) > 1:  # one alone is cheaper the plain way
-        _attend_batched(out, q, k_cache, v_cache, block_tables, scale, short, cu, lens, q_lens)
+        _attend_batched(out, q, k_cache, v_cache, block_tables, scale, scales, short, cu, lens,
+                        q_lens)
     for i, q_len in enumerate(q_lens):
         if q_len == 1 or len(short) > 1 and q_len <= SHORT_Q_LEN:
             continue
         pos = torch.arange(lens[i], device=q.device)                              # (L,)
-        k, v = _gather_kv(k_cache, v_cache, block_tables[i : i + 1], pos[None])   # (1, nkv, L, D)
+        k, v = _gather_kv(k_cache, v_cache, block_tables[i : i + 1], pos[None], scales,
+                          q.dtype)                                            # (1, nkv, L, D)
         q_seq = q[cu[i] : cu[i + 1]].view(q_len, n_kv_head, group, head_dim)
         q_seq = q_seq.permute(1, 2, 0, 3).reshape(1, n_kv_head, group * q_len, head_dim)
         # causal: new token j sits at position L - q_len + j and sees positions 0..that
@@ -471,7 +635,8 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
 SHORT_Q_LEN = 16  # sequences with at most this many new tokens share one padded call
 
 
-def _attend_batched(out, q, k_cache, v_cache, block_tables, scale, seqs, cu, lens, q_lens):
+def _attend_batched(out, q, k_cache, v_cache, block_tables, scale, scales, seqs, cu, lens,
+                    q_lens):
     """Attention for the sequences seqs, a few new tokens each, in one call: each padded to the
     most new tokens among them, Q (a padding row repeats the sequence's last and is not written
     back), and to their longest context (masked). Indices are built on the host, which knows
@@ -486,7 +651,8 @@ def _attend_batched(out, q, k_cache, v_cache, block_tables, scale, seqs, cu, len
     ctx = torch.tensor([lens[i] for i in seqs], device=dev)[:, None]              # (B, 1)
     pos = torch.arange(max(lens[i] for i in seqs), device=dev)[None]              # (1, L)
     # positions past a sequence's end re-read its last token: real values, masked below
-    k, v = _gather_kv(k_cache, v_cache, block_tables[seqs], torch.minimum(pos, ctx - 1))
+    k, v = _gather_kv(k_cache, v_cache, block_tables[seqs], torch.minimum(pos, ctx - 1), scales,
+                      q.dtype)
     q_b = q.index_select(0, rows).view(B, Q, n_kv_head, G, D).permute(0, 2, 3, 1, 4)
     q_b = q_b.reshape(B, n_kv_head, G * Q, D)  # (B, nkv, G*Q, D): per K/V head, G heads' Q rows
     mask = pos[:, None, :] <= q_pos[:, :, None]                                   # (B, Q, L)

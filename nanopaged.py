@@ -863,6 +863,7 @@ class Batch:
     max_q_len: int                # longest run of new tokens, so the kernel needs no host sync
     logits_indices: torch.Tensor  # (R,) int64, rows whose next-token logits we need
     use_triton: bool = False      # the Triton kernel, or the plain-torch paged path
+    kv_scales: list = None        # per layer: {} or an 8-bit cache's {k_scale, v_scale} (kernel.py)
 
 
 def rope_cos_sin(config, positions, dtype):
@@ -915,11 +916,11 @@ class CausalSelfAttention(nn.Module):
             return all_reduce(self.c_proj(y.transpose(1, 2).flatten(2)))
         # paged (T, C): first write the new K/V into their slots, then every new token attends
         # to its sequence's whole context, gathered block by block through the block table
-        k_cache, v_cache = kv_cache                           # (num_blocks, block_size, nkv, hs)
-        store_kv(k, v, k_cache, v_cache, batch.slot_mapping, use_triton=batch.use_triton)
+        k_cache, v_cache, scales = kv_cache                   # (num_blocks, block_size, nkv, hs)
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping, use_triton=batch.use_triton, **scales)
         attention = paged_attention if batch.use_triton else paged_attention_torch
         y = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
-                      self.scale, max_q_len=batch.max_q_len)  # (T, nh, hs)
+                      self.scale, max_q_len=batch.max_q_len, **scales)  # (T, nh, hs)
         return all_reduce(self.c_proj(y.flatten(1)))
 
 
@@ -1003,7 +1004,8 @@ class GPT(nn.Module):
                     self.config, torch.arange(self.config.max_seq_len, device=x.device), x.dtype)
             rope = [t[pos] for t in self.rope_table[key]]
         for i, block in enumerate(self.transformer.h):
-            x = block(x, batch, None if batch is None else (kv_cache[0, i], kv_cache[1, i]), rope)
+            kv = None if batch is None else (kv_cache[0, i], kv_cache[1, i], batch.kv_scales[i])
+            x = block(x, batch, kv, rope)  # kv: this layer's K and V caches and their scales
         if batch is not None:
             x = x[batch.logits_indices]  # the LM head is the widest matmul: only where we sample
         return self.lm_head(self.transformer.ln_f(x))
@@ -1134,12 +1136,9 @@ def kv_block_shape(config, block_size):
 
 class ModelRunner:
 
-    def __init__(self, model, num_blocks, num_cpu_blocks, block_size, use_triton, device):
-        dtype = next(model.parameters()).dtype
-        self.model = model
-        self.block_size = block_size
-        self.use_triton = use_triton
-        self.device = device
+    def __init__(self, model, num_blocks, num_cpu_blocks, block_size, use_triton, device, dtype):
+        self.model, self.block_size, self.use_triton, self.device = (model, block_size,
+                                                                     use_triton, device)
         shape = kv_block_shape(model.config, block_size)  # (2, n_layer, block_size, nkv, hs)
         # The KV cache is one tensor, so a block copy (copy-on-write, swap) is one indexing op
         # for all layers.
@@ -1149,6 +1148,8 @@ class ModelRunner:
         # before the forward.
         self.cpu_kv_cache = torch.zeros(num_cpu_blocks, *shape, dtype=dtype,
                                         pin_memory=device.type == "cuda")
+        # per layer, an 8-bit cache's scales, fixed here once (kernel.py says how and why)
+        self.kv_scales = kernel.calibrate_kv_scales(model, shape, dtype)  # [{k_scale, v_scale}]
 
     def execute(self, out, proposals={}):
         """Copy the blocks out orders, then run its scheduled tokens, each sequence's proposals
@@ -1209,7 +1210,7 @@ class ModelRunner:
         return Batch(tensor(input_ids), tensor(positions), tensor(slot_mapping), block_tables,
                      tensor(seq_lens, torch.int32), tensor(cu_seqlens_q, torch.int32),
                      max(len(tokens) for _, _, tokens, _ in chunks),
-                     tensor(logits_indices + prompt_rows), self.use_triton)
+                     tensor(logits_indices + prompt_rows), self.use_triton, self.kv_scales)
 
 
 def step_chunks(scheduled, proposals):
@@ -1529,14 +1530,15 @@ class Engine:
                  num_cpu_blocks=None, preemption_mode="recompute", enable_prefix_caching=True,
                  max_num_seqs=256, max_num_batched_tokens=2048, device=None,
                  attention_backend=None, swap_space=4, allocator_cls=None, scheduler_cls=None,
-                 scheduling_policy="fcfs", eviction_policy="lru", speculative_config=None):
-        device, attention_backend = check_engine_settings(
+                 scheduling_policy="fcfs", eviction_policy="lru", kv_cache_dtype="auto",
+                 speculative_config=None):
+        device, attention_backend, dtype = check_engine_settings(
             model, device, attention_backend, preemption_mode, enable_prefix_caching, swap_space,
-            scheduling_policy=scheduling_policy, eviction_policy=eviction_policy,
+            kv_cache_dtype, scheduling_policy, eviction_policy,
             block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             num_cpu_blocks=num_cpu_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens)
-        config, dtype = model.config, next(model.parameters()).dtype
+        config = model.config  # dtype: the KV cache's (kv_cache_dtype "fp8": half the bytes)
         self.model = model.to(device).eval()
         self.config = config
         self.device = device
@@ -1548,7 +1550,7 @@ class Engine:
             import speculative
             proposer = speculative.make_proposer(speculative_config, model, device)
         bytes_per_block = math.prod(kv_block_shape(config, block_size)) * dtype.itemsize
-        bytes_per_block += proposer.bytes_per_block(block_size) if proposer else 0  # a draft's
+        bytes_per_block += proposer.bytes_per_block(block_size, dtype) if proposer else 0  # draft
         if num_blocks is None:
             if kv_cache_bytes is None:  # but no more than max_num_seqs full-length sequences use
                 free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 30
@@ -1572,7 +1574,7 @@ class Engine:
             scheduling_policy=scheduling_policy,
             num_lookahead_slots=proposer.num_speculative_tokens if proposer else 0)
         self.model_runner = ModelRunner(self.model, num_blocks, num_cpu_blocks, block_size,
-                                        attention_backend == "triton", device)
+                                        attention_backend == "triton", device, dtype)
         self.proposer = proposer and proposer.allocate_cache(num_blocks, num_cpu_blocks,
                                                              block_size, self.model_runner)
         self.kv_cache = self.model_runner.kv_cache  # (2, n_layer, num_blocks, block_size, nkv, hs)
@@ -1733,10 +1735,10 @@ class Engine:
 
 
 def check_engine_settings(model, device, attention_backend, preemption_mode,
-                          enable_prefix_caching, swap_space, scheduling_policy, eviction_policy,
-                          **counts):
+                          enable_prefix_caching, swap_space, kv_cache_dtype, scheduling_policy,
+                          eviction_policy, **counts):
     """Raise ValueError for engine settings that cannot work, naming the setting and its range.
-    Returns the torch.device and the attention backend, their defaults filled in."""
+    Returns the torch.device, the attention backend and the KV cache's dtype, defaults filled in."""
     try:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except (RuntimeError, TypeError):
@@ -1778,7 +1780,8 @@ def check_engine_settings(model, device, attention_backend, preemption_mode,
         raise ValueError(f"Engine: the Triton kernel takes head sizes {kernel.HEAD_DIMS} in "
                          f"{kernel.DTYPES}; this model has head size {config.head_dim} in {dtype} "
                          f"(attention_backend='torch' takes any)")
-    return device, attention_backend
+    return device, attention_backend, kernel.check_kv_cache_dtype(kv_cache_dtype, dtype, device,
+                                                                  attention_backend)
 
 
 def check_request(prompt, params, priority, config, scheduler, allocator):
@@ -1849,6 +1852,7 @@ def engine_stats(engine):
     num_used = a.num_blocks - a.num_free_blocks
     return dict(
         num_blocks=a.num_blocks, num_free_blocks=a.num_free_blocks,
+        kv_cache_dtype=str(engine.kv_cache.dtype).removeprefix("torch."),
         num_cached_blocks=sum(1 for b in a.free_keys if a.blocks[b].hash is not None),
         num_cpu_blocks=len(a.cpu_ref_count), num_free_cpu_blocks=len(a.cpu_free_block_ids),
         num_running=len(running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),

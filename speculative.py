@@ -102,7 +102,7 @@ class NgramProposer:
         self.num_speculative_tokens = num_speculative_tokens
         self.max_n, self.min_n = prompt_lookup_max, prompt_lookup_min
 
-    def bytes_per_block(self, block_size):
+    def bytes_per_block(self, block_size, kv_cache_dtype):
         return 0
 
     def allocate_cache(self, num_blocks, num_cpu_blocks, block_size, target_runner):
@@ -124,13 +124,18 @@ class DraftProposer:
     def __init__(self, draft, num_speculative_tokens):
         self.draft, self.num_speculative_tokens = draft, num_speculative_tokens
 
-    def bytes_per_block(self, block_size):  # the pool's budget pays for both caches
-        dtype = next(self.draft.parameters()).dtype
-        return math.prod(kv_block_shape(self.draft.config, block_size)) * dtype.itemsize
+    def cache_dtype(self, kv_cache_dtype):  # 8-bit like the target's, else the draft's own
+        return kv_cache_dtype if kv_cache_dtype.itemsize == 1 else \
+            next(self.draft.parameters()).dtype
+
+    def bytes_per_block(self, block_size, kv_cache_dtype):  # the budget pays for both caches
+        return (math.prod(kv_block_shape(self.draft.config, block_size))
+                * self.cache_dtype(kv_cache_dtype).itemsize)
 
     def allocate_cache(self, num_blocks, num_cpu_blocks, block_size, target_runner):
         self.runner = ModelRunner(self.draft, num_blocks, num_cpu_blocks, block_size,
-                                  target_runner.use_triton, target_runner.device)
+                                  target_runner.use_triton, target_runner.device,
+                                  self.cache_dtype(target_runner.kv_cache.dtype))
         return self
 
     def propose(self, out):

@@ -54,11 +54,14 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfl
 @st.composite
 def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, min_seqs=1,
                   long_prefills=0, head_dims=HEAD_DIMS, block_sizes=(1, 3, 4, 5, 16),
-                  groups=(1, 2, 3, 4, 8)):
+                  groups=(1, 2, 3, 4, 8), cache_dtypes=(None,)):
     """A packed batch of sequences in a paged cache, and the same K/V laid out contiguously.
     Tables are shuffled, later sequences may share a prefix of sequence 0's blocks (as after
     a fork or a prefix-cache hit), and every cache slot no sequence uses holds NaN.
-    long_prefills: that many more sequences, prefilling 2-4x max_seq_len tokens, anywhere."""
+    long_prefills: that many more sequences, prefilling 2-4x max_seq_len tokens, anywhere.
+    cache_dtypes: None (q's dtype) or 8-bit ones: the cache is quantized with per-batch scales
+    from its amax times 0.5-2 (k_scale, v_scale in the batch), k and v are what it holds
+    dequantized to q's dtype, and k_full, v_full what was quantized."""
     num_seqs = draw(st.integers(min_seqs, max_seqs))
     block_size = draw(st.sampled_from(block_sizes))
     n_kv_head = draw(st.sampled_from([1, 2]))
@@ -112,18 +115,40 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, 
             v_ctx.append(v_cache[b, o])
     q = torch.randn(sum(q_lens), n_kv_head * group, head_dim, generator=g).to(dtype)
     cu_seqlens_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    k, v = torch.stack(k_ctx), torch.stack(v_ctx)
+    scales, cache_dtype = {}, draw(st.sampled_from(cache_dtypes))
+    if cache_dtype is not None:  # an 8-bit cache: unused slots stay NaN (clamp keeps NaN)
+        for name, x in (("k", k), ("v", v)):
+            scales[name] = kernel.kv_scales(x.abs().amax() * draw(st.sampled_from([0.5, 1, 2])),
+                                            cache_dtype)
+        # the quantized cache, and the contiguous copy of what it holds, dequantized
+        k_cache, v_cache = (kernel.quantize(c, scales[n], cache_dtype)
+                            for c, n in ((k_cache, "k"), (v_cache, "v")))
+        full = dict(k_full=k.to(DEVICE), v_full=v.to(DEVICE))
+        k, v = ((kernel.quantize(x, scales[n], cache_dtype).double() * scales[n]).to(dtype)
+                for x, n in ((k, "k"), (v, "v")))  # q * scale, computed here, not by kernel.py
     def to(t):
         return t.to(DEVICE)
     return dict(
         q=to(q), k_cache=to(k_cache), v_cache=to(v_cache), block_tables=to(block_tables),
         seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)), cu_seqlens_q=to(cu_seqlens_q),
-        scale=head_dim**-0.5, k=to(torch.stack(k_ctx)), v=to(torch.stack(v_ctx)),
+        scale=head_dim**-0.5, k=to(k), v=to(v),
+        **({} if cache_dtype is None else dict(
+            k_scale=to(scales["k"]), v_scale=to(scales["v"]), **full)),
     )
+
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def paged_args(b):
     return (b["q"], b["k_cache"], b["v_cache"], b["block_tables"], b["seq_lens"],
             b["cu_seqlens_q"], b["scale"])
+
+
+def scales(b):
+    """An 8-bit batch's k_scale and v_scale, as keyword arguments (none for a 16/32-bit one)."""
+    return {name: b[name] for name in ("k_scale", "v_scale") if name in b}
 
 
 def reference(b):
@@ -150,26 +175,28 @@ def test_triton_matches_naive(b, num_splits, pass_max_q_len):
     assert_close(out, reference(b))
 
 
-@settings(max_examples=15, deadline=None)
-@given(paged_batches(dtypes=[torch.float32], max_seqs=2, max_seq_len=300, decode_only=True),
+@settings(max_examples=18, deadline=None)
+@given(paged_batches(dtypes=[torch.float32], max_seqs=2, max_seq_len=300, decode_only=True,
+                     cache_dtypes=(None, None, *FP8)),
        st.integers(2, 64))
 def test_split_kv_agrees_with_one_split(b, num_splits):
     # the split path must give the same result as one program per sequence, including
-    # splits left empty because the context is shorter than num_splits tiles
-    one = paged_attention(*paged_args(b), max_q_len=1, num_splits=1)
-    split = paged_attention(*paged_args(b), max_q_len=1, num_splits=num_splits)
+    # splits left empty because the context is shorter than num_splits tiles (8-bit caches too)
+    one = paged_attention(*paged_args(b), max_q_len=1, num_splits=1, **scales(b))
+    split = paged_attention(*paged_args(b), max_q_len=1, num_splits=num_splits, **scales(b))
     assert_close(split, one)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(paged_batches(dtypes=[torch.float32, torch.float16, torch.bfloat16], min_seqs=8, max_seqs=24,
-                     max_seq_len=60, long_prefills=2, head_dims=(16, 32, 64, 80)),
+                     max_seq_len=60, long_prefills=2, head_dims=(16, 32, 64, 80),
+                     cache_dtypes=(None, None, *FP8)),
        st.integers(1, 64))
 def test_triton_mixed_batches_many_decodes_few_long_prefills(b, num_splits):
     # the engine's usual step: the decode launch (split or not) and the prefill launch, whose
     # query tiles are numbered across sequences, each take their own rows and only those
     max_q_len = int(b["cu_seqlens_q"].diff().max())
-    out = paged_attention(*paged_args(b), max_q_len=max_q_len, num_splits=num_splits)
+    out = paged_attention(*paged_args(b), max_q_len=max_q_len, num_splits=num_splits, **scales(b))
     assert_close(out, reference(b))
 
 
@@ -177,6 +204,79 @@ def test_triton_mixed_batches_many_decodes_few_long_prefills(b, num_splits):
 @given(paged_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16]))
 def test_torch_path_matches_naive(b):
     assert_close(paged_attention_torch(*paged_args(b)), reference(b))
+
+
+# 8-bit caches (kernel.py's scheme): both paths read what the cache holds, dequantized to q's
+# dtype, as naive attention over those K/V does, within q's dtype's tolerance
+
+
+@settings(max_examples=25, deadline=None)
+@given(paged_batches(dtypes=[torch.float32, torch.float16, torch.bfloat16], cache_dtypes=FP8),
+       st.sampled_from([None, 1, 2, 3]))
+def test_triton_reads_an_8bit_cache_as_naive_attention_over_what_it_holds(b, num_splits):
+    out = paged_attention(*paged_args(b), num_splits=num_splits, **scales(b))
+    assert_close(out, reference(b))
+
+
+@settings(max_examples=100, deadline=None)
+@given(paged_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16], cache_dtypes=FP8))
+def test_torch_path_reads_an_8bit_cache_as_naive_attention_over_what_it_holds(b):
+    assert_close(paged_attention_torch(*paged_args(b), **scales(b)), reference(b))
+
+
+def fp8_error(dtype, scale):
+    """(eps, eta): an 8-bit cache stores x as x' with |x' - x| <= eps |x| + eta. Round to nearest:
+    half a step, relative 2**-4 (e4m3, 3 mantissa bits) or 2**-3 (e5m2); below the smallest
+    normal the step is fixed, and eta is half of it, times the scale."""
+    f = torch.finfo(dtype)
+    return f.eps / 2, f.smallest_normal * f.eps / 2 * float(scale)
+
+
+@settings(max_examples=60, deadline=None)
+@given(paged_batches(dtypes=[torch.float64, torch.float32], cache_dtypes=FP8))
+def test_an_8bit_cache_moves_attention_within_its_documented_bound(b):
+    # The bound (README): every K element off by <= eps|k| + eta moves a score q.k * scale by at
+    # most delta = scale * sum_d |q_d| (eps max|k_d| + eta); softmax weights then move by a factor
+    # within exp(+-delta) each, their sum of changes by <= exp(2 delta) - 1; V's own error adds
+    # eps max|v| + eta. So |out - out_full| <= eps max|v| + eta + (exp(2 delta) - 1) max|v|.
+    q, dtype = b["q"], b["k_cache"].dtype
+    group = q.shape[1] // b["k"].shape[1]
+    (eps, eta_k), (_, eta_v) = fp8_error(dtype, b["k_scale"]), fp8_error(dtype, b["v_scale"])
+    k_max = b["k_full"].abs().amax(0).repeat_interleave(group, 0)                   # (nh, D)
+    v_max = b["v_full"].abs().amax((0, 2)).repeat_interleave(group, 0)             # (nh,)
+    delta = b["scale"] * (q.abs() * (eps * k_max + eta_k)).sum(-1)                 # (T, nh)
+    bound = eps * v_max + eta_v + torch.expm1(2 * delta) * v_max + TOL[q.dtype]    # (T, nh)
+    full = naive_attention(q, b["k_full"], b["v_full"], b["cu_seqlens_q"], b["seq_lens"],
+                           b["scale"])
+    error = (paged_attention_torch(*paged_args(b), **scales(b)) - full).abs().amax(-1)
+    assert (error <= bound).all(), f"error {error.max():.3g} past the bound {bound.min():.3g}"
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.sampled_from(FP8), st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+       st.integers(-2, 4), st.booleans(), st.integers(0, 2**31))
+def test_an_8bit_cache_round_trips_kv_up_to_1e4_within_fp8s_relative_error(
+        cache_dtype, dtype, top, use_triton, seed):
+    # K/V whose magnitudes spread over seven decades up to 10**top (1e4 at most), scaled as the
+    # engine's calibration scales them (amax, KV_SCALE_HEADROOM); a last token at 3x the
+    # headroom saturates at +-fmax * scale instead of turning into inf or NaN
+    g = torch.Generator().manual_seed(seed)
+    decades = torch.rand(17, 2, 32, generator=g) * 7                                # (T, nkv, D)
+    x = (torch.randn(17, 2, 32, generator=g).sign() * 10.0 ** (top - decades)).to(dtype)
+    amax = x[:16].abs().amax()
+    x[16] = 3 * kernel.KV_SCALE_HEADROOM * amax * x[16].sign()
+    caches = [torch.zeros(5, 4, 2, 32, dtype=cache_dtype, device=DEVICE) for _ in range(2)]
+    scale = kernel.kv_scales(amax, cache_dtype).to(DEVICE)
+    x = x.to(DEVICE)
+    store_kv(x, -x, *caches, torch.arange(17, device=DEVICE), use_triton=use_triton,
+             k_scale=scale, v_scale=scale)
+    eps, eta = fp8_error(cache_dtype, scale)
+    for sign, cache in zip((1, -1), caches):
+        back = kernel.dequantize(cache.flatten(0, 1)[:17], scale, torch.float32)  # (T, nkv, D)
+        want = sign * x.float()
+        assert (back[:16] - want[:16]).abs().le(eps * want[:16].abs() + eta).all()
+        fmax = torch.finfo(cache_dtype).max
+        assert torch.equal(back[16], want[16].sign() * fmax * scale)
 
 
 @settings(max_examples=8, deadline=None)
@@ -192,10 +292,11 @@ def test_flex_decode_matches_naive(b):
 @settings(max_examples=50, deadline=None)
 @given(
     st.integers(1, 6), st.integers(1, 5), st.integers(1, 3), st.sampled_from([16, 80]),
-    st.sampled_from([torch.float32, torch.bfloat16]), st.booleans(), st.data(),
+    st.sampled_from([torch.float32, torch.bfloat16]), st.booleans(),
+    st.sampled_from([None, None, *FP8]), st.data(),
 )
 def test_store_kv_writes_exactly_the_given_slots(
-    num_blocks, block_size, n_kv_head, head_dim, dtype, use_triton, data
+    num_blocks, block_size, n_kv_head, head_dim, dtype, use_triton, cache_dtype, data
 ):
     num_slots = num_blocks * block_size
     slots = data.draw(st.lists(st.integers(0, num_slots - 1), max_size=num_slots, unique=True))
@@ -206,17 +307,24 @@ def test_store_kv_writes_exactly_the_given_slots(
     qkv = torch.randn(len(slots), 3, n_kv_head, head_dim, device=DEVICE).to(dtype)
     k, v = qkv[:, 1], qkv[:, 2]
     k_cache = torch.full((num_blocks, block_size, n_kv_head, head_dim), float("nan"), device=DEVICE,
-                         dtype=dtype)
+                         dtype=dtype).to(cache_dtype or dtype)
     v_cache = k_cache.clone()
-    store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=use_triton)
+    # an 8-bit cache: scales that put k, v anywhere in fp8's range, up to saturation
+    kv_scales = {} if cache_dtype is None else {
+        name: kernel.kv_scales(x.abs().amax() if len(x) else torch.ones(()),
+                               cache_dtype) * data.draw(st.sampled_from([0.1, 0.5, 1.0, 30.0]))
+        for name, x in (("k_scale", k), ("v_scale", v))}
+    store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=use_triton, **kv_scales)
+    k_want, v_want = (kernel.quantize(x, kv_scales.get(n), k_cache.dtype).view(torch.uint8)
+                      for x, n in ((k, "k_scale"), (v, "v_scale")))  # the bytes (bitwise: fp8)
     written = torch.zeros(num_slots, dtype=torch.bool, device=DEVICE)
     for i, s in enumerate(slots):
         if s >= 0:
             written[s] = True
-            assert torch.equal(k_cache.flatten(0, 1)[s], k[i]) and \
-                torch.equal(v_cache.flatten(0, 1)[s], v[i])
-    assert k_cache.flatten(0, 1)[~written].isnan().all() and \
-        v_cache.flatten(0, 1)[~written].isnan().all()
+            assert torch.equal(k_cache.flatten(0, 1)[s].view(torch.uint8), k_want[i]) and \
+                torch.equal(v_cache.flatten(0, 1)[s].view(torch.uint8), v_want[i])
+    assert k_cache.flatten(0, 1)[~written].float().isnan().all() and \
+        v_cache.flatten(0, 1)[~written].float().isnan().all()
 
 
 def small_batch(head_dim=64, dtype=torch.float32):
@@ -248,17 +356,29 @@ def test_kernel_compiles_for_a_gpu():
     # the interpreter never runs Triton's compiler. bench.py --kernel --aot captures the
     # launcher's real arguments for engine-shaped steps, lets Triton's JIT specialize them as a
     # launch would and compile them for sm_80, sm_86 and sm_90, and reads the binaries: here a
-    # subset that still takes every target, dtype, head size, group, block size and launch
+    # subset that still takes every target, dtype, head size, group, block size and launch, and
+    # every 8-bit cache each target supports
     import json
     code = "import json, bench; print(json.dumps(bench.aot_rows(bench.aot_matrix(full=False), 2)))"
     rows = json.loads(run_without_interpreter(code))
-    launches = Counter((r["sm"], r["dtype"], r["head_dim"], r["launch"]) for r in rows)
+    launches = Counter((r["sm"], r["dtype"], r["head_dim"], r["launch"]) for r in rows
+                       if r["cache"] == r["dtype"])
     assert len(launches) == 3 * 2 * 4 * 4, "a target, dtype, head size or launch is missing"
+    # 8-bit caches: e4m3 on sm_90 (Triton has it from sm_89), e5m2 on every target, each with
+    # both query dtypes, the store that quantizes and every attention launch of a mixed step
+    fp8 = {(r["sm"], r["cache"], r["dtype"], r["launch"]) for r in rows if r["cache"] != r["dtype"]}
+    assert fp8 == {(sm, cache, dtype, launch) for sm, cache in [
+        (80, "float8_e5m2"), (86, "float8_e5m2"), (90, "float8_e5m2"), (90, "float8_e4m3fn")]
+        for dtype in ("float16", "bfloat16")
+        for launch in ("split decode", "merge", "prefill", "store")}, fp8
+    assert len({r["head_dim"] for r in rows if r["cache"] != r["dtype"]}) == 4
     for r in rows:
-        where = "sm_{sm} {dtype} head_dim {head_dim} group {group} {launch}".format(**r)
+        where = "sm_{sm} {dtype} cache {cache} head_dim {head_dim} group {group} {launch}".format(
+            **r)
         assert r["fits"], f"{where}: {r['shared']} bytes of shared memory do not fit"
         assert r["spills"] == 0, f"{where}: {r['spills']} spills ({r['regs']} registers)"
-        if r["launch"] != "merge":  # tensor cores on the cache dtype: no tf32, no fp16 for bf16
+        if r["launch"] not in ("merge", "store"):  # tensor cores on the 16-bit dtype: no tf32,
+            # no fp16 for bf16 (an 8-bit cache is converted to q's dtype before the dots)
             assert r["mma"] and all(("BF16" in m) == (r["dtype"] == "bfloat16") and "TF32" not in m
                                     for m in r["mma"]), f"{where}: MMA {r['mma']}"
 
@@ -831,16 +951,69 @@ def test_greedy_paged_generation_equals_naive_generation(mix, name):
     assert_all_blocks_free(engine)
 
 
+def greedy_reference(model, prompts, max_tokens, kv_cache_dtype="auto"):
+    """What greedy generation must give: naive generation; with an 8-bit cache (whose rounding
+    naive attention does not do), each prompt alone in an engine of ample blocks, no sharing."""
+    if kv_cache_dtype == "auto":
+        return [naive_greedy(model, p, max_tokens) for p in prompts]
+    return [list(_alone(model, tuple(p), max_tokens, kv_cache_dtype)) for p in prompts]
+
+
+@functools.lru_cache(maxsize=None)
+def _alone(model, prompt, max_tokens, kv_cache_dtype):
+    engine = Engine(model, block_size=16, num_blocks=32, enable_prefix_caching=False,
+                    kv_cache_dtype=kv_cache_dtype)
+    out = engine.generate([list(prompt)], SamplingParams(max_tokens=max_tokens, temperature=0))
+    return tuple(out[0].outputs[0].token_ids)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_tight_pool_forces_preemption_and_outputs_do_not_change(mode):
+def test_tight_pool_forces_preemption_and_outputs_do_not_change(mode, kv_cache_dtype):
     prompts = [[(7 * i + j) % 32 for j in range(5 + 3 * i)] for i in range(8)]
-    engine = Engine(MODEL, block_size=4, num_blocks=16, preemption_mode=mode)
+    engine = Engine(MODEL, block_size=4, num_blocks=16, preemption_mode=mode,
+                    kv_cache_dtype=kv_cache_dtype)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
     assert engine.stats()["num_preemptions"] > 0
     assert any(o.num_preemptions for o in outputs)
     assert [o.outputs[0].token_ids for o in outputs] == \
-        [naive_greedy(MODEL, p, 24) for p in prompts]
+        greedy_reference(MODEL, prompts, 24, kv_cache_dtype)
     assert_all_blocks_free(engine)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(request_mixes(), st.sampled_from(["gpt2", "llama"]), st.sampled_from(["fp8", "fp8_e5m2"]))
+def test_greedy_generation_with_an_8bit_cache_does_not_depend_on_how_it_is_served(
+        mix, name, kv_cache_dtype):
+    # sharing, chunking, preemption (both modes), prefix caching and batch-mates change where
+    # and when a token's K/V are stored, never what: the scales are fixed, so the tokens are
+    # those of each request alone
+    prompts, max_tokens, priorities, engine_args = mix
+    engine = Engine(MODELS[name], kv_cache_dtype=kv_cache_dtype, **engine_args)
+    params = [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens]
+    outputs = engine.generate(prompts, params, priority=priorities)
+    for prompt, m, out in zip(prompts, max_tokens, outputs):
+        assert out.outputs[0].token_ids == greedy_reference(MODELS[name], [prompt], m,
+                                                            kv_cache_dtype)[0]
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.float16])
+def test_an_8bit_cache_holds_twice_the_blocks_of_16_bits_and_4x_of_32_in_the_same_bytes(
+        model_dtype):
+    model = copy.deepcopy(MODEL).to(model_dtype)
+    budget = 1 << 20
+    engines = {d: Engine(model, block_size=16, num_blocks=None, kv_cache_bytes=budget,
+                         kv_cache_dtype=d) for d in ("auto", "fp8", "fp8_e5m2")}
+    blocks = {d: e.stats()["num_blocks"] for d, e in engines.items()}
+    per_block = 2 * 2 * 16 * 4 * 8  # K and V, 2 layers, 16 tokens, 4 heads of 8
+    assert blocks["auto"] == budget // (per_block * model_dtype.itemsize)
+    assert blocks["fp8"] == blocks["fp8_e5m2"] == model_dtype.itemsize * blocks["auto"]
+    for d, e in engines.items():
+        assert e.kv_cache.nbytes <= budget and e.kv_cache.nbytes == blocks[d] * per_block * \
+            e.kv_cache.dtype.itemsize
+        assert e.stats()["kv_cache_dtype"] == {"auto": str(model_dtype)[6:], "fp8": "float8_e4m3fn",
+                                               "fp8_e5m2": "float8_e5m2"}[d]
 
 
 def test_gqa_model_generates_like_naive():
@@ -1100,10 +1273,12 @@ def no_writes_into_shared_blocks(monkeypatch):
     return engines.append
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("model", [MODEL, LLAMA], ids=["gpt2", "llama"])
-def test_parallel_samples_equal_the_same_seeds_run_one_by_one(model, no_writes_into_shared_blocks):
+def test_parallel_samples_equal_the_same_seeds_run_one_by_one(model, kv_cache_dtype,
+                                                              no_writes_into_shared_blocks):
     prompt = list(range(1, 11))  # 2.5 blocks: two shared full blocks and a partial one to copy
-    engine = Engine(model, block_size=4, num_blocks=64)
+    engine = Engine(model, block_size=4, num_blocks=64, kv_cache_dtype=kv_cache_dtype)
     no_writes_into_shared_blocks(engine)
     params = SamplingParams(max_tokens=12, temperature=1.0, n=4, seed=42)
     request_id = engine.add_request(prompt, params)
@@ -1117,7 +1292,7 @@ def test_parallel_samples_equal_the_same_seeds_run_one_by_one(model, no_writes_i
     samples = [c.token_ids for c in outputs[request_id].outputs]
     singles = []
     for i in range(4):  # sample i alone: a request of one sample that draws as sample i
-        single = Engine(model, block_size=4, num_blocks=64)
+        single = Engine(model, block_size=4, num_blocks=64, kv_cache_dtype=kv_cache_dtype)
         only = single.add_request(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=42))
         single.requests[only].seqs[0].index = i
         singles += [o.outputs[0].token_ids for o in drain(single).values()]
@@ -1215,16 +1390,18 @@ def _from_pretrained64(path):
     return GPT.from_pretrained(path, dtype=torch.float64)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_beam_search_and_parallel_samples_survive_preemption(mode):
+def test_beam_search_and_parallel_samples_survive_preemption(mode, kv_cache_dtype):
     prompts = [[(5 * i + j) % 32 for j in range(6 + i)] for i in range(4)]
     params = [SamplingParams(max_tokens=10, beam_width=3),
               SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=7),
               SamplingParams(max_tokens=10, temperature=0),
               SamplingParams(max_tokens=10, beam_width=2)]
-    ample = Engine(MODEL, block_size=2, num_blocks=256).generate(prompts, params)
+    ample = Engine(MODEL, block_size=2, num_blocks=256,
+                   kv_cache_dtype=kv_cache_dtype).generate(prompts, params)
     engine = Engine(MODEL, block_size=2, num_blocks=27, preemption_mode=mode,
-                    max_num_batched_tokens=8)
+                    max_num_batched_tokens=8, kv_cache_dtype=kv_cache_dtype)
     tight = engine.generate(prompts, params)
     assert engine.stats()["num_preemptions"] > 0
     assert [[c.token_ids for c in o.outputs] for o in tight] == \
@@ -1232,15 +1409,17 @@ def test_beam_search_and_parallel_samples_survive_preemption(mode):
     assert_all_blocks_free(engine)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("model", [MODEL, LLAMA], ids=["gpt2", "llama"])
-def test_prefix_caching_on_and_off_give_identical_outputs(model, no_writes_into_shared_blocks):
+def test_prefix_caching_on_and_off_give_identical_outputs(model, kv_cache_dtype,
+                                                          no_writes_into_shared_blocks):
     system = [(11 * j) % 32 for j in range(13)]
     prompts = [system + [i, i + 1] for i in range(6)] + [system[:8], system]
     params = SamplingParams(max_tokens=6, temperature=0)
     results = {}
     for caching in (True, False):
         engine = Engine(model, block_size=4, num_blocks=64, enable_prefix_caching=caching,
-                        max_num_seqs=2)
+                        max_num_seqs=2, kv_cache_dtype=kv_cache_dtype)
         no_writes_into_shared_blocks(engine)
         results[caching] = [o.outputs[0].token_ids for o in engine.generate(prompts, params)]
         hits = engine.stats()["prefix_cache_hit_tokens"]
@@ -1248,7 +1427,42 @@ def test_prefix_caching_on_and_off_give_identical_outputs(model, no_writes_into_
         assert_all_blocks_free(engine)
         assert engine.stats()["num_cached_blocks"] > 0 if caching else \
             engine.stats()["num_cached_blocks"] == 0
-    assert results[True] == results[False] == [naive_greedy(model, p, 6) for p in prompts]
+    assert results[True] == results[False] == greedy_reference(model, prompts, 6, kv_cache_dtype)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_copy_on_write_and_swap_move_8bit_blocks_byte_for_byte_and_scales_stay(mode):
+    # the scales are per layer and fixed: a block copy (copy-on-write, swap out, swap in) is
+    # its bytes and nothing else, and no step changes a scale
+    engine = Engine(MODEL, block_size=2, num_blocks=27, preemption_mode=mode,
+                    max_num_batched_tokens=8, kv_cache_dtype="fp8")
+    runner, moved = engine.model_runner, Counter()
+    scales = [{n: s.clone() for n, s in layer.items()} for layer in runner.kv_scales]
+    real_copy_blocks = runner.copy_blocks
+
+    def block(cache, b, on_cpu):  # (2, n_layer, block_size, nkv, hs) as bytes
+        return (cache[b] if on_cpu else cache[:, :, b]).view(torch.uint8).clone()
+
+    def copy_blocks(out):
+        moves = [(out.blocks_to_swap_out, False, True), (out.blocks_to_swap_in, True, False),
+                 (out.blocks_to_copy, False, False)]
+        caches = {False: runner.kv_cache, True: runner.cpu_kv_cache}
+        want = [(dst, to_cpu, block(caches[from_cpu], src, from_cpu))
+                for pairs, from_cpu, to_cpu in moves for src, dst in pairs]
+        real_copy_blocks(out)
+        for dst, to_cpu, data in want:
+            assert torch.equal(block(caches[to_cpu], dst, to_cpu), data)
+        moved.update(name for name, (pairs, _, _) in zip(("out", "in", "copy"), moves) if pairs)
+
+    runner.copy_blocks = copy_blocks
+    prompts = [[(5 * i + j) % 32 for j in range(6 + i)] for i in range(4)]
+    engine.generate(prompts, [SamplingParams(max_tokens=10, beam_width=3),
+                              SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=7),
+                              SamplingParams(max_tokens=10, temperature=0),
+                              SamplingParams(max_tokens=10, beam_width=2)])
+    assert moved["copy"] and (mode == "recompute" or moved["out"] and moved["in"]), moved
+    assert all(torch.equal(s[n], runner.kv_scales[i][n]) for i, s in enumerate(scales) for n in s)
+    assert_all_blocks_free(engine)
 
 
 def test_prompt_fully_in_the_cache_still_gets_its_next_token():
@@ -1657,6 +1871,9 @@ def test_a_batch_with_one_bad_prompt_is_rejected_whole():
     (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be an integer >= 1, got 0"),
     (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False, got 'no'"),
     (dict(device="gpu"), "device must be like 'cpu', 'cuda' or 'cuda:1', got 'gpu'"),
+    (dict(kv_cache_dtype="int8"),
+     r"kv_cache_dtype must be one of \['auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'\], got 'int8'"),
+    (dict(kv_cache_dtype=torch.float8_e4m3fn), "kv_cache_dtype must be one of .* got torch"),
 ])
 def test_bad_engine_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -1970,7 +2187,11 @@ def test_bench_quick_runs_every_section_and_leaves_the_readmes_results_alone():
     assert (os.path.getmtime(cited) if os.path.exists(cited) else None) == before
     results = json.load(open(written))
     assert set(results) >= {"memory", "capacity", "sharing", "throughput", "kernel", "overhead",
-                            "tensor_parallel", "soak"}
+                            "tensor_parallel", "soak", "quality"}
+    # the same bytes: an fp8 pool holds every request the fp32 pool held, and the loss moves
+    assert results["capacity"]["paged fp8 @ inf/s"]["peak_running"] >= \
+        results["capacity"]["paged @ inf/s"]["peak_running"]
+    assert 0 < abs(results["quality"]["fp8"]["loss"] - results["quality"]["auto"]["loss"]) < 0.1
     churn = results["sharing"]["eviction under churn"]  # LFU keeps what LRU loses
     assert churn["lfu"]["popular_prefix_kept"] == 1 and churn["lru"]["popular_prefix_kept"] == 0
     assert set(results["overhead"]["take_block_us"]) == set(EVICTION_POLICIES) - {"mru"}
@@ -2342,6 +2563,46 @@ EngineMachine.TestCase.settings = settings(max_examples=150, stateful_step_count
 test_engine_state_machine = EngineMachine.TestCase
 
 
+def test_e4m3_on_a_gpu_before_sm_89_is_a_clear_error_naming_e5m2(monkeypatch):
+    # Triton converts e4m3 (fp8e4nv) from compute capability 8.9 on; e5m2 from 8.0
+    for capability, ok in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+        cuda = torch.device("cuda")
+        assert kernel.check_kv_cache_dtype("fp8_e5m2", torch.float16, cuda, "triton") == \
+            torch.float8_e5m2
+        if ok:
+            assert kernel.check_kv_cache_dtype("fp8", torch.float16, cuda, "triton") == \
+                torch.float8_e4m3fn
+        else:
+            with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' is e4m3.*use 'fp8_e5m2'"):
+                kernel.check_kv_cache_dtype("fp8", torch.float16, cuda, "triton")
+        assert kernel.check_kv_cache_dtype("fp8", torch.float16, cuda, "torch") == \
+            torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_engine_on_the_triton_kernel_with_an_8bit_cache_generates_like_the_torch_path(
+        kv_cache_dtype):
+    # the Triton store quantizes to the same bytes and the kernel reads them as the torch path
+    torch.manual_seed(3)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_kv_head=1, n_embd=32, vocab_size=32,
+                          max_seq_len=64))
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10] * 12]
+    engines = [Engine(model, block_size=4, num_blocks=24, attention_backend=backend,
+                      max_num_batched_tokens=10, kv_cache_dtype=kv_cache_dtype)
+               for backend in ("triton", "torch")]
+    assert torch.equal(engines[0].model_runner.kv_scales[1]["v_scale"],
+                       engines[1].model_runner.kv_scales[1]["v_scale"])
+    outputs = [e.generate(prompts, SamplingParams(max_tokens=6, temperature=0, logprobs=1))
+               for e in engines]
+    assert [o.outputs[0].token_ids for o in outputs[0]] == \
+        [o.outputs[0].token_ids for o in outputs[1]]
+    for a, b in zip(*outputs):
+        assert a.outputs[0].cumulative_logprob == pytest.approx(b.outputs[0].cumulative_logprob,
+                                                                abs=1e-4)
+    assert_all_blocks_free(engines[0])
+
+
 def test_engine_on_the_triton_kernel_generates_like_naive():
     # the engine's GPU path (Triton attention and KV store), here under the interpreter on a CPU
     torch.manual_seed(3)
@@ -2412,6 +2673,13 @@ def test_the_demo_speculates_with_the_built_in_draft_and_says_how_much_it_kept(c
             f"{s['num_proposed_tokens']} guessed tokens accepted") in printed
 
 
+def test_demo_takes_the_kv_cache_dtype_from_the_command_line(capsys):
+    report = nanopaged.main(["--prompt", "def ", "--max-tokens", "4", "--temperature", "0",
+                             "--kv-cache-dtype", "fp8_e5m2"])
+    assert report["engine"].kv_cache.dtype == torch.float8_e5m2
+    assert "blocks x 16 tokens in float8_e5m2 on" in capsys.readouterr().out
+
+
 def test_demo_takes_the_policies_and_priorities_from_the_command_line(capsys):
     report = nanopaged.main(["--prompt", "def ", "--priority", "1", "--prompt", "class ",
                              "--priority", "0", "--max-tokens", "2", "--temperature", "0",
@@ -2444,6 +2712,7 @@ def test_demo_takes_the_policies_and_priorities_from_the_command_line(capsys):
      "num_speculative_tokens must be an int >= 1, got 0"),
     (["--speculative-model", "ngram", "--beam-width", "2", "--prompt", "x"],
      "beam search does not run with speculative decoding"),
+    (["--kv-cache-dtype", "int8"], "argument --kv-cache-dtype: invalid choice: 'int8'"),
 ])
 def test_demo_bad_flags_end_with_one_clear_line(flags, message):
     run = subprocess.run([sys.executable, "nanopaged.py", *flags], capture_output=True, text=True,
@@ -3556,6 +3825,23 @@ def test_lookahead_slots_are_reserved_from_what_plain_scheduling_left_and_given_
 def test_bad_speculative_configs_are_clear_errors(config, message):
     with pytest.raises(ValueError, match=message):
         Engine(MODEL, num_blocks=16, speculative_config=config)
+
+
+def test_a_draft_shares_the_byte_budget_and_an_8bit_cache_with_its_target():
+    prompts = [[1, 2, 3, 1, 2], [4, 5, 6, 7], [9] * 9]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    budget = 40 * 2 * 2 * (2 * 32)  # 40 blocks: K and V, 2 layers, 2 tokens of 32 bytes each
+    plain = Engine(MODEL, block_size=2, kv_cache_bytes=budget, kv_cache_dtype="fp8")
+    engine = Engine(MODEL, block_size=2, kv_cache_bytes=budget, kv_cache_dtype="fp8",
+                    speculative_config=speculative_config("draft=target", 3, MODEL))
+    draft_cache = engine.proposer.runner.kv_cache
+    assert plain.allocator.num_blocks == 40 and engine.allocator.num_blocks == 20  # two caches
+    assert draft_cache.dtype == engine.kv_cache.dtype == torch.float8_e4m3fn
+    assert draft_cache.shape[2] == engine.kv_cache.shape[2] == 20
+    # stored bytes depend on the token and its context alone, so speculating changes no token
+    assert [o.outputs[0].token_ids for o in engine.generate(prompts, params)] == \
+        [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert engine.stats()["num_accepted_tokens"] == engine.stats()["num_proposed_tokens"] > 0
 
 
 def test_beam_search_is_refused_when_speculating_and_n_samples_run():
