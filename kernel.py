@@ -426,7 +426,7 @@ def calibrate_kv_scales(model, block_shape, dtype, num_tokens=256):
         seq_lens=torch.full((num_seqs,), seq_len, **int32),
         cu_seqlens_q=torch.arange(0, len(ids) + 1, seq_len, **int32), max_q_len=seq_len,
         logits_indices=torch.zeros(0, dtype=torch.long, device=device), use_triton=False,
-        kv_scales=[{}] * config.n_layer)
+        kv_scales=[{}] * config.n_layer, attn_plan={})
     with torch.inference_mode():
         model(ids, batch, cache)
     s = kv_scales(cache.abs().amax(dim=(2, 3, 4, 5)), dtype)  # (2, n_layer)
@@ -547,18 +547,16 @@ def _buffer(name, shape, like):
     return _buffers[key][:numel].view(shape)
 
 
-def _gather_kv(k_cache, v_cache, block_table, positions, scales, dtype):
-    """K and V at positions [B, L] of the B sequences whose block tables are block_table
-    [B, max_blocks], each returned as a [B, n_kv_head, L, head_dim] view for attention, in dtype
-    (dequantized with scales, (k_scale, v_scale), for an 8-bit cache)."""
-    block_size, n_kv_head, head_dim = k_cache.shape[1:]
-    blocks = block_table.gather(1, positions // block_size).long()                 # (B, L)
-    slots = (blocks * block_size + positions % block_size).flatten()              # (B*L,)
+def _gather_kv(k_cache, v_cache, slots, shape, scales, dtype):
+    """K and V at the physical slots (flattened [B, L] positions of B sequences), each returned
+    as a [B, n_kv_head, L, head_dim] view for attention, in dtype (dequantized with scales,
+    (k_scale, v_scale), for an 8-bit cache)."""
+    n_kv_head, head_dim = k_cache.shape[2:]
     rows = (len(slots), n_kv_head, head_dim)
     k = torch.index_select(k_cache.flatten(0, 1), 0, slots, out=_buffer("k", rows, k_cache))
     v = torch.index_select(v_cache.flatten(0, 1), 0, slots, out=_buffer("v", rows, v_cache))
     k, v = (dequantize(x, s, dtype) for x, s in zip((k, v), scales))
-    shape = (*positions.shape, n_kv_head, head_dim)                               # (B, L, nkv, D)
+    shape = (*shape, n_kv_head, head_dim)                                         # (B, L, nkv, D)
     return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)  # (B, nkv, L, D) each
 
 
@@ -571,7 +569,8 @@ def _attend(q, k, v, mask, scale):
 
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                          max_q_len=None, decode_attention=None, k_scale=None, v_scale=None):
+                          max_q_len=None, decode_attention=None, k_scale=None, v_scale=None,
+                          plan=None):
     """paged_attention in plain torch: the decoding sequences (q_len == 1) in one batched call,
     those with a few new tokens (2 to SHORT_Q_LEN: speculative verification, short prompts) in
     another, then one call per sequence with more. Accepts float64 (the tests run models in
@@ -579,7 +578,10 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
     K/V are gathered only from positions < seq_len, so unused slots (even NaN) are never read.
     decode_attention: a function (q, k_cache, v_cache, block_tables, seq_lens, scale) of the
     decoding rows alone that replaces their batched call (paged_attention_flex, opt-in).
-    An 8-bit cache comes with k_scale and v_scale: what is gathered is dequantized to q's dtype."""
+    An 8-bit cache comes with k_scale and v_scale: what is gathered is dequantized to q's dtype.
+    plan: a dict that every layer of one step passes (Batch.attn_plan): the first call fills it
+    with the step's gather indices and masks, the others reuse them (as vLLM builds its
+    attention metadata once per step), so a layer is a few ops: gather, attend, scatter."""
     n_head, head_dim = q.shape[1:]
     n_kv_head = k_cache.shape[2]
     assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim
@@ -587,81 +589,65 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
     check_scales(q, k_cache, v_cache, k_scale, v_scale)
     if decode_attention is not None and k_scale is not None:
         raise ValueError("paged_attention_flex reads the cache in place: it takes no 8-bit cache")
-    scales = (k_scale, v_scale)
+    if not plan:  # None, or this step's first layer
+        plan = _attention_plan(block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1],
+                               n_head // n_kv_head, decode_attention is None, plan)
     out = torch.empty_like(q)
-    cu = cu_seqlens_q.tolist()
-    lens = seq_lens.tolist()
-    q_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
-
-    group = n_head // n_kv_head
-    decode = [i for i, n in enumerate(q_lens) if n == 1]
-    if decode:
-        idx = torch.tensor(decode, device=q.device)
+    if decode_attention is not None and plan["decode"] is not None:
+        idx = plan["decode"]
         rows = cu_seqlens_q.index_select(0, idx).long()              # (B,) their one new token
-        tables = block_tables.index_select(0, idx)                               # (B, max_blocks)
-        if decode_attention is not None:
-            o = decode_attention(q.index_select(0, rows), k_cache, v_cache, tables,
-                                 seq_lens.index_select(0, idx), scale)            # (B, nh, D)
-            out.index_copy_(0, rows, o.to(q.dtype))
-        else:
-            ctx = seq_lens.index_select(0, idx).long()[:, None]                   # (B, 1)
-            pos = torch.arange(max(lens[i] for i in decode), device=q.device)[None]  # (1, L)
-            # positions past a sequence's end re-read its last token: real values, masked below
-            k, v = _gather_kv(k_cache, v_cache, tables, torch.minimum(pos, ctx - 1), scales,
-                               q.dtype)
-            q_dec = q.index_select(0, rows).view(len(decode), n_kv_head, group, head_dim)
-            o = _attend(q_dec, k, v, (pos < ctx)[:, None, None, :], scale)       # (B, nkv, G, D)
-            out.index_copy_(0, rows, o.reshape(len(decode), n_head, head_dim).to(q.dtype))
-    short = [i for i, n in enumerate(q_lens) if 1 < n <= SHORT_Q_LEN]
-    if len(short) > 1:  # one alone is cheaper the plain way
-        _attend_batched(out, q, k_cache, v_cache, block_tables, scale, scales, short, cu, lens,
-                        q_lens)
-    for i, q_len in enumerate(q_lens):
-        if q_len == 1 or len(short) > 1 and q_len <= SHORT_Q_LEN:
-            continue
-        pos = torch.arange(lens[i], device=q.device)                              # (L,)
-        k, v = _gather_kv(k_cache, v_cache, block_tables[i : i + 1], pos[None], scales,
-                          q.dtype)                                            # (1, nkv, L, D)
-        q_seq = q[cu[i] : cu[i + 1]].view(q_len, n_kv_head, group, head_dim)
-        q_seq = q_seq.permute(1, 2, 0, 3).reshape(1, n_kv_head, group * q_len, head_dim)
-        # causal: new token j sits at position L - q_len + j and sees positions 0..that
-        mask = pos[None, :] <= pos[lens[i] - q_len :, None]                       # (q_len, L)
-        o = _attend(q_seq, k, v, mask.repeat(group, 1), scale)       # (1, nkv, G*q_len, D)
-        o = o.view(n_kv_head, group, q_len, head_dim).permute(2, 0, 1, 3)  # (q_len, nkv, G, D)
-        out[cu[i] : cu[i + 1]] = o.reshape(q_len, n_head, head_dim).to(q.dtype)
+        o = decode_attention(q.index_select(0, rows), k_cache, v_cache,
+                             block_tables.index_select(0, idx), seq_lens.index_select(0, idx),
+                             scale)                                              # (B, nh, D)
+        out.index_copy_(0, rows, o.to(q.dtype))
+    for rows, slots, (B, Q, L), mask, kept, written in plan["calls"]:
+        k, v = _gather_kv(k_cache, v_cache, slots, (B, L), (k_scale, v_scale), q.dtype)
+        q_b = q.index_select(0, rows).view(B, Q, n_kv_head, -1, head_dim).permute(0, 2, 3, 1, 4)
+        q_b = q_b.reshape(B, n_kv_head, -1, head_dim)  # (B, nkv, G*Q, D): per K/V head, G x Q
+        o = _attend(q_b, k, v, mask, scale).view(B, n_kv_head, -1, Q, head_dim)
+        o = o.permute(0, 3, 1, 2, 4).reshape(B * Q, n_head, head_dim)             # (B*Q, nh, D)
+        out.index_copy_(0, written, (o if kept is None else o[kept]).to(q.dtype))
     return out
 
 
 SHORT_Q_LEN = 16  # sequences with at most this many new tokens share one padded call
 
 
-def _attend_batched(out, q, k_cache, v_cache, block_tables, scale, scales, seqs, cu, lens,
-                    q_lens):
-    """Attention for the sequences seqs, a few new tokens each, in one call: each padded to the
-    most new tokens among them, Q (a padding row repeats the sequence's last and is not written
-    back), and to their longest context (masked). Indices are built on the host, which knows
-    the lengths: no device round trip."""
-    B, Q, (n_head, D), n_kv_head = len(seqs), max(q_lens[i] for i in seqs), q.shape[1:], \
-        k_cache.shape[2]
-    G, dev = n_head // n_kv_head, q.device
-    last = [(i, min(j, q_lens[i] - 1)) for i in seqs for j in range(Q)]  # row j, or the last
-    rows = torch.tensor([cu[i] + j for i, j in last], device=dev)     # (B*Q,) rows of q and out
-    # causal: new token j of a sequence sits at position len - q_len + j and sees up to there
-    q_pos = torch.tensor([lens[i] - q_lens[i] + j for i, j in last], device=dev).view(B, Q)
-    ctx = torch.tensor([lens[i] for i in seqs], device=dev)[:, None]              # (B, 1)
-    pos = torch.arange(max(lens[i] for i in seqs), device=dev)[None]              # (1, L)
-    # positions past a sequence's end re-read its last token: real values, masked below
-    k, v = _gather_kv(k_cache, v_cache, block_tables[seqs], torch.minimum(pos, ctx - 1), scales,
-                      q.dtype)
-    q_b = q.index_select(0, rows).view(B, Q, n_kv_head, G, D).permute(0, 2, 3, 1, 4)
-    q_b = q_b.reshape(B, n_kv_head, G * Q, D)  # (B, nkv, G*Q, D): per K/V head, G heads' Q rows
-    mask = pos[:, None, :] <= q_pos[:, :, None]                                   # (B, Q, L)
-    mask = mask[:, None].expand(B, G, Q, mask.shape[-1]).reshape(B, 1, G * Q, -1)
-    o = _attend(q_b, k, v, mask, scale).view(B, n_kv_head, G, Q, D)
-    o = o.permute(0, 3, 1, 2, 4).reshape(B * Q, n_head, D)                        # (B*Q, nh, D)
-    real = torch.tensor([b * Q + j for b, i in enumerate(seqs) for j in range(q_lens[i])],
-                        device=dev)
-    out.index_copy_(0, rows[real], o[real].to(q.dtype))
+def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes, plan):
+    """The step's calls, each a group of sequences padded to its most new tokens, Q, and its
+    longest context, L: the decodes (unless decode_attention takes them), those with 2 to
+    SHORT_Q_LEN new tokens when there are several, then each other sequence alone. A call is
+    (rows of q, slots to gather, (B, Q, L), mask (B, 1, G*Q, L), rows of o kept, rows of out
+    written): a padding row repeats its sequence's last and is not written back; positions
+    past a sequence's end re-read its last token, real values that the mask hides. Indices are
+    built on the host, which knows the lengths."""
+    plan = {} if plan is None else plan
+    cu, lens, dev = cu_seqlens_q.tolist(), seq_lens.tolist(), block_tables.device
+    q_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    short = [i for i, n in enumerate(q_lens) if 1 < n <= SHORT_Q_LEN]
+    short = [short] if len(short) > 1 else [[i] for i in short]
+    groups = ([decode] if decode and decodes else []) + short + \
+        [[i] for i, n in enumerate(q_lens) if n > SHORT_Q_LEN]
+    plan["decode"] = torch.tensor(decode, device=dev) if decode and not decodes else None
+    plan["calls"] = []
+    for seqs in groups:
+        B, Q, L = len(seqs), max(q_lens[i] for i in seqs), max(lens[i] for i in seqs)
+        last = [(i, min(j, q_lens[i] - 1)) for i in seqs for j in range(Q)]  # row j, or the last
+        rows = torch.tensor([cu[i] + j for i, j in last], device=dev)             # (B*Q,)
+        # causal: new token j of a sequence sits at position len - q_len + j, sees up to there
+        q_pos = torch.tensor([lens[i] - q_lens[i] + j for i, j in last], device=dev).view(B, Q)
+        ctx = torch.tensor([lens[i] for i in seqs], device=dev)[:, None]          # (B, 1)
+        pos = torch.arange(L, device=dev)[None]                                   # (1, L)
+        positions = torch.minimum(pos, ctx - 1)                                   # (B, L)
+        blocks = block_tables[seqs].gather(1, positions // block_size).long()     # (B, L)
+        slots = (blocks * block_size + positions % block_size).flatten()          # (B*L,)
+        mask = (pos[:, None, :] <= q_pos[:, :, None])[:, None].repeat(1, 1, G, 1)  # (B,1,G*Q,L)
+        kept = [b * Q + j for b, i in enumerate(seqs) for j in range(q_lens[i])]
+        kept = None if len(kept) == B * Q else torch.tensor(kept, device=dev)
+        plan["calls"].append((rows, slots, (B, Q, L), mask, kept,
+                              rows if kept is None else rows[kept]))
+    return plan
 
 
 _flex = None  # flex_attention compiled by Inductor, made on first use (tens of seconds)

@@ -21,6 +21,7 @@ Run `python nanopaged.py`, or `torchrun --nproc-per-node 2 nanopaged.py
 """
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import math
@@ -832,6 +833,7 @@ class Batch:
     logits_indices: torch.Tensor  # (R,) int64, rows whose next-token logits we need
     use_triton: bool = False      # the Triton kernel, or the plain-torch paged path
     kv_scales: list = None        # per layer: {} or an 8-bit cache's {k_scale, v_scale} (kernel.py)
+    attn_plan: dict = field(default_factory=dict)  # the torch path's indices, made by layer 0
 
 
 def rope_cos_sin(config, positions, dtype):
@@ -886,7 +888,8 @@ class CausalSelfAttention(nn.Module):
         # to its sequence's whole context, gathered block by block through the block table
         k_cache, v_cache, scales = kv_cache                   # (num_blocks, block_size, nkv, hs)
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping, use_triton=batch.use_triton, **scales)
-        attention = paged_attention if batch.use_triton else paged_attention_torch
+        attention = paged_attention if batch.use_triton else \
+            functools.partial(paged_attention_torch, plan=batch.attn_plan)
         y = attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.cu_seqlens_q,
                       self.scale, max_q_len=batch.max_q_len, **scales)  # (T, nh, hs)
         return all_reduce(self.c_proj(y.flatten(1)))
