@@ -589,9 +589,10 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
     check_scales(q, k_cache, v_cache, k_scale, v_scale)
     if decode_attention is not None and k_scale is not None:
         raise ValueError("paged_attention_flex reads the cache in place: it takes no 8-bit cache")
-    if not plan:  # None, or this step's first layer
-        plan = _attention_plan(block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1],
-                               n_head // n_kv_head, decode_attention is None, plan)
+    plan = {} if plan is None else plan
+    if not plan:  # this step's first layer: the indices every layer reuses
+        plan.update(_attention_plan(block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1],
+                                    n_head // n_kv_head, decode_attention is None))
     out = torch.empty_like(q)
     if decode_attention is not None and plan["decode"] is not None:
         idx = plan["decode"]
@@ -613,7 +614,7 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
 SHORT_Q_LEN = 16  # sequences with at most this many new tokens share one padded call
 
 
-def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes, plan):
+def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes):
     """The step's calls, each a group of sequences padded to its most new tokens, Q, and its
     longest context, L: the decodes (unless decode_attention takes them), those with 2 to
     SHORT_Q_LEN new tokens when there are several, then each other sequence alone. A call is
@@ -621,7 +622,6 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
     written): a padding row repeats its sequence's last and is not written back; positions
     past a sequence's end re-read its last token, real values that the mask hides. Indices are
     built on the host, which knows the lengths."""
-    plan = {} if plan is None else plan
     cu, lens, dev = cu_seqlens_q.tolist(), seq_lens.tolist(), block_tables.device
     q_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
     decode = [i for i, n in enumerate(q_lens) if n == 1]
@@ -629,8 +629,7 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
     short = [short] if len(short) > 1 else [[i] for i in short]
     groups = ([decode] if decode and decodes else []) + short + \
         [[i] for i, n in enumerate(q_lens) if n > SHORT_Q_LEN]
-    plan["decode"] = torch.tensor(decode, device=dev) if decode and not decodes else None
-    plan["calls"] = []
+    calls = []
     for seqs in groups:
         B, Q, L = len(seqs), max(q_lens[i] for i in seqs), max(lens[i] for i in seqs)
         last = [(i, min(j, q_lens[i] - 1)) for i in seqs for j in range(Q)]  # row j, or the last
@@ -645,9 +644,9 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
         mask = (pos[:, None, :] <= q_pos[:, :, None])[:, None].repeat(1, 1, G, 1)  # (B,1,G*Q,L)
         kept = [b * Q + j for b, i in enumerate(seqs) for j in range(q_lens[i])]
         kept = None if len(kept) == B * Q else torch.tensor(kept, device=dev)
-        plan["calls"].append((rows, slots, (B, Q, L), mask, kept,
-                              rows if kept is None else rows[kept]))
-    return plan
+        calls.append((rows, slots, (B, Q, L), mask, kept, rows if kept is None else rows[kept]))
+    return dict(calls=calls,
+                decode=torch.tensor(decode, device=dev) if decode and not decodes else None)
 
 
 _flex = None  # flex_attention compiled by Inductor, made on first use (tens of seconds)

@@ -34,6 +34,7 @@ greedy or seeded, with or without speculation, and whatever the batch-mates.
 import math
 
 from nanopaged import GPT, ModelRunner, kv_block_shape, step_chunks, tp
+from validation import integer
 
 METHODS = ("ngram", "draft")
 
@@ -52,7 +53,7 @@ def make_proposer(config, model, device):
         raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} for method "
                          f"{config['method']!r} (it takes {sorted(allowed)})")
     k = config.get("num_speculative_tokens")
-    if not positive_int(k):
+    if not (integer(k) and k >= 1):
         raise ValueError(f"speculative_config: num_speculative_tokens must be an int >= 1, "
                          f"got {k!r}")
     if tp.world_size > 1:
@@ -60,7 +61,7 @@ def make_proposer(config, model, device):
                          "not supported")
     if config["method"] == "ngram":
         n, m = config.get("prompt_lookup_max", 4), config.get("prompt_lookup_min", 2)
-        if not (positive_int(n) and positive_int(m) and m <= n):
+        if not (integer(n) and integer(m) and 1 <= m <= n):
             raise ValueError(f"speculative_config: need ints prompt_lookup_max >= "
                              f"prompt_lookup_min >= 1, got {n!r} and {m!r}")
         return NgramProposer(k, n, m)
@@ -77,10 +78,6 @@ def make_proposer(config, model, device):
                          f"{draft.config.max_seq_len} is shorter than the target's "
                          f"{target.max_seq_len}")
     return DraftProposer(draft.to(device).eval(), k)
-
-
-def positive_int(x):
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
 
 def ngram_proposal(tokens, max_n, min_n, k):

@@ -13,14 +13,17 @@ import torch.nn as nn
 import kernel
 
 
+def integer(x):  # bool is an int to Python, never to a user
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def number(x):
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def check_sampling_params(self):
     """SamplingParams.__post_init__: every field's type and range, or a ValueError naming
     it; stop_token_ids None (or a tuple) becomes a list."""
-    def integer(x):  # bool is an int to Python, never to a user
-        return isinstance(x, int) and not isinstance(x, bool)
-
-    def number(x):
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
     stops = self.stop_token_ids
     stops = [] if stops is None else list(stops) if isinstance(stops, (list, tuple)) else stops
     checks = [("max_tokens", integer(self.max_tokens) and self.max_tokens >= 1, "an int >= 1"),
