@@ -675,19 +675,22 @@ def paged_case(batch, context, dtype, device, mixed=False):
     return q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, k, v
 
 
-def time_ms(fn):
-    """Median milliseconds per call, warm-up excluded. On a GPU, Triton's do_bench, which also
-    flushes the L2 cache before every call, so each one reads K/V from HBM."""
+def time_ms(calls, rounds=9):
+    """label -> median milliseconds per call of each function in calls, warm-up excluded. On a
+    GPU, Triton's do_bench, which also flushes the L2 cache before every call, so each one reads
+    K/V from HBM. On a CPU the calls take turns, round after round, so a slow spell of a shared
+    machine slows all of them alike."""
     if torch.cuda.is_available():
         import triton
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-    fn()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        fn()
-        times.append(1e3 * (time.perf_counter() - start))
-    return float(np.median(times))
+        return {label: triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+                for label, fn in calls.items()}
+    times = {label: [] for label in calls}
+    for _ in range(rounds + 1):
+        for label, fn in calls.items():
+            start = time.perf_counter()
+            fn()
+            times[label].append(1e3 * (time.perf_counter() - start))
+    return {label: float(np.median(t[1:])) for label, t in times.items()}
 
 
 def bench_kernel(grid=None):
@@ -712,9 +715,12 @@ def bench_kernel(grid=None):
         except torch.cuda.OutOfMemoryError:
             print(f"batch {batch} x context {context}: skipped, out of GPU memory")
             continue
+        # the torch path's indices, built by the first call: once a step, as the engine builds
+        # them for all its layers (on a GPU, no plan)
+        plan, flex_plan = {}, {}
         calls = {
             "paged": lambda: paged(q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, scale,
-                                   max_q_len=1),
+                                   max_q_len=1, **({} if on_gpu else dict(plan=plan))),
             # contiguous SDPA, the group's query heads stacked on the query axis so each K/V head
             # is read once
             # mixed lengths: padded to the longest and masked, as a contiguous batch is
@@ -725,7 +731,8 @@ def bench_kernel(grid=None):
             if mixed else None
         if not on_gpu:  # the gather-free decode: flex_attention compiled by Inductor
             calls["flex"] = lambda: paged(q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q,
-                                          scale, decode_attention=kernel.paged_attention_flex)
+                                          scale, decode_attention=kernel.paged_attention_flex,
+                                          plan=flex_plan)
         # the reference loops over sequences in Python: small shapes only
         if batch * context <= 8192 and not mixed:
             flat_k, flat_v = (t.transpose(1, 2).reshape(batch * context, n_kv, D) for t in (k, v))
@@ -743,7 +750,7 @@ def bench_kernel(grid=None):
                                        f"batch {batch} x {context}: {m}")
         # K, V read once; q in, out
         moved = (2 * int(seq_lens.sum()) * n_kv * D + 2 * q.numel()) * q.element_size()
-        r = {label: time_ms(call) for label, call in calls.items()}
+        r = time_ms(calls)
         r["paged_GBps"], r["sdpa_GBps"] = moved / r["paged"] / 1e6, moved / r["sdpa"] / 1e6
         results[f"{batch}x{context}{' mixed' if mixed else ''}"] = r
         pct = (lambda gbps: f"{100 * gbps / peak:.0f}%") if peak else (lambda gbps: "-")

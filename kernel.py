@@ -573,7 +573,8 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
                           plan=None):
     """paged_attention in plain torch: the decoding sequences (q_len == 1) in one batched call,
     those with a few new tokens (2 to SHORT_Q_LEN: speculative verification, short prompts) in
-    another, then one call per sequence with more. Accepts float64 (the tests run models in
+    another, then one call per sequence with more; a batched call that would gather more than
+    CHUNK_BYTES of K/V is cut into several. Accepts float64 (the tests run models in
     it). max_q_len is accepted for the same signature; this path reads the lengths on the host.
     K/V are gathered only from positions < seq_len, so unused slots (even NaN) are never read.
     decode_attention: a function (q, k_cache, v_cache, block_tables, seq_lens, scale) of the
@@ -591,8 +592,9 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
         raise ValueError("paged_attention_flex reads the cache in place: it takes no 8-bit cache")
     plan = {} if plan is None else plan
     if not plan:  # this step's first layer: the indices every layer reuses
+        token_bytes = 2 * n_kv_head * head_dim * q.element_size()  # K and V, as attended
         plan.update(_attention_plan(block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1],
-                                    n_head // n_kv_head, decode_attention is None))
+                                    n_head // n_kv_head, decode_attention is None, token_bytes))
     out = torch.empty_like(q)
     if decode_attention is not None and plan["decode"] is not None:
         idx = plan["decode"]
@@ -612,12 +614,16 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
 
 
 SHORT_Q_LEN = 16  # sequences with at most this many new tokens share one padded call
+CHUNK_BYTES = 8 << 20  # K/V one call gathers, at most, unless one sequence alone has more
 
 
-def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes):
+def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes, token_bytes):
     """The step's calls, each a group of sequences padded to its most new tokens, Q, and its
     longest context, L: the decodes (unless decode_attention takes them), those with 2 to
-    SHORT_Q_LEN new tokens when there are several, then each other sequence alone. A call is
+    SHORT_Q_LEN new tokens when there are several, then each other sequence alone. A group whose
+    gathered K/V (token_bytes a position) would pass CHUNK_BYTES is cut into calls that stay
+    within it, in order: one call's copy is still in the CPU's cache when attention reads it,
+    and each call pads only to its own longest context. A call is
     (rows of q, slots to gather, (B, Q, L), mask (B, 1, G*Q, L), rows of o kept, rows of out
     written): a padding row repeats its sequence's last and is not written back; positions
     past a sequence's end re-read its last token, real values that the mask hides. Indices are
@@ -629,8 +635,16 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
     short = [short] if len(short) > 1 else [[i] for i in short]
     groups = ([decode] if decode and decodes else []) + short + \
         [[i] for i, n in enumerate(q_lens) if n > SHORT_Q_LEN]
+    chunks = []
+    for group in groups:
+        chunks.append(group[:1])
+        for i in group[1:]:
+            L = max(lens[i], *(lens[j] for j in chunks[-1]))
+            if (len(chunks[-1]) + 1) * L * token_bytes > CHUNK_BYTES:
+                chunks.append([])
+            chunks[-1].append(i)
     calls = []
-    for seqs in groups:
+    for seqs in chunks:
         B, Q, L = len(seqs), max(q_lens[i] for i in seqs), max(lens[i] for i in seqs)
         last = [(i, min(j, q_lens[i] - 1)) for i in seqs for j in range(Q)]  # row j, or the last
         rows = torch.tensor([cu[i] + j for i, j in last], device=dev)             # (B*Q,)

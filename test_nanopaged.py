@@ -201,9 +201,48 @@ def test_triton_mixed_batches_many_decodes_few_long_prefills(b, num_splits):
 
 
 @settings(max_examples=200, deadline=None)
-@given(paged_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16]))
-def test_torch_path_matches_naive(b):
-    assert_close(paged_attention_torch(*paged_args(b)), reference(b))
+@given(paged_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16]),
+       st.sampled_from([kernel.CHUNK_BYTES, 0, 1 << 12, 1 << 15]))
+def test_torch_path_matches_naive(b, chunk_bytes):
+    # small chunk budgets cut the decode and short groups into many calls (0: one sequence each)
+    default, kernel.CHUNK_BYTES = kernel.CHUNK_BYTES, chunk_bytes
+    try:
+        assert_close(paged_attention_torch(*paged_args(b)), reference(b))
+    finally:
+        kernel.CHUNK_BYTES = default
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 20), st.integers(0, 300)), min_size=1, max_size=40),
+       st.integers(0, 1 << 16), st.integers(1, 4))
+def test_torch_path_plan_calls_stay_within_chunk_bytes(seqs, chunk_bytes, block_size):
+    # (new tokens, earlier context) per sequence: every new token is in exactly one call, a call
+    # gathers at most CHUNK_BYTES of K/V unless it holds one sequence, and pads to no context
+    # longer than its own sequences' longest
+    q_lens = [q for q, _ in seqs]
+    lens = [q + c for q, c in seqs]
+    max_blocks = -(-max(lens) // block_size)
+    tables = torch.arange(len(seqs) * max_blocks, dtype=torch.int32).view(len(seqs), -1)
+    cu = torch.tensor([0] + q_lens).cumsum(0).int()
+    token_bytes = 24
+    default, kernel.CHUNK_BYTES = kernel.CHUNK_BYTES, chunk_bytes
+    try:
+        plan = kernel._attention_plan(tables, torch.tensor(lens, dtype=torch.int32), cu,
+                                      block_size, 2, True, token_bytes)
+    finally:
+        kernel.CHUNK_BYTES = default
+    written, decode_calls = [], []
+    for rows, slots, (B, Q, L), mask, kept, out_rows in plan["calls"]:
+        seqs_in = sorted({int(torch.searchsorted(cu, r, right=True)) - 1 for r in rows.tolist()})
+        assert len(seqs_in) == B
+        assert B == 1 or B * L * token_bytes <= chunk_bytes
+        assert L == max(lens[i] for i in seqs_in) and Q == max(q_lens[i] for i in seqs_in)
+        written += out_rows.tolist()
+        decode_calls += [(seqs_in, L)] if Q == 1 else []
+    assert sorted(written) == list(range(sum(q_lens)))
+    # and no more calls than the budget needs: a decode call could not also take the next's first
+    for (seqs_in, L), (after, _) in zip(decode_calls, decode_calls[1:]):
+        assert (len(seqs_in) + 1) * max(L, lens[after[0]]) * token_bytes > chunk_bytes
 
 
 # 8-bit caches (kernel.py's scheme): both paths read what the cache holds, dequantized to q's
