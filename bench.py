@@ -16,6 +16,7 @@ results/. The paper's figures are quoted next to ours (Kwon et al., SOSP 2023).
 import argparse
 import functools
 import gc
+import itertools
 import json
 import math
 import os
@@ -441,8 +442,10 @@ def throughput_systems(model, hf, max_num_seqs, blocks, continuous=True):
     return systems, manager
 
 
-def throughput_rows(label, model, hf, prompts, max_tokens, max_num_seqs, warm):
-    """Time each system on the same requests (warm-up excluded); one table row per system."""
+def throughput_rows(label, model, hf, prompts, max_tokens, max_num_seqs, warm, rounds=3):
+    """Time each system on the same requests (warm-up excluded), the systems taking turns for
+    `rounds` rounds, each keeping its best (a slow spell of a shared machine then costs every
+    system alike); one table row per system."""
     # room for every running request, the warm-up's too: no preemption
     longest = max(len(p) + n for p, n in zip(prompts + warm[0], max_tokens + warm[1]))
     blocks = max_num_seqs * -(-longest // 16)
@@ -453,11 +456,14 @@ def throughput_rows(label, model, hf, prompts, max_tokens, max_num_seqs, warm):
         with torch.inference_mode():
             for name, generate in systems.items():
                 generate(*warm)
+            best = {name: math.inf for name in systems}
+            for _, (name, generate) in itertools.product(range(rounds), systems.items()):
                 start = time.perf_counter()
                 outputs[name] = generate(prompts, max_tokens)
-                seconds = time.perf_counter() - start
+                best[name] = min(best[name], time.perf_counter() - start)
                 assert [len(t) for t in outputs[name]] == max_tokens, \
                     f"{name} generated the wrong number of tokens"
+            for name, seconds in best.items():
                 results[f"{label}: {name}"] = dict(seconds=seconds,
                                                    tokens_per_s=sum(max_tokens) / seconds,
                                                    requests_per_s=len(prompts) / seconds)
@@ -507,9 +513,11 @@ def bench_throughput(num_requests=96, max_num_seqs=32, llama_requests=32, llama_
     trace = [(rng.randint(16, 96), llama_tokens) for _ in range(llama_requests + 4)]
     prompts, max_tokens = random_prompts(trace, vocab_size=49152), [o for _, o in trace]
     warm, n = (prompts[-4:], [8] * 4), llama_requests
-    for label, p, m, seqs in [("SmolLM2-135M-shaped", prompts[:n], max_tokens[:n], n),
-                              ("SmolLM2-135M-shaped, batch 1", prompts[:2], max_tokens[:2], 1)]:
-        r, more, tokens[label] = throughput_rows(label, model, hf, p, m, seqs, warm)
+    # the batched row takes a minute a round: one round (its runs vary by a few percent)
+    for label, p, m, seqs, rounds in [
+            ("SmolLM2-135M-shaped", prompts[:n], max_tokens[:n], n, 1),
+            ("SmolLM2-135M-shaped, batch 1", prompts[:2], max_tokens[:2], 1, 3)]:
+        r, more, tokens[label] = throughput_rows(label, model, hf, p, m, seqs, warm, rounds)
         results.update(r)
         rows += more
     plot_throughput(results)
@@ -654,9 +662,9 @@ PEAK_GBPS = {"H200": 4800, "H100 PCIe": 2000, "H100": 3350, "A100-PCIE-40GB": 15
 
 
 def paged_case(batch, context, dtype, device, mixed=False):
-    """batch sequences of context tokens (mixed: from context / 8 up to context, evenly), one new
-    token each, paged through shuffled block tables (scattered physical blocks, as in serving),
-    and the same K/V laid out contiguously, padded to context."""
+    """batch sequences of context tokens (mixed: from context / 8 up to context, evenly, in
+    random order), one new token each, paged through shuffled block tables (scattered physical
+    blocks, as in serving), and the same K/V laid out contiguously, padded to context."""
     n_head, n_kv, D, bs = (KERNEL_SHAPE[k]
                            for k in ("n_head", "n_kv_head", "head_dim", "block_size"))
     torch.manual_seed(SEED)
@@ -669,8 +677,9 @@ def paged_case(batch, context, dtype, device, mixed=False):
     v = v_cache[tables.long()].flatten(1, 2)[:, :context].transpose(1, 2).contiguous()
     q = torch.randn(batch, n_head, D, dtype=dtype, device=device)  # (B, nh, D)
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    if mixed:
+    if mixed:  # in no order, as a running batch holds them
         seq_lens = torch.linspace(context // 8, context, batch, device=device).int()
+        seq_lens = seq_lens[torch.randperm(batch, device=device)]
     cu_seqlens_q = torch.arange(batch + 1, dtype=torch.int32, device=device)
     return q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, k, v
 

@@ -621,9 +621,9 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
     """The step's calls, each a group of sequences padded to its most new tokens, Q, and its
     longest context, L: the decodes (unless decode_attention takes them), those with 2 to
     SHORT_Q_LEN new tokens when there are several, then each other sequence alone. A group whose
-    gathered K/V (token_bytes a position) would pass CHUNK_BYTES is cut into calls that stay
-    within it, in order: one call's copy is still in the CPU's cache when attention reads it,
-    and each call pads only to its own longest context. A call is
+    gathered K/V (token_bytes a position) would pass CHUNK_BYTES is cut, shortest contexts
+    first, into calls that stay within it: one call's copy is still in the CPU's cache when
+    attention reads it, and each call pads only to its own longest context. A call is
     (rows of q, slots to gather, (B, Q, L), mask (B, 1, G*Q, L), rows of o kept, rows of out
     written): a padding row repeats its sequence's last and is not written back; positions
     past a sequence's end re-read its last token, real values that the mask hides. Indices are
@@ -636,7 +636,8 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
     groups = ([decode] if decode and decodes else []) + short + \
         [[i] for i, n in enumerate(q_lens) if n > SHORT_Q_LEN]
     chunks = []
-    for group in groups:
+    for group in groups:  # shortest first: a call's sequences have similar contexts to pad to
+        group = sorted(group, key=lambda i: lens[i])
         chunks.append(group[:1])
         for i in group[1:]:
             L = max(lens[i], *(lens[j] for j in chunks[-1]))

@@ -240,9 +240,11 @@ def test_torch_path_plan_calls_stay_within_chunk_bytes(seqs, chunk_bytes, block_
         written += out_rows.tolist()
         decode_calls += [(seqs_in, L)] if Q == 1 else []
     assert sorted(written) == list(range(sum(q_lens)))
-    # and no more calls than the budget needs: a decode call could not also take the next's first
+    # shortest contexts first, and no more calls than the budget needs: a decode call could not
+    # also take the next one's shortest sequence
     for (seqs_in, L), (after, _) in zip(decode_calls, decode_calls[1:]):
-        assert (len(seqs_in) + 1) * max(L, lens[after[0]]) * token_bytes > chunk_bytes
+        shortest = min(lens[i] for i in after)
+        assert L <= shortest and (len(seqs_in) + 1) * shortest * token_bytes > chunk_bytes
 
 
 # 8-bit caches (kernel.py's scheme): both paths read what the cache holds, dequantized to q's
