@@ -639,9 +639,8 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
     for group in groups:  # shortest first: a call's sequences have similar contexts to pad to
         group = sorted(group, key=lambda i: lens[i])
         chunks.append(group[:1])
-        for i in group[1:]:
-            L = max(lens[i], *(lens[j] for j in chunks[-1]))
-            if (len(chunks[-1]) + 1) * L * token_bytes > CHUNK_BYTES:
+        for i in group[1:]:  # the longest context so far, so the one the call would pad to
+            if (len(chunks[-1]) + 1) * lens[i] * token_bytes > CHUNK_BYTES:
                 chunks.append([])
             chunks[-1].append(i)
     calls = []
