@@ -595,7 +595,7 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
         token_bytes = 2 * n_kv_head * head_dim * q.element_size()  # K and V, as attended
         plan.update(_attention_plan(block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1],
                                     n_head // n_kv_head, decode_attention is None, token_bytes))
-    out = torch.empty_like(q)
+    out = None if plan["whole"] else torch.empty_like(q)
     if decode_attention is not None and plan["decode"] is not None:
         idx = plan["decode"]
         rows = cu_seqlens_q.index_select(0, idx).long()              # (B,) their one new token
@@ -605,10 +605,13 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
         out.index_copy_(0, rows, o.to(q.dtype))
     for rows, slots, (B, Q, L), mask, kept, written in plan["calls"]:
         k, v = _gather_kv(k_cache, v_cache, slots, (B, L), (k_scale, v_scale), q.dtype)
-        q_b = q.index_select(0, rows).view(B, Q, n_kv_head, -1, head_dim).permute(0, 2, 3, 1, 4)
+        q_b = q if out is None else q.index_select(0, rows)
+        q_b = q_b.view(B, Q, n_kv_head, -1, head_dim).permute(0, 2, 3, 1, 4)
         q_b = q_b.reshape(B, n_kv_head, -1, head_dim)  # (B, nkv, G*Q, D): per K/V head, G x Q
         o = _attend(q_b, k, v, mask, scale).view(B, n_kv_head, -1, Q, head_dim)
         o = o.permute(0, 3, 1, 2, 4).reshape(B * Q, n_head, head_dim)             # (B*Q, nh, D)
+        if out is None:  # the plan's one call took q whole
+            return o.to(q.dtype)
         out.index_copy_(0, written, (o if kept is None else o[kept]).to(q.dtype))
     return out
 
@@ -636,8 +639,9 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
     groups = ([decode] if decode and decodes else []) + short + \
         [[i] for i, n in enumerate(q_lens) if n > SHORT_Q_LEN]
     chunks = []
-    for group in groups:  # shortest first: a call's sequences have similar contexts to pad to
-        group = sorted(group, key=lambda i: lens[i])
+    for group in groups:  # to be cut, shortest first: a call's contexts are then alike
+        if len(group) * max(lens[i] for i in group) * token_bytes > CHUNK_BYTES:
+            group = sorted(group, key=lambda i: lens[i])
         chunks.append(group[:1])
         for i in group[1:]:  # the longest context so far, so the one the call would pad to
             if (len(chunks[-1]) + 1) * lens[i] * token_bytes > CHUNK_BYTES:
@@ -659,7 +663,9 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
         kept = [b * Q + j for b, i in enumerate(seqs) for j in range(q_lens[i])]
         kept = None if len(kept) == B * Q else torch.tensor(kept, device=dev)
         calls.append((rows, slots, (B, Q, L), mask, kept, rows if kept is None else rows[kept]))
-    return dict(calls=calls,
+    # one call of every sequence in order, no padding rows: its q is q, its output the output
+    whole = chunks == [list(range(len(lens)))] and kept is None
+    return dict(calls=calls, whole=whole,
                 decode=torch.tensor(decode, device=dev) if decode and not decodes else None)
 
 

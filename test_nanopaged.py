@@ -240,6 +240,10 @@ def test_torch_path_plan_calls_stay_within_chunk_bytes(seqs, chunk_bytes, block_
         written += out_rows.tolist()
         decode_calls += [(seqs_in, L)] if Q == 1 else []
     assert sorted(written) == list(range(sum(q_lens)))
+    # one call of every sequence, all with its Q new tokens, takes q as it is (no index ops)
+    calls = plan["calls"]
+    assert plan["whole"] == (len(calls) == 1 and calls[0][2][0] == len(seqs)
+                             and len(set(q_lens)) == 1)
     # shortest contexts first, and no more calls than the budget needs: a decode call could not
     # also take the next one's shortest sequence
     for (seqs_in, L), (after, _) in zip(decode_calls, decode_calls[1:]):
