@@ -625,8 +625,8 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
     longest context, L: the decodes (unless decode_attention takes them), those with 2 to
     SHORT_Q_LEN new tokens when there are several, then each other sequence alone. A group whose
     gathered K/V (token_bytes a position) would pass CHUNK_BYTES is cut, shortest contexts
-    first, into calls that stay within it: one call's copy is still in the CPU's cache when
-    attention reads it, and each call pads only to its own longest context. A call is
+    first, into calls that stay within it: each call pads only to its own longest context,
+    and its copy stays small (README: the budget's sweep). A call is
     (rows of q, slots to gather, (B, Q, L), mask (B, 1, G*Q, L), rows of o kept, rows of out
     written): a padding row repeats its sequence's last and is not written back; positions
     past a sequence's end re-read its last token, real values that the mask hides. Indices are
