@@ -627,8 +627,8 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
     gathered K/V (token_bytes a position) would pass CHUNK_BYTES is cut, shortest contexts
     first, into calls that stay within it: each call pads only to its own longest context,
     and its copy stays small (README: the budget's sweep). A call is
-    (rows of q, slots to gather, (B, Q, L), mask (B, 1, G*Q, L), rows of o kept, rows of out
-    written): a padding row repeats its sequence's last and is not written back; positions
+    (rows of q, slots to gather, (B, Q, L), mask (B, 1, G*Q, L) or None, rows of o kept, rows of
+    out written): a padding row repeats its sequence's last and is not written back; positions
     past a sequence's end re-read its last token, real values that the mask hides. Indices are
     built on the host, which knows the lengths."""
     cu, lens, dev = cu_seqlens_q.tolist(), seq_lens.tolist(), block_tables.device
@@ -652,14 +652,17 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
         B, Q, L = len(seqs), max(q_lens[i] for i in seqs), max(lens[i] for i in seqs)
         last = [(i, min(j, q_lens[i] - 1)) for i in seqs for j in range(Q)]  # row j, or the last
         rows = torch.tensor([cu[i] + j for i, j in last], device=dev)             # (B*Q,)
-        # causal: new token j of a sequence sits at position len - q_len + j, sees up to there
-        q_pos = torch.tensor([lens[i] - q_lens[i] + j for i, j in last], device=dev).view(B, Q)
         ctx = torch.tensor([lens[i] for i in seqs], device=dev)[:, None]          # (B, 1)
         pos = torch.arange(L, device=dev)[None]                                   # (1, L)
         positions = torch.minimum(pos, ctx - 1)                                   # (B, L)
         blocks = block_tables[seqs].gather(1, positions // block_size).long()     # (B, L)
         slots = (blocks * block_size + positions % block_size).flatten()          # (B*L,)
-        mask = (pos[:, None, :] <= q_pos[:, :, None])[:, None].repeat(1, 1, G, 1)  # (B,1,G*Q,L)
+        mask = None  # decodes of one length: nothing to hide
+        if Q > 1 or any(lens[i] < L for i in seqs):
+            # causal: new token j of a sequence sits at position len - q_len + j, sees up to there
+            q_pos = torch.tensor([lens[i] - q_lens[i] + j for i, j in last], device=dev)
+            mask = pos[:, None, :] <= q_pos.view(B, Q)[:, :, None]                  # (B, Q, L)
+            mask = mask[:, None].repeat(1, 1, G, 1)                                # (B,1,G*Q,L)
         kept = [b * Q + j for b, i in enumerate(seqs) for j in range(q_lens[i])]
         kept = None if len(kept) == B * Q else torch.tensor(kept, device=dev)
         calls.append((rows, slots, (B, Q, L), mask, kept, rows if kept is None else rows[kept]))

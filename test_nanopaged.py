@@ -237,6 +237,8 @@ def test_torch_path_plan_calls_stay_within_chunk_bytes(seqs, chunk_bytes, block_
         assert len(seqs_in) == B
         assert B == 1 or B * L * token_bytes <= chunk_bytes
         assert L == max(lens[i] for i in seqs_in) and Q == max(q_lens[i] for i in seqs_in)
+        # a mask only where something is hidden: padding, or later tokens of a chunk
+        assert (mask is None) == (Q == 1 and all(lens[i] == L for i in seqs_in))
         written += out_rows.tolist()
         decode_calls += [(seqs_in, L)] if Q == 1 else []
     assert sorted(written) == list(range(sum(q_lens)))
