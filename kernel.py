@@ -667,7 +667,7 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
         kept = None if len(kept) == B * Q else torch.tensor(kept, device=dev)
         calls.append((rows, slots, (B, Q, L), mask, kept, rows if kept is None else rows[kept]))
     # one call of every sequence in order, no padding rows: its q is q, its output the output
-    whole = chunks == [list(range(len(lens)))] and kept is None
+    whole = chunks == [list(range(len(lens)))] and calls[0][4] is None
     return dict(calls=calls, whole=whole,
                 decode=torch.tensor(decode, device=dev) if decode and not decodes else None)
 
