@@ -211,18 +211,22 @@ def load_pretrained(cls, path, dtype="auto", device=None):
 def generation_defaults(path):
     """The sampling defaults the folder's generation_config.json sets, as SamplingParams keyword
     arguments: SamplingParams(**generation_defaults(path), max_tokens=...). Read as transformers'
-    generate() reads the file: without do_sample=true it is greedy (temperature 0); with it,
-    temperature, top_k and top_p, each transformers' default (1.0, 50, 1.0) where the file is
+    generate() reads the file: its logits processors always (repetition_penalty, min_new_tokens
+    as min_tokens); without do_sample=true it is greedy (temperature 0); with it, temperature,
+    top_k, top_p and min_p, each transformers' default (1.0, 50, 1.0, none) where the file is
     silent; max_new_tokens where the file sets it. {} without the file (a folder that says
     nothing leaves SamplingParams' own defaults, vLLM's). Its end ids need nothing here: they
     join config.json's in model.config.eos_token_id when the model loads (read_hf_config)."""
     gen = read_json(path, "generation_config.json")
     if gen is None:
         return {}
-    params = {} if gen.get("max_new_tokens") is None else {"max_tokens": gen["max_new_tokens"]}
+    params = {name: gen[key] for key, name in (("max_new_tokens", "max_tokens"),
+                                               ("repetition_penalty", "repetition_penalty"),
+                                               ("min_new_tokens", "min_tokens"))
+              if gen.get(key) is not None}
     if gen.get("do_sample") is not True:
         return params | {"temperature": 0.0}
-    defaults = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # transformers' when unset
+    defaults = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0}  # transformers'
     return params | {key: default if gen.get(key) is None else gen[key]
                      for key, default in defaults.items()}
 

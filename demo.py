@@ -16,6 +16,7 @@ import torch
 
 import checkpoints
 import nanopaged
+from kernel import ATTENTION_BACKENDS
 from nanopaged import GPT, Engine, SamplingParams
 
 DEMO_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "models", "pydoc-gpt")
@@ -29,7 +30,9 @@ DEMO_TOPICS = ["The for statement", "A list", "The import system", "Exceptions",
                "Modules", "Sequences", "Numbers", "The if statement"]
 CELLS = "abcdefghijklmnopqrstuvwxyz"
 # what the sampling flags default to when neither they nor generation_config.json set them
-SAMPLING_DEFAULTS = dict(temperature=0.8, top_k=0, top_p=0.95)
+SAMPLING_DEFAULTS = dict(temperature=0.8, top_k=0, top_p=0.95, min_p=0.0, repetition_penalty=1.0,
+                         presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0)
+PENALTIES = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens")
 
 
 class Tokenizer:
@@ -54,35 +57,15 @@ class Tokenizer:
         return self.hf.decode(ids) if self.hf else bytes(ids).decode("utf-8", errors="replace")
 
 
-class IncrementalDecoder:
-    """The text of a growing list of token ids, piece by piece, as vLLM's detokenizer and
-    transformers' TextStreamer hand it out: decode every id so far and return what is new, but
-    hold back text that ends in U+FFFD, the replacement character a decoder puts for a
-    multi-byte UTF-8 character whose last bytes are still in tokens to come (a byte-level model
-    emits one byte per token, a BPE model may split an emoji across two). final=True hands out
-    the rest, broken or not. The pieces join to the decode of all the ids."""
-
-    def __init__(self, decode):
-        self.decode, self.ids, self.text = decode, [], ""
-
-    def push(self, new_ids, final=False):
-        self.ids += new_ids
-        text = self.decode(self.ids)
-        if text.endswith("\ufffd") and not final:
-            return ""
-        piece, self.text = text[len(self.text):], text
-        return piece
-
-
 class Streamer:
-    """Prints each request's first sample as its tokens arrive, one request after another in
-    the order given: the one on screen streams live while the later ones' text waits (they
-    are generated alongside it) until it finishes. A beam search prints its best beam at the
-    end: the best so far is not a prefix of the best at the end."""
+    """Prints each request's first sample as its text arrives (the engine decodes it), one
+    request after another in the order given: the one on screen streams live while the later
+    ones' text waits (they are generated alongside it) until it finishes. A beam search prints
+    its best beam at the end: the best so far is not a prefix of the best at the end."""
 
-    def __init__(self, tokenizer, texts, params):
+    def __init__(self, texts, params):
         self.texts, self.params, self.current = texts, params, 0
-        self.decoders = [IncrementalDecoder(tokenizer.decode) for _ in texts]
+        self.printed = [""] * len(texts)  # the text each request has shown, or will show
         self.pieces, self.finished = [[] for _ in texts], [False] * len(texts)
         self.header(0)
 
@@ -90,10 +73,10 @@ class Streamer:
         print(f"[{i}.0] {self.texts[i]!r} -> ", end="", flush=True)
 
     def __call__(self, i, output):
-        decoder = self.decoders[i]
         if self.params[i].beam_width is None or output.finished:
-            new_ids = output.outputs[0].token_ids[len(decoder.ids):]
-            self.pieces[i].append(decoder.push(new_ids, final=output.finished))
+            text = output.outputs[0].text
+            self.pieces[i].append(text[len(self.printed[i]):])
+            self.printed[i] = text
         self.finished[i] = output.finished
         while self.current < len(self.texts):  # catch up: print what the request on screen has
             print("".join(self.pieces[self.current]), end="", flush=True)
@@ -152,8 +135,7 @@ def demo_workload(tokenizer, args):
         kind = dict(n=n) if i == 3 else dict(beam_width=width) if beams else {}
         max_tokens = (32, 64, 128, 192)[i % 4] if args.max_tokens is None else args.max_tokens
         params.append(SamplingParams(max_tokens=max_tokens, seed=args.seed + i,
-                                     temperature=args.temperature, top_k=args.top_k,
-                                     top_p=args.top_p, **kind))
+                                     **sampling_flags(args) | kind))
     return prompts, params
 
 
@@ -267,39 +249,17 @@ def speculative_config(args):
     return {"method": "draft", "model": draft, "num_speculative_tokens": k}
 
 
-def main(argv=None):
-    p = _ArgumentParser(
-        description="Serve a mixed workload with PagedAttention and show the KV block pool.")
+def add_engine_flags(p):
+    """The flags that choose the model and build its engine (server.py takes them too)."""
     p.add_argument("--model", default=DEMO_MODEL,
                    help="a local Hugging Face folder of a gpt2, llama, mistral or "
                    "qwen2 model (default: the built-in byte-level model trained on Python's docs)")
-    p.add_argument("--prompt", action="append",
-                   help="a prompt to serve instead of the built-in workload, its answer printed as "
-                   "it is generated (repeatable)")
-    p.add_argument("--chat", action="store_true",
-                   help="send each prompt as a user message through the model folder's chat "
-                   "template (needs jinja2)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                    help="weights and KV cache (default auto: the checkpoint's own on a GPU, "
                    "float32 on a CPU)")
     p.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
                    default="auto", help="the KV cache's dtype: auto (the model's) or 8-bit, with "
                    "per-layer scales (fp8 is e4m3): twice the blocks of 16 bits in the same bytes")
-    # None: not given. The sampling flags override the folder's generation_config.json.
-    p.add_argument("--max-tokens", type=int,
-                   help="tokens to generate per request (default: generation_config.json's "
-                   "max_new_tokens, else 64 for --prompt, 32-192 mixed for the workload)")
-    p.add_argument("--temperature", type=float,
-                   help="sampling temperature, 0 for greedy (default: generation_config.json's, "
-                   f"greedy without do_sample; else {SAMPLING_DEFAULTS['temperature']})")
-    p.add_argument("--top-k", type=int, help="keep the k likeliest tokens, 0 for all (default: "
-                   f"generation_config.json's, else {SAMPLING_DEFAULTS['top_k']})")
-    p.add_argument("--top-p", type=float, help="nucleus sampling threshold (default: "
-                   f"generation_config.json's, else {SAMPLING_DEFAULTS['top_p']})")
-    p.add_argument("--n", type=int,
-                   help="parallel samples per prompt (the workload has one request with 3)")
-    p.add_argument("--beam-width", type=int,
-                   help="beam search width (the workload has one request with 3)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-blocks", type=int, default=96,
                    help="KV blocks in the pool; few enough to preempt")
@@ -314,9 +274,9 @@ def main(argv=None):
                    help="which free cached block is reused first: a name in "
                    f"nanopaged.EVICTION_POLICIES ({', '.join(nanopaged.EVICTION_POLICIES)}; "
                    "default lru)")
-    p.add_argument("--priority", type=int, action="append",
-                   help="with --scheduling-policy priority: the priority of each --prompt, "
-                   "lower first (repeatable, in order; default 0)")
+    p.add_argument("--attention-backend",
+                   help=f"a name in kernel.ATTENTION_BACKENDS ({', '.join(ATTENTION_BACKENDS)};"
+                   " default triton on a GPU, torch on a CPU)")
     p.add_argument("--speculative-model", metavar="ngram|PATH",
                    help="speculative decoding: 'ngram' guesses from each sequence's own text "
                    "(prompt lookup), a folder is a draft model with the same vocabulary "
@@ -324,74 +284,114 @@ def main(argv=None):
     p.add_argument("--num-speculative-tokens", type=int,
                    help="tokens guessed per sequence per step (default: 4)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
-    p.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks that split every layer and its K/V heads; launch with torchrun "
                    "--nproc-per-node N (rank 0 prints)")
-    p.add_argument("--plot", metavar="FILE.png",
-                   help="also draw the block map and KV use over time to an image")
     p.add_argument("--threads", type=int,
                    help="CPU threads for torch (default: 1 for models under 100M parameters, "
                    "whose ops are too small to split and crawl when another process shares the "
                    "cores; torch's default, one per core, for larger models)")
-    args = p.parse_args(argv)
-    try:
-        if args.threads is not None and args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        nanopaged.init_tensor_parallel(args.tensor_parallel_size, device=args.device)
-        if nanopaged.tp.rank > 0:  # every rank serves the same requests; one of them speaks
-            sys.stdout = open(os.devnull, "w")
-        model = GPT.from_pretrained(args.model, dtype=args.dtype, device=args.device)
-        # flags first, then the folder's generation_config.json, then ours
-        for key, value in (SAMPLING_DEFAULTS | checkpoints.generation_defaults(args.model)).items():
-            if getattr(args, key) is None:
-                setattr(args, key, value)
-        num_params = sum(w.numel() for w in model.parameters())
-        if args.threads or num_params < 100e6:
-            torch.set_num_threads(args.threads or 1)
-        engine = Engine(model, block_size=args.block_size, num_blocks=args.num_blocks,
-                        device=args.device, preemption_mode=args.preemption,
-                        enable_prefix_caching=not args.no_prefix_cache, max_num_seqs=len(CELLS),
-                        scheduling_policy=args.scheduling_policy,
-                        eviction_policy=args.eviction_policy,
-                        kv_cache_dtype=args.kv_cache_dtype,
-                        speculative_config=speculative_config(args))
-        tokenizer = Tokenizer(args.model)
-        if args.prompt:
-            prompts = [tokenizer.encode(text) for text in args.prompt]
-            max_tokens = 64 if args.max_tokens is None else args.max_tokens
-            n = 1 if args.n is None else args.n
-            params = [SamplingParams(max_tokens=max_tokens, temperature=args.temperature,
-                                     top_k=args.top_k, top_p=args.top_p, n=n,
-                                     beam_width=args.beam_width, seed=args.seed + i)
-                      for i in range(len(prompts))]
-        else:
-            prompts, params = demo_workload(tokenizer, args)
-        if args.chat:  # the same requests, each prompt now the text of one user message
-            texts = args.prompt or [tokenizer.decode(p) for p in prompts]
-            prompts = [tokenizer.encode(checkpoints.render_chat(
-                args.model, [{"role": "user", "content": text}]), add_special_tokens=False)
-                for text in texts]
-        priorities = (args.priority or []) + [0] * (len(prompts) - len(args.priority or []))
-        if len(priorities) > len(prompts):
-            raise ValueError(f"got {len(priorities)} --priority for {len(prompts)} prompts")
-        for i, (prompt, sp, priority) in enumerate(zip(prompts, params, priorities)):
-            engine.check_request(prompt, sp, priority)
-    except ValueError as e:
-        sys.exit(f"nanopaged: error: {e}")
-    ranks = f" on each of {nanopaged.tp.world_size} ranks" if nanopaged.tp.world_size > 1 else ""
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    kv = "" if args.kv_cache_dtype == "auto" else f" in {engine.stats()['kv_cache_dtype']}"
-    print(f"model {args.model}: {num_params / 1e6:.1f}M parameters in {dtype}{ranks}, "
-          f"max_seq_len {model.config.max_seq_len}; KV pool {engine.allocator.num_blocks} blocks x "
-          f"{engine.block_size} tokens{kv} on {engine.device}{ranks}; {len(prompts)} requests")
-    is_rank_0 = nanopaged.tp.rank == 0
-    # --prompt: stream the text as it comes (no progress line to tear it); the workload: the line
-    stream = Streamer(tokenizer, args.prompt, params) if args.prompt else None
-    outputs, timeline, snapshot, seconds = run_demo(engine, prompts, params,
-                                                    progress=is_rank_0 and not stream,
-                                                    priorities=priorities, on_output=stream)
-    summary = summarize(engine, outputs, timeline, seconds)
+    # None: not given. The sampling flags override the folder's generation_config.json.
+    for flag, what in [("temperature", "sampling temperature, 0 for greedy"),
+                       ("top-k", "keep the k likeliest tokens, 0 for all"),
+                       ("top-p", "nucleus sampling threshold"),
+                       ("min-p", "drop tokens less likely than this times the likeliest"),
+                       ("repetition-penalty", "divide the positive logits of tokens seen in the "
+                        "prompt or output by this, multiply the negative ones"),
+                       ("presence-penalty", "subtract this from tokens generated already"),
+                       ("frequency-penalty", "subtract this times a generated token's count"),
+                       ("min-tokens", "tokens before an end token or a stop string may stop")]:
+        key = flag.replace("-", "_")
+        p.add_argument(f"--{flag}", type=int if key in ("top_k", "min_tokens") else float,
+                       help=f"{what} (default: generation_config.json's, "
+                       f"else {SAMPLING_DEFAULTS[key]})")
+    return p
+
+
+def argument_parser():
+    p = add_engine_flags(_ArgumentParser(
+        description="Serve a mixed workload with PagedAttention and show the KV block pool."))
+    p.add_argument("--prompt", action="append",
+                   help="a prompt to serve instead of the built-in workload, its answer printed as "
+                   "it is generated (repeatable)")
+    p.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user message through the model folder's chat "
+                   "template (needs jinja2)")
+    p.add_argument("--max-tokens", type=int,
+                   help="tokens to generate per request (default: generation_config.json's "
+                   "max_new_tokens, else 64 for --prompt, 32-192 mixed for the workload)")
+    p.add_argument("--stop", action="append",
+                   help="a string that ends a sample, cut from its text (repeatable)")
+    p.add_argument("--n", type=int,
+                   help="parallel samples per prompt (the workload has one request with 3)")
+    p.add_argument("--beam-width", type=int,
+                   help="beam search width (the workload has one request with 3)")
+    p.add_argument("--priority", type=int, action="append",
+                   help="with --scheduling-policy priority: the priority of each --prompt, "
+                   "lower first (repeatable, in order; default 0)")
+    p.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="also draw the block map and KV use over time to an image")
+    return p
+
+
+def sampling_flags(args):
+    """The SamplingParams keyword arguments the sampling flags give every request."""
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                stop=args.stop, **{key: getattr(args, key) for key in PENALTIES})
+
+
+def load(args):
+    """The model the flags name, its engine (with the tokenizer, so outputs carry text) and the
+    tokenizer; the sampling flags get their defaults (server.py serves the same)."""
+    nanopaged.init_tensor_parallel(args.tensor_parallel_size, device=args.device)
+    if nanopaged.tp.rank > 0:  # every rank serves the same requests; one of them speaks
+        sys.stdout = open(os.devnull, "w")
+    model = GPT.from_pretrained(args.model, dtype=args.dtype, device=args.device)
+    # flags first, then the folder's generation_config.json, then ours
+    for key, value in (SAMPLING_DEFAULTS | checkpoints.generation_defaults(args.model)).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.threads or sum(w.numel() for w in model.parameters()) < 100e6:
+        torch.set_num_threads(args.threads or 1)
+    tokenizer = Tokenizer(args.model)
+    engine = Engine(model, block_size=args.block_size, num_blocks=args.num_blocks,
+                    device=args.device, preemption_mode=args.preemption,
+                    enable_prefix_caching=not args.no_prefix_cache, max_num_seqs=len(CELLS),
+                    scheduling_policy=args.scheduling_policy,
+                    eviction_policy=args.eviction_policy, kv_cache_dtype=args.kv_cache_dtype,
+                    attention_backend=args.attention_backend,
+                    speculative_config=speculative_config(args), tokenizer=tokenizer)
+    return model, engine, tokenizer
+
+
+def build(args):
+    """The model, its engine and tokenizer, and the requests to serve."""
+    model, engine, tokenizer = load(args)
+    if args.prompt:
+        prompts = [tokenizer.encode(text) for text in args.prompt]
+        max_tokens = 64 if args.max_tokens is None else args.max_tokens
+        n = 1 if args.n is None else args.n
+        params = [SamplingParams(max_tokens=max_tokens, n=n, beam_width=args.beam_width,
+                                 seed=args.seed + i, **sampling_flags(args))
+                  for i in range(len(prompts))]
+    else:
+        prompts, params = demo_workload(tokenizer, args)
+    if args.chat:  # the same requests, each prompt now the text of one user message
+        texts = args.prompt or [tokenizer.decode(p) for p in prompts]
+        prompts = [tokenizer.encode(checkpoints.render_chat(
+            args.model, [{"role": "user", "content": text}]), add_special_tokens=False)
+            for text in texts]
+    priorities = (args.priority or []) + [0] * (len(prompts) - len(args.priority or []))
+    if len(priorities) > len(prompts):
+        raise ValueError(f"got {len(priorities)} --priority for {len(prompts)} prompts")
+    for prompt, sp, priority in zip(prompts, params, priorities):
+        engine.check_request(prompt, sp, priority)
+    return model, engine, tokenizer, prompts, params, priorities
+
+
+def report(args, engine, tokenizer, prompts, params, outputs, summary, snapshot, seconds, stream):
+    """The block map at the moment of most sharing, a few completions, and the summary."""
     if snapshot:
         print(f"\nphysical KV blocks at step {snapshot['step']}, when the most blocks were shared:")
         print(snapshot["text"])
@@ -399,10 +399,9 @@ def main(argv=None):
     lines = []
     for prompt, out in [(prompts[i], outputs[i]) for i in shown]:
         for c in out.outputs[1 if stream else 0:]:  # the first sample (or beam) streamed
-            text = tokenizer.decode(c.token_ids)
-            more = "..." if len(text) > 80 else ""
+            more = "..." if len(c.text) > 80 else ""
             lines.append(f"[{out.request_id}.{c.index}] {tokenizer.decode(prompt)!r} -> "
-                         f"{text[:80]!r}{more}")
+                         f"{c.text[:80]!r}{more}")
     print("\n" + "\n".join(lines) if lines else "", end="\n" if lines else "")
     print(f"\n{summary['generated_tokens']} tokens in {seconds:.1f}s "
           f"({summary['tokens_per_second']:.0f} tokens/s), {summary['preemptions']} preemptions")
@@ -411,13 +410,38 @@ def main(argv=None):
           f"sharing saved up to {summary['peak_blocks_saved']} blocks")
     print(f"concurrency: up to {summary['peak_running']} sequences at once in "
           f"{summary['num_blocks']} blocks; a contiguous cache reserving "
-          f"max_seq_len={model.config.max_seq_len} per sequence holds "
+          f"max_seq_len={engine.config.max_seq_len} per sequence holds "
           f"{summary['contiguous_capacity']} in the same memory")
     if args.speculative_model:
         s = engine.stats()
         print(f"speculative decoding ({args.speculative_model}): {s['num_accepted_tokens']} of "
               f"{s['num_proposed_tokens']} guessed tokens accepted "
               f"({100 * s['num_accepted_tokens'] / max(1, s['num_proposed_tokens']):.0f}%)")
+
+
+def main(argv=None):
+    args = argument_parser().parse_args(argv)
+    try:
+        if args.threads is not None and args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        model, engine, tokenizer, prompts, params, priorities = build(args)
+    except ValueError as e:
+        sys.exit(f"nanopaged: error: {e}")
+    ranks = f" on each of {nanopaged.tp.world_size} ranks" if nanopaged.tp.world_size > 1 else ""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    kv = "" if args.kv_cache_dtype == "auto" else f" in {engine.stats()['kv_cache_dtype']}"
+    num_params = sum(w.numel() for w in model.parameters())
+    print(f"model {args.model}: {num_params / 1e6:.1f}M parameters in {dtype}{ranks}, "
+          f"max_seq_len {model.config.max_seq_len}; KV pool {engine.allocator.num_blocks} blocks x "
+          f"{engine.block_size} tokens{kv} on {engine.device}{ranks}; {len(prompts)} requests")
+    is_rank_0 = nanopaged.tp.rank == 0
+    # --prompt: stream the text as it comes (no progress line to tear it); the workload: the line
+    stream = Streamer(args.prompt, params) if args.prompt else None
+    outputs, timeline, snapshot, seconds = run_demo(engine, prompts, params,
+                                                    progress=is_rank_0 and not stream,
+                                                    priorities=priorities, on_output=stream)
+    summary = summarize(engine, outputs, timeline, seconds)
+    report(args, engine, tokenizer, prompts, params, outputs, summary, snapshot, seconds, stream)
     if args.plot and is_rank_0:
         plot_demo(args.plot, snapshot, timeline, engine)
         print(f"wrote {args.plot}")

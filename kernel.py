@@ -1,6 +1,7 @@
 """
 Paged attention for nanopaged: the KV store, a Triton kernel that reads K/V through block
-tables, a plain-torch path for the CPU, and a naive contiguous reference to check both.
+tables, a plain-torch path for the CPU, a naive contiguous reference to check both, and the
+attention backends the engine picks them by (ATTENTION_BACKENDS).
 PagedAttention: Kwon et al., "Efficient Memory Management for Large Language Model Serving
 with PagedAttention", SOSP 2023.
 
@@ -8,17 +9,20 @@ Tests: python -m pytest -q test_nanopaged.py   (no GPU: Triton runs under TRITON
 """
 
 import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from types import SimpleNamespace
-
 try:
     import triton
     import triton.language as tl
+    HAS_TRITON = True
 except ImportError:  # no Triton wheel (macOS, Windows): the torch path below still works
     triton, tl = SimpleNamespace(jit=lambda fn: None), SimpleNamespace(constexpr=None)
+    HAS_TRITON = False
 
 # -----------------------------------------------------------------------------
 # Triton paged attention: one kernel for prefill, decode, chunked prefill and prefill on
@@ -247,20 +251,13 @@ def _resident_programs(q, args, config):
     return _resident[key]
 
 
-def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                    max_q_len=None, num_splits=None, k_scale=None, v_scale=None):
-    """Causal attention of the packed new tokens q over their sequences' paged K/V.
-    q [num_tokens, n_head, head_dim]; caches [num_blocks, block_size, n_kv_head, head_dim];
-    block_tables int32 [num_seqs, max_blocks] (-1 past the end); seq_lens int32 [num_seqs]
-    (context including the new tokens); cu_seqlens_q int32 [num_seqs + 1].
-    max_q_len (>= every q_len; if known) saves a device->host sync; num_splits (1..64) forces
-    the split-KV of the decoding sequences (default: split_count, on a GPU). An 8-bit cache
-    comes with k_scale and v_scale, one-element fp32 tensors on q's device (see quantize)."""
+def check_launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, num_splits=None,
+                 k_scale=None, v_scale=None):
+    """paged_attention's arguments as the kernel needs them: shapes, dtypes, devices, strides."""
     assert q.dim() == 3 and k_cache.dim() == 4, \
         "q is [num_tokens, n_head, head_dim], caches are 4-D"
-    num_tokens, n_head, head_dim = q.shape
-    block_size, n_kv_head = k_cache.shape[1:3]
-    num_seqs = seq_lens.shape[0]
+    n_head, head_dim = q.shape[1:]
+    n_kv_head, num_seqs = k_cache.shape[2], seq_lens.shape[0]
     assert q.dtype in DTYPES, f"unsupported dtype {q.dtype}"
     check_scales(q, k_cache, v_cache, k_scale, v_scale)
     assert v_cache.shape == k_cache.shape, \
@@ -284,6 +281,21 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     assert block_tables.stride(1) == 1 and seq_lens.is_contiguous() and cu_seqlens_q.is_contiguous()
     assert num_splits is None or 1 <= num_splits <= MAX_SPLITS, f"num_splits is in 1..{MAX_SPLITS}"
 
+
+def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
+                    max_q_len=None, num_splits=None, k_scale=None, v_scale=None):
+    """Causal attention of the packed new tokens q over their sequences' paged K/V.
+    q [num_tokens, n_head, head_dim]; caches [num_blocks, block_size, n_kv_head, head_dim];
+    block_tables int32 [num_seqs, max_blocks] (-1 past the end); seq_lens int32 [num_seqs]
+    (context including the new tokens); cu_seqlens_q int32 [num_seqs + 1].
+    max_q_len (>= every q_len; if known) saves a device->host sync; num_splits (1..64) forces
+    the split-KV of the decoding sequences (default: split_count, on a GPU). An 8-bit cache
+    comes with k_scale and v_scale, one-element fp32 tensors on q's device (see quantize)."""
+    check_launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, num_splits, k_scale,
+                 v_scale)
+    num_tokens, n_head, head_dim = q.shape
+    block_size, n_kv_head = k_cache.shape[1:3]
+    num_seqs = seq_lens.shape[0]
     out = torch.empty((num_tokens, n_head, head_dim), device=q.device, dtype=q.dtype)  # (T, nh, D)
     if num_tokens == 0:
         return out
@@ -331,19 +343,19 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
 # -----------------------------------------------------------------------------
 # 8-bit KV caches (vLLM's fp8 KV cache): a slot in half the bytes of a 16-bit one, so the same
 # memory holds twice the blocks. One scale per layer for K and one for V (vLLM's per-tensor
-# scales): a value x is stored as q = clamp(x / scale, -fmax, fmax) in fp8 and read back as
-# q * scale in the query's dtype. The scales are fixed when the engine is built, from one
-# calibration prefill (calibrate_kv_scales): scale = KV_SCALE_HEADROOM * amax / fmax, amax the
+# scales): a value x is stored as q = clamp(x / scale, -fmax, fmax) in fp8 and read back as q *
+# scale in the query's dtype. The scales are fixed when the engine is built, from one calibration
+# prefill (nanopaged's calibrate_kv_scales): scale = KV_SCALE_HEADROOM * amax / fmax, amax the
 # largest |K| (or |V|) of the layer on it. A value up to KV_SCALE_HEADROOM times that comes back
-# within fp8's relative error, 2**-4 for e4m3 (3 mantissa bits) and 2**-3 for e5m2 (2), round
-# to nearest (below fp8's smallest normal, within half its smallest step times scale); a larger
-# one saturates at fmax * scale. The clamp is explicit: a cast past fp8's range is not
-# saturation everywhere (e5m2 gives inf; e4m3fn has no inf and its format says NaN). Fixed
-# scales make a token's stored bytes independent of the requests before it, so recompute and
-# prefix caching store the same bytes, and swap and copy-on-write move blocks and nothing else.
-# Finer scales (per head or per block, as in KIVI or KVQuant) follow outliers more closely but
-# must move with their blocks. Triton converts e4m3 (fp8e4nv) only on sm_89 and later; e5m2
-# compiles from sm_80 (see check_kv_cache_dtype).
+# within fp8's relative error, 2**-4 for e4m3 (3 mantissa bits) and 2**-3 for e5m2 (2), round to
+# nearest (below fp8's smallest normal, within half its smallest step times scale); a larger one
+# saturates at fmax * scale. The clamp is explicit: a cast past fp8's range is not saturation
+# everywhere (e5m2 gives inf; e4m3fn has no inf and its format says NaN). Fixed scales make a
+# token's stored bytes independent of the requests before it, so recompute and prefix caching
+# store the same bytes, and swap and copy-on-write move blocks and nothing else. Finer scales (per
+# head or per block, as in KIVI or KVQuant) follow outliers more closely but must move with their
+# blocks. Triton converts e4m3 (fp8e4nv) only on sm_89 and later; e5m2 compiles from sm_80 (see
+# check_kv_cache_dtype).
 
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "fp8_e5m2": torch.float8_e5m2}
@@ -399,40 +411,6 @@ def kv_scales(amax, dtype):
     return torch.where(scale > 0, scale, 1.0)  # a layer of zeros: any scale stores them exactly
 
 
-@torch.no_grad()
-def calibrate_kv_scales(model, block_shape, dtype, num_tokens=256):
-    """Per layer, the k_scale and v_scale (fp32, 0-d) of an 8-bit cache of dtype for model (the
-    scheme above), as keyword arguments of store_kv and the attention paths; {} for a cache of
-    16 or 32 bits. num_tokens fixed ids spread over the vocabulary, in sequences of at most
-    max_seq_len, prefilled through the model's own paged path into a cache of the model's dtype;
-    amax per layer of what it stored. The torch path, whatever the engine's backend, so the
-    scales depend on the model alone. block_shape: (2, n_layer, block_size, n_kv_head, head_dim)
-    of this rank (each rank calibrates its own heads; the ranks run it together, so their
-    collectives match)."""
-    config, param = model.config, next(model.parameters())
-    if dtype not in FP8_DTYPES:
-        return [{}] * config.n_layer
-    seq_len = min(num_tokens, config.max_seq_len)
-    num_seqs, device = -(-num_tokens // seq_len), param.device
-    # a prime stride walks the vocabulary in a fixed order, no two neighbours alike
-    ids = torch.arange(num_seqs * seq_len, device=device) * 7919 % config.vocab_size
-    cache = torch.zeros(*block_shape[:2], num_seqs, seq_len, *block_shape[3:], dtype=param.dtype,
-                        device=device)  # (2, n_layer, num_seqs, seq_len, nkv, hs): a block each
-    int32 = dict(dtype=torch.int32, device=device)
-    batch = SimpleNamespace(  # nanopaged's Batch: one block per sequence, the whole of it new
-        input_ids=ids, positions=torch.arange(seq_len, device=device).repeat(num_seqs),
-        slot_mapping=torch.arange(len(ids), device=device),
-        block_tables=torch.arange(num_seqs, **int32)[:, None],
-        seq_lens=torch.full((num_seqs,), seq_len, **int32),
-        cu_seqlens_q=torch.arange(0, len(ids) + 1, seq_len, **int32), max_q_len=seq_len,
-        logits_indices=torch.zeros(0, dtype=torch.long, device=device), use_triton=False,
-        kv_scales=[{}] * config.n_layer, attn_plan={})
-    with torch.inference_mode():
-        model(ids, batch, cache)
-    s = kv_scales(cache.abs().amax(dim=(2, 3, 4, 5)), dtype)  # (2, n_layer)
-    return [dict(k_scale=s[0, i], v_scale=s[1, i]) for i in range(config.n_layer)]
-
-
 # -----------------------------------------------------------------------------
 # KV store: write the new tokens' K/V into their cache slots (quantized, for an 8-bit cache)
 
@@ -485,33 +463,23 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + cache_offs, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=None, k_scale=None, v_scale=None):
-    """Write k, v [num_tokens, n_kv_head, head_dim] into the caches at slot_mapping
-    (slot = block_id * block_size + offset); a slot of -1 skips its token. On CUDA (or with
-    use_triton=True) a Triton kernel does it without the device->host sync of the torch op.
-    An 8-bit cache comes with k_scale and v_scale, and stores quantize(k, k_scale), ..."""
+def check_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale):
     num_tokens, n_kv_head, head_dim = k.shape
-    num_blocks, block_size = k_cache.shape[:2]
     assert v.shape == k.shape and slot_mapping.shape == (num_tokens,), \
         "k, v [T, n_kv_head, D], slot_mapping [T]"
-    assert k_cache.shape == v_cache.shape == (num_blocks, block_size, n_kv_head, head_dim), \
+    assert k_cache.shape == v_cache.shape == (*k_cache.shape[:2], n_kv_head, head_dim), \
         "caches do not match k"
     check_scales(k, k_cache, v_cache, k_scale, v_scale)
-    if use_triton is None:
-        use_triton = k.is_cuda
-    if not use_triton:
-        slots = slot_mapping.long()
-        if (slots < 0).any():
-            keep = slots >= 0
-            slots, k, v = slots[keep], k[keep], v[keep]
-        for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
-            x = quantize(x, scale, cache.dtype)
-            if scale is not None:  # index_copy_ has no fp8 kernel on the CPU: copy the bytes
-                x, cache = x.view(torch.uint8), cache.view(torch.uint8)
-            # one row per slot: view, not reshape, so a cache that is not contiguous over
-            # (block, slot) fails loudly
-            cache.view(num_blocks * block_size, n_kv_head, head_dim).index_copy_(0, slots, x)
-        return
+
+
+def store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+    """Write k, v [num_tokens, n_kv_head, head_dim] into the caches at slot_mapping
+    (slot = block_id * block_size + offset); a slot of -1 skips its token. A Triton kernel, so a
+    GPU makes no device->host sync. An 8-bit cache comes with k_scale and v_scale, and stores
+    quantize(k, k_scale), ..."""
+    check_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    num_tokens, n_kv_head, head_dim = k.shape
+    block_size = k_cache.shape[1]
     assert k.stride(2) == v.stride(2) == k_cache.stride(3) == 1, "head_dim must be contiguous"
     assert k_cache.stride() == v_cache.stride() and slot_mapping.is_contiguous()
     if num_tokens == 0:
@@ -528,6 +496,23 @@ def store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=None, k_scale=None
         FP8_MAX=fp8.max, FP8_MANTISSA=round(-math.log2(fp8.eps)),  # 3 for e4m3, 2 for e5m2
         FP8_MIN_NORMAL=fp8.smallest_normal,
     )
+
+
+def store_kv_torch(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+    """store_kv in plain torch: one index_copy_ per cache."""
+    check_store(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    num_blocks, block_size, n_kv_head, head_dim = k_cache.shape
+    slots = slot_mapping.long()
+    if (slots < 0).any():
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    for x, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        x = quantize(x, scale, cache.dtype)
+        if scale is not None:  # index_copy_ has no fp8 kernel on the CPU: copy the bytes
+            x, cache = x.view(torch.uint8), cache.view(torch.uint8)
+        # one row per slot: view, not reshape, so a cache that is not contiguous over
+        # (block, slot) fails loudly
+        cache.view(num_blocks * block_size, n_kv_head, head_dim).index_copy_(0, slots, x)
 
 
 # -----------------------------------------------------------------------------
@@ -743,3 +728,56 @@ def naive_attention(q, k, v, cu_seqlens_q, seq_lens, scale):
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, vs).to(q.dtype)
         kv_start += seq_len
     return out
+
+
+# -----------------------------------------------------------------------------
+# Attention backends by name: how a layer stores its new K/V and reads its context. The engine
+# picks one when it is built (Engine(attention_backend=...)) and every step's batch carries it.
+# A new backend is one function and one entry (README: Forking).
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    store: Callable  # (k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None)
+    # (q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None) -> [num_tokens, n_head, D]:
+    # meta has block_tables, seq_lens, cu_seqlens_q, max_q_len, and scratch, a dict the step's
+    # layers share, where a backend keeps what it builds once per step
+    attend: Callable
+    # (dtype, head_dim, kv_cache_dtype) -> why this backend cannot run them, or None
+    unsupported: Callable = lambda dtype, head_dim, kv_cache_dtype: None
+
+
+def _triton_attend(q, k_cache, v_cache, meta, scale, **scales):
+    return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                           meta.cu_seqlens_q, scale, max_q_len=meta.max_q_len, **scales)
+
+
+def _triton_unsupported(dtype, head_dim, kv_cache_dtype):
+    if not HAS_TRITON:
+        return "Triton is not installed (it has wheels for Linux)"
+    if dtype not in DTYPES or head_dim not in HEAD_DIMS:
+        return (f"the Triton kernel takes head sizes {HEAD_DIMS} in {DTYPES}, not head size "
+                f"{head_dim} in {dtype}")
+    return None
+
+
+def _torch_attend(q, k_cache, v_cache, meta, scale, **scales):
+    return paged_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                 meta.cu_seqlens_q, scale, plan=meta.scratch, **scales)
+
+
+def _flex_attend(q, k_cache, v_cache, meta, scale):
+    return paged_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                 meta.cu_seqlens_q, scale, plan=meta.scratch,
+                                 decode_attention=paged_attention_flex)
+
+
+ATTENTION_BACKENDS = {
+    "triton": AttentionBackend(store_kv, _triton_attend, _triton_unsupported),
+    "torch": AttentionBackend(store_kv_torch, _torch_attend),
+    # decodes read the cache in place with flex_attention (compiled on first use), the rest
+    # as the torch path does
+    "flex": AttentionBackend(store_kv_torch, _flex_attend, lambda dtype, head_dim, kv: (
+        "flex attention reads the cache in place: it takes no 8-bit cache"
+        if kv in FP8_DTYPES else None)),
+}

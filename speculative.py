@@ -17,7 +17,7 @@ The rest is paging, and lives in nanopaged.py: the scheduler reserves lookahead 
 guesses from what plain scheduling left (Scheduler._reserve_lookahead), the verification
 writes their K/V there, and the blocks past the kept tokens go back to the pool
 (BlockAllocator.free_lookahead_slots). A guess's block enters the prefix cache only once the
-guess is kept, because only computed tokens are published.
+guess is kept, because only the tokens a step computes are published.
 
 Acceptance (OutputProcessor.sample_tokens) is rejection sampling. Leviathan et al. accept a
 guess d with probability min(1, p(d) / q(d)), p the target's distribution and q the
@@ -33,8 +33,7 @@ greedy or seeded, with or without speculation, and whatever the batch-mates.
 
 import math
 
-from nanopaged import GPT, ModelRunner, kv_block_shape, step_chunks, tp
-from validation import integer
+from nanopaged import GPT, ModelRunner, integer, kv_block_shape, step_chunks, tp
 
 METHODS = ("ngram", "draft")
 
@@ -131,7 +130,7 @@ class DraftProposer:
 
     def allocate_cache(self, num_blocks, num_cpu_blocks, block_size, target_runner):
         self.runner = ModelRunner(self.draft, num_blocks, num_cpu_blocks, block_size,
-                                  target_runner.use_triton, target_runner.device,
+                                  target_runner.attention, target_runner.device,
                                   self.cache_dtype(target_runner.kv_cache.dtype))
         return self
 

@@ -16,7 +16,7 @@ import random
 import re
 import subprocess
 import sys
-from collections import Counter
+from collections import Counter, deque
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -315,7 +315,7 @@ def test_an_8bit_cache_round_trips_kv_up_to_1e4_within_fp8s_relative_error(
     caches = [torch.zeros(5, 4, 2, 32, dtype=cache_dtype, device=DEVICE) for _ in range(2)]
     scale = kernel.kv_scales(amax, cache_dtype).to(DEVICE)
     x = x.to(DEVICE)
-    store_kv(x, -x, *caches, torch.arange(17, device=DEVICE), use_triton=use_triton,
+    (store_kv if use_triton else kernel.store_kv_torch)(x, -x, *caches, torch.arange(17, device=DEVICE),
              k_scale=scale, v_scale=scale)
     eps, eta = fp8_error(cache_dtype, scale)
     for sign, cache in zip((1, -1), caches):
@@ -361,7 +361,8 @@ def test_store_kv_writes_exactly_the_given_slots(
         name: kernel.kv_scales(x.abs().amax() if len(x) else torch.ones(()),
                                cache_dtype) * data.draw(st.sampled_from([0.1, 0.5, 1.0, 30.0]))
         for name, x in (("k_scale", k), ("v_scale", v))}
-    store_kv(k, v, k_cache, v_cache, slot_mapping, use_triton=use_triton, **kv_scales)
+    (store_kv if use_triton else kernel.store_kv_torch)(k, v, k_cache, v_cache, slot_mapping,
+                                                       **kv_scales)
     k_want, v_want = (kernel.quantize(x, kv_scales.get(n), k_cache.dtype).view(torch.uint8)
                       for x, n in ((k, "k_scale"), (v, "v_scale")))  # the bytes (bitwise: fp8)
     written = torch.zeros(num_slots, dtype=torch.bool, device=DEVICE)
@@ -554,12 +555,37 @@ class Cache:
 
 def free_order(a):
     """The free blocks in the order the allocator hands them out (the allocate rule checks it)."""
-    return sorted(a.free_keys, key=a.free_keys.get)
+    cached = a.prefix_cache.evictable
+    return a.free_block_ids[::-1] + sorted(cached, key=cached.get)
+
+
+# What a state comparison leaves out: the model and its tensors, the journal of the step in
+# progress, the clocks and id counters a failed step may have advanced, and the eviction heap,
+# whose stale entries are a detail of its laziness (the evictable set it indexes is compared).
+NOT_STATE = {"model", "model_runner", "proposer", "kv_cache", "txn", "taken", "clock", "heap",
+             "seq_ids", "request_ids"}
+
+
+def state_of(x, path=()):
+    """x as plain data, recursively: every field of every object (vars()), every element of
+    every container. Two equal results mean equal states, whatever fields a fork adds. An object
+    met again below itself (the swap pool's allocator) is named, not walked."""
+    if isinstance(x, dict):
+        return {k: state_of(v, path) for k, v in x.items()}
+    if isinstance(x, (list, tuple, deque)):
+        return [state_of(v, path) for v in x]
+    if isinstance(x, (set, frozenset)):
+        return frozenset(x)
+    if hasattr(x, "__dict__") and not callable(x) and not isinstance(x, torch.nn.Module):
+        if id(x) in path:
+            return f"<the {type(x).__name__} above>"
+        return type(x).__name__, {k: state_of(v, path + (id(x),)) for k, v in vars(x).items()
+                                  if k not in NOT_STATE}
+    return x
 
 
 def allocator_state(a):
-    return ([(b.ref_count, b.hash, b.token_ids) for b in a.blocks], free_order(a),
-            dict(a.hash_to_block), list(a.cpu_ref_count), list(a.cpu_free_block_ids))
+    return state_of(a)
 
 
 class AllocatorMachine(RuleBasedStateMachine):
@@ -585,23 +611,33 @@ class AllocatorMachine(RuleBasedStateMachine):
     def model_hits(self, tokens):
         """Leading full blocks (never the last token's) whose prefix the model says is cached."""
         bs, key, hits = self.a.block_size, None, 0
-        for i in range((len(tokens) - 1) // bs if self.a.enable_prefix_caching else 0):
+        for i in range((len(tokens) - 1) // bs if self.a.prefix_cache.enabled else 0):
             key = chain_hash(key, tuple(tokens[i * bs:(i + 1) * bs]))
             if key not in self.published:
                 break
             hits += 1
         return hits
 
-    def compute(self, seq, fresh):
-        """The blocks handed out fresh lose what they held; then seq's computed full blocks are
-        published, one block per prefix: a block whose twin is cached is swapped for the twin."""
+    def keys(self, seq):
+        """The keys of seq's full computed blocks."""
+        bs, key, keys = self.a.block_size, None, []
+        for i in range(seq.num_computed_tokens // bs if self.a.prefix_cache.enabled else 0):
+            keys.append(key := chain_hash(key, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+        return keys
+
+    def compute(self, seq, fresh, again=False):
+        """The blocks handed out fresh lose what they held; then seq's newly computed full blocks
+        (again: all of them, fresh copies swapped in) are offered to the cache, which keeps the
+        first block of each prefix: a twin computed later stays private, even after the cached
+        one is evicted (as in vLLM, a block is offered once, when it fills)."""
         self.published = {k: b for k, b in self.published.items() if b not in fresh}
+        offered = 0 if again else len(self.keys(seq))
         self.cache.compute(seq)
-        bs, key = self.a.block_size, None
-        for i in range(seq.num_computed_tokens // bs if self.a.enable_prefix_caching else 0):
-            key = chain_hash(key, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
-            self.published.setdefault(key, seq.block_table[i])
-            assert seq.block_table[i] == self.published[key], "two blocks hold one cached prefix"
+        keys = self.keys(seq)
+        for key, block_id in zip(keys[offered:], seq.block_table[offered:]):
+            self.published.setdefault(key, block_id)
+        for key, block_id in zip(keys, seq.block_table):
+            assert (self.a.blocks[block_id].hash == key) == (self.published.get(key) == block_id)
 
     @rule(data=st.data(), suffix=st.lists(st.integers(0, 2), min_size=0, max_size=9))
     def allocate(self, data, suffix):
@@ -617,11 +653,11 @@ class AllocatorMachine(RuleBasedStateMachine):
                 self.a.allocate(seq)
             assert allocator_state(self.a) == before and not seq.block_table
             return
-        free_before, hit_tokens_before, hits = free_order(self.a), self.a.num_hit_tokens, \
+        free_before, hit_tokens_before, hits = free_order(self.a), self.a.prefix_cache.counts.hit_tokens, \
             self.model_hits(tokens)
         self.a.allocate(seq)
         assert seq.num_computed_tokens == hits * self.a.block_size < len(seq)
-        assert self.a.num_hit_tokens - hit_tokens_before == seq.num_computed_tokens
+        assert self.a.prefix_cache.counts.hit_tokens - hit_tokens_before == seq.num_computed_tokens
         fresh = seq.block_table[hits:]  # taken in eviction order: the front of the free list first
         assert fresh == [b for b in free_before if b not in seq.block_table[:hits]][:len(fresh)]
         self.compute(seq, fresh)
@@ -674,9 +710,14 @@ class AllocatorMachine(RuleBasedStateMachine):
     def move(self, data, source, target, can_move, move, src_pool, dst_pool):
         # a group at once (a parent and its forks, say), so blocks they share stay shared
         seqs = data.draw(st.lists(st.sampled_from(source), min_size=1, unique=True))
-        num_free = (self.a.num_free_blocks if move == self.a.swap_in
-                    else len(self.a.cpu_free_block_ids))
-        num_blocks = len({b for seq in seqs for b in seq.block_table})
+        swap_in = move == self.a.swap_pool.swap_in
+        num_free = self.a.num_free_blocks if swap_in else len(self.a.swap_pool.free_block_ids)
+        # Swapping in, a block whose prefix the model says is cached comes back as that block,
+        # which takes a free block only if it is free itself; every other block takes one.
+        kept = {seq.block_table[i]: self.published[key] for seq in seqs if swap_in
+                for i, key in enumerate(self.keys(seq)) if key in self.published}
+        revived = {b for b in kept.values() if self.a.blocks[b].ref_count == 0}
+        num_blocks = len({b for seq in seqs for b in seq.block_table} - kept.keys()) + len(revived)
         assert can_move(seqs) == (num_blocks <= num_free)  # exact, not an estimate
         if not can_move(seqs):
             before = allocator_state(self.a)
@@ -684,25 +725,32 @@ class AllocatorMachine(RuleBasedStateMachine):
                 move(seqs)
             assert allocator_state(self.a) == before
             return
-        self.cache.copy(move(seqs), src_pool, dst_pool)
+        copies = move(seqs)
+        assert num_free - (self.a.num_free_blocks if swap_in else
+                           len(self.a.swap_pool.free_block_ids)) == num_blocks
+        assert not {src for src, _ in copies} & kept.keys(), "a block still cached is copied"
+        self.cache.copy(copies, src_pool, dst_pool)
         for seq in seqs:
             source.remove(seq)
             target.append(seq)
-        if move == self.a.swap_in:  # blocks taken fresh forgot their prefix; the seqs publish again
-            self.published = {k: b for k, b in self.published.items() if self.a.blocks[b].hash == k}
+        if swap_in:  # blocks taken fresh forgot their prefix; they are published again
+            self.published = {k: b for k, b in self.published.items()
+                              if self.a.blocks[b].hash == k}
             for seq in seqs:
-                self.compute(seq, [])
+                self.compute(seq, [], again=True)
 
     @precondition(lambda self: self.on_device)
     @rule(data=st.data())
     def swap_out(self, data):
-        self.move(data, self.on_device, self.on_cpu, self.a.can_swap_out, self.a.swap_out,
+        self.move(data, self.on_device, self.on_cpu, self.a.swap_pool.can_swap_out,
+                  self.a.swap_pool.swap_out,
                   self.cache.device, self.cache.cpu)
 
     @precondition(lambda self: self.on_cpu)
     @rule(data=st.data())
     def swap_in(self, data):
-        self.move(data, self.on_cpu, self.on_device, self.a.can_swap_in, self.a.swap_in,
+        self.move(data, self.on_cpu, self.on_device, self.a.swap_pool.can_swap_in,
+                  self.a.swap_pool.swap_in,
                   self.cache.cpu, self.cache.device)
 
     @invariant()
@@ -711,8 +759,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert set(free) == {b.block_id for b in self.a.blocks if b.ref_count == 0}
         assert self.a.num_free_blocks == len(free) and \
             len(free) + sum(b.ref_count > 0 for b in self.a.blocks) == self.a.num_blocks
-        assert set(self.a.cpu_free_block_ids) == \
-            {i for i, c in enumerate(self.a.cpu_ref_count) if c == 0}
+        assert set(self.a.swap_pool.free_block_ids) == \
+            {i for i, c in enumerate(self.a.swap_pool.ref_count) if c == 0}
 
     @invariant()
     def ref_counts_equal_block_table_entries(self):
@@ -721,11 +769,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             for b in seq.block_table:
                 device[b] += 1
         assert device == [b.ref_count for b in self.a.blocks]
-        cpu = [0] * len(self.a.cpu_ref_count)
+        cpu = [0] * len(self.a.swap_pool.ref_count)
         for seq in self.on_cpu:
             for b in seq.block_table:
                 cpu[b] += 1
-        assert cpu == self.a.cpu_ref_count
+        assert cpu == self.a.swap_pool.ref_count
 
     @invariant()
     def every_sequence_reads_back_what_was_appended(self):
@@ -740,7 +788,7 @@ class AllocatorMachine(RuleBasedStateMachine):
     def the_cache_is_the_plain_model_and_evicts_uncached_then_by_score(self):
         if not hasattr(self, "a"):
             return
-        assert self.a.hash_to_block == self.published
+        assert self.a.prefix_cache.hash_to_block == self.published
         free, blocks = free_order(self.a), self.a.blocks
         for b in free:
             self.freed_at.setdefault(b, self.clock)
@@ -754,7 +802,7 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def cached_blocks_hold_their_tokens(self):
-        for h, block_id in self.a.hash_to_block.items():
+        for h, block_id in self.a.prefix_cache.hash_to_block.items():
             block = self.a.blocks[block_id]
             assert block.hash == h and list(block.token_ids) == self.cache.device[block_id]
 
@@ -764,9 +812,9 @@ class AllocatorMachine(RuleBasedStateMachine):
         for seq in self.on_device:
             self.a.free(seq)
         for seq in self.on_cpu:
-            self.a.free_cpu(seq)
+            self.a.swap_pool.free(seq)
         assert self.a.num_free_blocks == self.a.num_blocks
-        assert len(self.a.cpu_free_block_ids) == len(self.a.cpu_ref_count)
+        assert len(self.a.swap_pool.free_block_ids) == len(self.a.swap_pool.ref_count)
 
 
 AllocatorMachine.TestCase.settings = settings(max_examples=300, stateful_step_count=40,
@@ -861,8 +909,8 @@ def test_least_recently_freed_cached_block_is_evicted_first():
     a.free(new)
     # 4 blocks: the three holding nothing worth keeping go first, then the oldest cached prefix
     a.allocate(make_seq(2, [5, 6, 7, 8, 5, 6, 7]))
-    assert chain_hash(None, (3, 4)) in a.hash_to_block
-    assert chain_hash(None, (1, 2)) not in a.hash_to_block
+    assert chain_hash(None, (3, 4)) in a.prefix_cache.hash_to_block
+    assert chain_hash(None, (1, 2)) not in a.prefix_cache.hash_to_block
 
 
 def test_hash_collision_is_caught_by_comparing_tokens():
@@ -871,9 +919,9 @@ def test_hash_collision_is_caught_by_comparing_tokens():
     a.allocate(seq)
     seq.num_computed_tokens = 3
     a.cache_full_blocks(seq)
-    (h, block_id), = a.hash_to_block.items()
+    (h, block_id), = a.prefix_cache.hash_to_block.items()
     a.blocks[block_id].token_ids = (5, 6)  # pretend [5, 6] hashed to the same key
-    a.hash_to_block = {h: block_id}
+    a.prefix_cache.hash_to_block = {h: block_id}
     assert a.allocate(make_seq(1, [1, 2, 3])) is None and a.blocks[block_id].ref_count == 1
 
 
@@ -1241,9 +1289,9 @@ def test_a_request_owed_prompt_logprobs_takes_no_cache_hits_but_publishes_its_bl
     a = engine.allocator
 
     def hits(params):
-        before = a.num_hit_tokens
+        before = a.prefix_cache.counts.hit_tokens
         engine.generate([prompt], params)
-        return a.num_hit_tokens - before
+        return a.prefix_cache.counts.hit_tokens - before
     assert hits(SamplingParams(max_tokens=2, prompt_logprobs=1)) == 0  # nothing cached yet
     assert hits(SamplingParams(max_tokens=2)) == 12  # its 3 full prompt blocks were published
     assert hits(SamplingParams(max_tokens=2, prompt_logprobs=0)) == 0
@@ -1284,12 +1332,34 @@ def test_seeded_sampling_ignores_batch_mates_and_preemption():
     assert len({tuple(o.outputs[0].token_ids) for o in unseeded}) > 1
 
 
+def sampling_meta(temperatures, top_ks, top_ps, generators=None):
+    """A step's SamplingMetadata for rows of (temperature, top_k, top_p), each row a one-token
+    prompt with no output yet."""
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p)
+              for t, k, p in zip(temperatures, top_ks, top_ps, strict=True)]
+    R = len(params)
+    return nanopaged.SamplingMetadata(params, [make_seq(i, [0]) for i in range(R)], [[]] * R,
+                                      generators or [None] * R, set(), torch.device("cpu"))
+
+
+def sample_rows(logits, temperatures, top_ks, top_ps, generators):
+    return nanopaged.sample(logits, sampling_meta(temperatures, top_ks, top_ps, generators))
+
+
+def pipeline_probs(logits, temperatures, top_ks, top_ps):
+    """The distribution each row draws from: softmax of what the sampling pipeline leaves."""
+    meta, scores = sampling_meta(temperatures, top_ks, top_ps), logits
+    for step in nanopaged.LOGITS_STEPS + nanopaged.SAMPLING_STEPS:
+        scores = step(scores, meta)
+    return scores.softmax(-1)
+
+
 def test_sampling_respects_top_k_and_top_p():
     torch.manual_seed(0)
     logits = torch.randn(3, 50, dtype=torch.float64)
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
     for _ in range(50):
-        tokens = nanopaged.sample(logits, [1.0, 1.0, 0.0], [3, 0, 0], [1.0, 0.5, 1.0], gens)
+        tokens = sample_rows(logits, [1.0, 1.0, 0.0], [3, 0, 0], [1.0, 0.5, 1.0], gens)
         assert tokens[0] in logits[0].topk(3).indices
         probs = logits[1].softmax(-1).sort(descending=True)
         nucleus = probs.indices[:int((probs.values.cumsum(-1) < 0.5).sum()) + 1]
@@ -1303,20 +1373,39 @@ def test_sampling_respects_top_k_and_top_p():
 
 @pytest.fixture
 def no_writes_into_shared_blocks(monkeypatch):
-    """Make every KV write check that the block it lands in has exactly one owner."""
-    engines = []
+    """Make every KV write check that the block it lands in has exactly one owner, or is being
+    filled in this step: published by the schedule, then read by the requests that hit it only
+    after each layer's store."""
+    engines, filling = [], set()
 
-    def checked_store_kv(k, v, k_cache, v_cache, slot_mapping, **kwargs):
-        for engine in engines:
-            if engine.kv_cache.data_ptr() <= k_cache.data_ptr() < engine.kv_cache[1].data_ptr():
-                for slot in slot_mapping.tolist():
-                    block = engine.allocator.blocks[slot // engine.block_size]
-                    assert block.ref_count == 1, \
-                        f"write into block {block.block_id} with ref count {block.ref_count}"
-        real_store_kv(k, v, k_cache, v_cache, slot_mapping, **kwargs)
+    def checked(store):
+        def checked_store_kv(k, v, k_cache, v_cache, slot_mapping, **kwargs):
+            for engine in engines:
+                if engine.kv_cache.data_ptr() <= k_cache.data_ptr() < engine.kv_cache[1].data_ptr():
+                    for slot in slot_mapping.tolist():
+                        block = engine.allocator.blocks[slot // engine.block_size]
+                        assert block.ref_count == 1 or \
+                            (id(engine.allocator.blocks), block.block_id) in filling, \
+                            f"write into block {block.block_id} with ref count {block.ref_count}"
+            store(k, v, k_cache, v_cache, slot_mapping, **kwargs)
+        return checked_store_kv
 
-    real_store_kv = nanopaged.store_kv
-    monkeypatch.setattr(nanopaged, "store_kv", checked_store_kv)
+    for name, backend in list(kernel.ATTENTION_BACKENDS.items()):  # engines built after this
+        monkeypatch.setitem(kernel.ATTENTION_BACKENDS, name,
+                            dataclasses.replace(backend, store=checked(backend.store)))
+    real_publish, real_step = nanopaged.PrefixCache.publish, nanopaged.Engine.step
+
+    def publish(self, seq, num_tokens, **kwargs):  # the blocks a step's schedule fills
+        before = [self.blocks[b].hash for b in seq.block_table]
+        real_publish(self, seq, num_tokens, **kwargs)
+        filling.update((id(self.blocks), b) for b, h in zip(seq.block_table, before)
+                       if self.blocks[b].hash not in (None, h))
+
+    def step(engine):
+        filling.clear()
+        return real_step(engine)
+    monkeypatch.setattr(nanopaged.PrefixCache, "publish", publish)
+    monkeypatch.setattr(nanopaged.Engine, "step", step)
     return engines.append
 
 
@@ -1861,7 +1950,7 @@ def test_bad_requests_are_rejected_before_taking_blocks(prompt, params, message)
     (dict(top_p=1.5), r"top_p must be a number in \(0, 1\]"),
     (dict(top_p=None), r"top_p must be a number in \(0, 1\], got None"),
     (dict(top_k=-1), r"top_k must be an int >= 0"),
-    (dict(top_k=True), r"top_k must be an int >= 0 \(0 disables it\), got True"),
+    (dict(top_k=True), r"top_k must be an int >= 0, got True"),
     (dict(n=0), r"n must be an int >= 1"),
     (dict(n=2.0), r"n must be an int >= 1, got 2.0"),
     (dict(beam_width=0), r"beam_width must be None or an int >= 1"),
@@ -1873,8 +1962,8 @@ def test_bad_requests_are_rejected_before_taking_blocks(prompt, params, message)
     (dict(stop_token_ids="ab"), r"stop_token_ids must be None or a list of token ids"),
     (dict(ignore_eos="yes"), r"ignore_eos must be True or False, got 'yes'"),
     (dict(length_penalty=None), r"length_penalty must be a number, got None"),
-    (dict(logprobs=-1), r"logprobs must be None or an int >= 0, without beam_width, got -1"),
-    (dict(logprobs=2, beam_width=2), r"logprobs must be None or an int >= 0, without beam_width"),
+    (dict(logprobs=-1), r"logprobs must be None or an int >= 0, got -1"),
+    (dict(logprobs=2, beam_width=2), r"logprobs does not apply to beam search"),
     (dict(prompt_logprobs=1.0), r"prompt_logprobs must be None or an int >= 0, got 1.0"),
     (dict(n=2, beam_width=2), "not both"),
 ])
@@ -1905,12 +1994,14 @@ def test_a_batch_with_one_bad_prompt_is_rejected_whole():
     (dict(num_blocks=None, kv_cache_bytes=1000),
      r"kv_cache_bytes=1000 is smaller than one KV block \(4096 bytes"),
     (dict(preemption_mode="evict"), r"preemption_mode must be one of \['recompute', 'swap'\]"),
-    (dict(scheduling_policy="sjf"), r"scheduling_policy must be one of \['fcfs', 'priority'"),
-    (dict(eviction_policy=None), r"eviction_policy must be one of \['lfu', 'lru'.*got None"),
+    # the built-in names, wherever a fork's own ones sort among them
+    (dict(scheduling_policy="sjf"), r"scheduling_policy must be one of \[.*'fcfs'.*'priority'.*\], got 'sjf'"),
+    (dict(eviction_policy=None), r"eviction_policy must be one of \[.*'lfu'.*'lru'.*\], got None"),
     (dict(max_num_seqs=0), "max_num_seqs must be an integer >= 1"),
-    (dict(attention_backend="flash"), "attention_backend must be 'triton' or 'torch'"),
-    (dict(attention_backend="triton"),
-     r"Triton kernel takes head sizes .* model has head size 8 in torch.float64"),
+    (dict(attention_backend="flash"),
+     r"attention_backend must be one of \[.*'flex'.*'torch'.*'triton'.*\], got 'flash'"),
+    (dict(attention_backend="triton"), r"attention_backend='triton' cannot run this model: the "
+     r"Triton kernel takes head sizes .* not head size 8 in torch.float64"),
     (dict(num_cpu_blocks=-1), "num_cpu_blocks must be an integer >= 0, got -1"),
     (dict(num_cpu_blocks=2.0), "num_cpu_blocks must be an integer >= 0, got 2.0"),
     (dict(num_blocks=None, kv_cache_bytes=-1), "kv_cache_bytes must be an integer >= 1, got -1"),
@@ -1933,9 +2024,9 @@ def test_the_swap_space_is_sized_in_bytes(swap_space):
                     swap_space=swap_space)
     bytes_per_block = engine.kv_cache[:, :, 0].numel() * engine.kv_cache.itemsize
     assert engine.allocator.num_blocks == 64  # at most the device pool's count
-    assert len(engine.allocator.cpu_ref_count) == \
+    assert len(engine.allocator.swap_pool.ref_count) == \
         min(64, int(swap_space * 2**30) // bytes_per_block)
-    assert engine.model_runner.cpu_kv_cache.shape[0] == len(engine.allocator.cpu_ref_count)
+    assert engine.model_runner.cpu_kv_cache.shape[0] == len(engine.allocator.swap_pool.ref_count)
     # recompute
     assert Engine(MODEL, block_size=4, num_blocks=64).model_runner.cpu_kv_cache.shape[0] == 0
 
@@ -1960,7 +2051,7 @@ def test_prefix_cache_keys_do_not_trust_pythons_hash(monkeypatch):
     for prompt in ([1, 2, 3, 4, 9], [3, 4, 9]):
         assert engine.generate([prompt], greedy)[0].outputs[0].token_ids == \
             naive_greedy(MODEL, prompt, 4)
-    assert engine.allocator.num_hit_tokens == 0
+    assert engine.allocator.prefix_cache.counts.hit_tokens == 0
 
 
 @settings(max_examples=40, deadline=None)
@@ -2060,13 +2151,10 @@ def schedule_fingerprint(mode, **policies):
     return hashlib.sha256(repr(trace).encode()).hexdigest()[:16], s.num_preemptions
 
 
-@pytest.mark.parametrize("mode,expected", [("recompute", ("e2f82f637ba3232c", 13)),
-                                           ("swap", ("ccfa860d6a62d1c6", 12))])
-def test_fcfs_and_lru_schedule_exactly_as_the_engine_did_before_policies(mode, expected):
-    # Recorded on commit ea237a6, before policies existed: the same steps, blocks, copies,
-    # preemptions and outputs, by default and by name.
-    assert schedule_fingerprint(mode) == expected
-    assert schedule_fingerprint(mode, scheduling_policy="fcfs", eviction_policy="lru") == expected
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_default_policies_are_fcfs_and_lru(mode):
+    assert schedule_fingerprint(mode) == \
+        schedule_fingerprint(mode, scheduling_policy="fcfs", eviction_policy="lru")
 
 
 def test_priority_runs_lower_values_first_and_ties_in_arrival_order():
@@ -2137,12 +2225,12 @@ def test_lfu_keeps_the_prefix_hit_more_often_where_lru_loses_it(policy):
 
     popular = [serve([1, 2, 9]) for _ in range(3)][0]  # hit twice
     rare = serve([3, 4, 9])  # freed last, never hit
-    assert [a.blocks[a.hash_to_block[h]].num_hits for h in (popular, rare)] == [2, 0]
+    assert [a.blocks[a.prefix_cache.hash_to_block[h]].num_hits for h in (popular, rare)] == [2, 0]
     # 4 blocks: the 3 uncached free ones first, then one cached prefix is evicted
     new = make_seq(next(ids), [5, 6, 7, 8, 5, 6, 7])
     a.allocate(new)
     survivor = popular if policy == "lfu" else rare
-    assert list(a.hash_to_block) == [survivor]
+    assert list(a.prefix_cache.hash_to_block) == [survivor]
     assert all(a.blocks[b].num_hits == 0 for b in new.block_table)  # an evicted block's hits go
 
 
@@ -2330,18 +2418,8 @@ def assert_same_but_rounding(got, expected):
 
 
 def engine_state(engine):
-    """Everything a step may change, by request id and sample index (not by object)."""
-    s, a = engine.scheduler, engine.allocator
-    groups = {rid: ([(seq.index, list(seq.token_ids), seq.num_computed_tokens,
-                      list(seq.block_table), list(seq.block_hashes), seq.cumulative_logprob,
-                      seq.finish_reason, list(seq.logprobs), list(seq.prompt_logprobs))
-                     for seq in g.seqs],
-                    len(g.finished), dataclasses.replace(g.metrics), g.num_cached_tokens,
-                    g.num_preemptions)
-              for rid, g in engine.requests.items()}
-    queues = [[g.request_id for g in q] for q in (s.waiting, s.running, s.swapped)]
-    return (groups, queues, s.num_preemptions, allocator_state(a), a.num_hit_tokens,
-            a.num_queried_tokens, engine.output_processor.num_generated_tokens)
+    """Everything a step may change."""
+    return state_of(engine)
 
 
 def test_a_failing_request_does_not_strand_its_batch_mates(monkeypatch):
@@ -2370,13 +2448,14 @@ def test_a_failing_request_does_not_strand_its_batch_mates(monkeypatch):
 
 # Where a step can fail: (owner, function name). The failure is raised before or after the call.
 FAILURE_POINTS = [(nanopaged.Scheduler, "schedule"), (BlockAllocator, "allocate"),
-                  (BlockAllocator, "append_slot"), (BlockAllocator, "swap_out"),
-                  (BlockAllocator, "swap_in"), (nanopaged.ModelRunner, "copy_blocks"),
+                  (BlockAllocator, "append_slot"), (nanopaged.SwapPool, "swap_out"),
+                  (nanopaged.SwapPool, "swap_in"), (nanopaged.ModelRunner, "copy_blocks"),
                   (GPT, "forward"), (BlockAllocator, "cache_full_blocks"),
                   (nanopaged, "sample"), (nanopaged.OutputProcessor, "stop_reason"),
-                  (nanopaged.OutputProcessor, "fork"),
-                  (nanopaged.OutputProcessor, "beam_search_step"),
-                  (BlockAllocator, "free"), (nanopaged.OutputProcessor, "output")]
+                  (nanopaged.OutputProcessor, "fork"), (nanopaged, "beam_search_step"),
+                  (BlockAllocator, "free"), (nanopaged, "request_output"),
+                  (nanopaged.PrefixCache, "publish"), (nanopaged.PrefixCache, "evict"),
+                  (nanopaged.Scheduler, "_admit"), (nanopaged.Scheduler, "_preempt")]
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -2411,6 +2490,9 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
             if not engine.requests:
                 break
             before = engine_state(engine)
+            held_or_cached.clear()
+            held_or_cached.update(b.block_id for b in engine.allocator.blocks
+                                  if b.ref_count or b.hash is not None)
             try:
                 outputs.update({o.request_id: o for o in engine.step()})
             except RuntimeError as e:
@@ -2428,6 +2510,7 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
     settings_ = dict(block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
                      enable_prefix_caching=caching, max_num_batched_tokens=6, max_num_seqs=4,
                      scheduling_policy=scheduling, eviction_policy=eviction)
+    held_or_cached = set()  # before each step: the blocks held or cached
     expected = run(Engine(MODEL, **settings_), inject=False)
     owner, name = point
     real, calls, fired, taken, exact = getattr(owner, name), [0], [], set(), []
@@ -2447,18 +2530,20 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
 
     def rollback(self):  # what the failed step handed out, and which block held or cached then
         taken.clear()
-        taken.update(b for b in self.taken
-                     if self.saved_blocks[b].ref_count or self.saved_blocks[b].hash)
+        taken.update(self.taken & held_or_cached)
         return real_rollback(self)
 
     def engine_rollback(self, saved):  # no queued request keeps a block the failed step handed out
         real_engine_rollback(self, saved)
         held = {b for g in self.scheduler.running for q in g.seqs for b in q.block_table}
-        assert not held & self.allocator.rolled_back_taken, "a request kept a block written over"
+        assert not held & rolled_back_taken, "a request kept a block written over"
+
+    rolled_back_taken = set()
 
     def allocator_rollback(self):
-        self.rolled_back_taken = rollback(self)
-        return self.rolled_back_taken
+        rolled_back_taken.clear()
+        rolled_back_taken.update(rollback(self))
+        return set(rolled_back_taken)
 
     real_engine_rollback = Engine.rollback
     with pytest.MonkeyPatch.context() as mp:
@@ -2596,7 +2681,7 @@ class EngineMachine(RuleBasedStateMachine):
         for group in s.waiting:
             assert all(not seq.block_table for seq in group.seqs)
         assert all(a.blocks[b].ref_count == device[b] for b in range(a.num_blocks))
-        assert all(a.cpu_ref_count[b] == cpu[b] for b in range(len(a.cpu_ref_count)))
+        assert all(a.swap_pool.ref_count[b] == cpu[b] for b in range(len(a.swap_pool.ref_count)))
         assert a.num_free_blocks == sum(1 for b in a.blocks if b.ref_count == 0)
         assert set(self.engine.requests) == self.unfinished
         assert sum(len(g.seqs) for g in s.running) <= s.max_num_seqs  # samples and beams count
@@ -2683,7 +2768,7 @@ def test_engine_on_the_triton_kernel_generates_like_naive():
 
 
 def test_demo_serves_its_workload_and_reports_true_numbers(capsys, tmp_path):
-    report = nanopaged.main(["--max-tokens", "12", "--num-blocks", "24", "--temperature", "0",
+    report = demo.main(["--max-tokens", "12", "--num-blocks", "24", "--temperature", "0",
                              "--plot", str(tmp_path / "demo.png")])
     printed = capsys.readouterr().out
     engine, summary, outputs = report["engine"], report["summary"], report["outputs"]
@@ -2712,9 +2797,9 @@ def test_demo_serves_its_workload_and_reports_true_numbers(capsys, tmp_path):
 
 def test_the_demo_speculates_with_the_built_in_draft_and_says_how_much_it_kept(capsys):
     flags = ["--max-tokens", "24", "--temperature", "0"]
-    plain = nanopaged.main(flags)
+    plain = demo.main(flags)
     draft = os.path.join(os.path.dirname(demo.DEMO_MODEL), "pydoc-draft")
-    report = nanopaged.main(flags + ["--speculative-model", draft])
+    report = demo.main(flags + ["--speculative-model", draft])
     s, printed = report["engine"].stats(), capsys.readouterr().out
     # the same requests but the beam search, which does not speculate; the same greedy tokens
     assert [len(o.outputs) for o in report["outputs"]] == \
@@ -2727,19 +2812,19 @@ def test_the_demo_speculates_with_the_built_in_draft_and_says_how_much_it_kept(c
 
 
 def test_demo_takes_the_kv_cache_dtype_from_the_command_line(capsys):
-    report = nanopaged.main(["--prompt", "def ", "--max-tokens", "4", "--temperature", "0",
+    report = demo.main(["--prompt", "def ", "--max-tokens", "4", "--temperature", "0",
                              "--kv-cache-dtype", "fp8_e5m2"])
     assert report["engine"].kv_cache.dtype == torch.float8_e5m2
     assert "blocks x 16 tokens in float8_e5m2 on" in capsys.readouterr().out
 
 
 def test_demo_takes_the_policies_and_priorities_from_the_command_line(capsys):
-    report = nanopaged.main(["--prompt", "def ", "--priority", "1", "--prompt", "class ",
+    report = demo.main(["--prompt", "def ", "--priority", "1", "--prompt", "class ",
                              "--priority", "0", "--max-tokens", "2", "--temperature", "0",
                              "--scheduling-policy", "priority", "--eviction-policy", "lfu"])
     engine, (low, high) = report["engine"], report["outputs"]
     assert engine.scheduler.key is SCHEDULING_POLICIES["priority"]
-    assert engine.allocator.score is EVICTION_POLICIES["lfu"]
+    assert engine.allocator.prefix_cache.score is EVICTION_POLICIES["lfu"]
     # both arrive in the first step; the lower value is admitted first
     assert high.metrics.first_scheduled_time < low.metrics.first_scheduled_time
 
@@ -2807,7 +2892,7 @@ def test_demo_takes_text_prompts_through_a_model_folders_tokenizer(hf_folder, tm
     tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tokenizer.save(str(tmp_path / "tokenizer.json"))
-    report = nanopaged.main(["--model", str(tmp_path), "--prompt", "hello paged world",
+    report = demo.main(["--model", str(tmp_path), "--prompt", "hello paged world",
                              "--max-tokens", "5", "--temperature", "0", "--num-blocks", "8"])
     out = report["outputs"][0]
     assert out.prompt_token_ids == [1, 2, 3] and len(out.outputs[0].token_ids) == 5
@@ -2890,7 +2975,11 @@ def test_dtype_auto_is_the_checkpoints_own_on_a_gpu_and_fp32_on_a_cpu():
     {}, {"do_sample": True}, {"do_sample": False, "temperature": 0.7, "top_k": 20},
     {"do_sample": True, "temperature": 0.6, "top_p": 0.9, "eos_token_id": [1, 2]},
     {"do_sample": True, "top_k": 0, "temperature": 1.3, "max_new_tokens": 40},
-    {"temperature": 0.5, "top_p": None}, None])
+    {"temperature": 0.5, "top_p": None}, None,
+    # Qwen2.5-Instruct's, then processors and warpers transformers reads besides
+    {"do_sample": True, "repetition_penalty": 1.05, "temperature": 0.7, "top_p": 0.8,
+     "top_k": 20}, {"repetition_penalty": 1.3, "min_new_tokens": 3},
+    {"do_sample": True, "min_p": 0.1, "min_new_tokens": 2}])
 def test_generation_defaults_read_generation_config_json_as_transformers_does(tmp_path, gen):
     transformers = pytest.importorskip("transformers")
     if gen is None:  # no file: the folder says nothing
@@ -2903,9 +2992,12 @@ def test_generation_defaults_read_generation_config_json_as_transformers_does(tm
     def value(key):
         return unset[key] if getattr(config, key) is None else getattr(config, key)
     expected = dict(temperature=0.0) if value("do_sample") is not True else \
-        dict(temperature=value("temperature"), top_k=value("top_k"), top_p=value("top_p"))
-    if config.max_new_tokens is not None:
-        expected["max_tokens"] = config.max_new_tokens
+        dict(temperature=value("temperature"), top_k=value("top_k"), top_p=value("top_p"),
+             min_p=config.min_p or 0.0)  # no MinPLogitsWarper without it
+    for key, name in [("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens"),
+                      ("repetition_penalty", "repetition_penalty")]:
+        if getattr(config, key) is not None:  # processors: whether or not it samples
+            expected[name] = getattr(config, key)
     got = checkpoints.generation_defaults(str(tmp_path))
     assert got == expected and type(got.get("top_k", 0)) is int
     SamplingParams(**got)  # they are SamplingParams' own
@@ -2918,13 +3010,13 @@ def test_the_cli_applies_generation_config_json_unless_a_flag_overrides_it(hf_fo
     (tmp_path / "generation_config.json").write_text(json.dumps(
         dict(do_sample=True, temperature=0.6, top_p=0.9, max_new_tokens=3)))
     flags = ["--model", str(tmp_path), "--prompt", "abc", "--num-blocks", "8"]
-    sp = nanopaged.main(flags)["params"][0]
+    sp = demo.main(flags)["params"][0]
     assert (sp.temperature, sp.top_k, sp.top_p, sp.max_tokens) == (0.6, 50, 0.9, 3)
-    sp = nanopaged.main(flags + ["--temperature", "0", "--top-k", "5", "--max-tokens", "2"])[
+    sp = demo.main(flags + ["--temperature", "0", "--top-k", "5", "--max-tokens", "2"])[
         "params"][0]
     assert (sp.temperature, sp.top_k, sp.top_p, sp.max_tokens) == (0, 5, 0.9, 2)
     (tmp_path / "generation_config.json").unlink()  # then the CLI's own defaults
-    sp = nanopaged.main(flags + ["--max-tokens", "2"])["params"][0]  # 64 would pass max_seq_len
+    sp = demo.main(flags + ["--max-tokens", "2"])["params"][0]  # 64 would pass max_seq_len
     assert (sp.temperature, sp.top_k, sp.top_p) == (0.8, 0, 0.95)
 
 
@@ -2976,7 +3068,7 @@ def test_chat_template_renders_as_transformers_apply_chat_template(hf_folder, tm
     path, _ = hf_folder("llama")
     for name in ("config.json", "model.safetensors"):
         (tmp_path / name).write_bytes((path / name).read_bytes())
-    report = nanopaged.main(["--model", str(tmp_path), "--chat", "--prompt", "hello",
+    report = demo.main(["--model", str(tmp_path), "--chat", "--prompt", "hello",
                              "--max-tokens", "3", "--temperature", "0", "--num-blocks", "8"])
     chat = [{"role": "user", "content": "hello"}]
     ids = loaded.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
@@ -2996,41 +3088,40 @@ def test_chat_without_a_template_or_jinja2_is_one_clear_error(tmp_path, monkeypa
 @settings(max_examples=200, deadline=None)
 @given(st.text(alphabet=st.characters(codec="utf-8"), max_size=30), st.binary(max_size=6),
        st.data())
-def test_incremental_decoding_never_prints_a_broken_character(text, junk, data):
+def test_incremental_decoding_never_shows_a_broken_character(text, junk, data):
     """Token ids that are random chunks of text's UTF-8 bytes (a byte-level model's single bytes,
-    a BPE model's longer pieces), arriving a few per step: the printed pieces join to the decode
-    of all of them, and none holds U+FFFD unless the whole text does (junk: invalid bytes too)."""
+    a BPE model's longer pieces), decoded one after another as the engine does: the text only
+    grows, is always a prefix of the decode of all of them, holds no U+FFFD unless that decode
+    does (junk: invalid bytes too), and is the whole of it unless it ends in a broken character
+    (which vLLM's detokenizer never hands out either)."""
+    import detokenizer
     raw = text.encode() + (junk if data.draw(st.booleans()) else b"")
     cuts = sorted(data.draw(st.sets(st.integers(1, max(len(raw) - 1, 1)))) | {0, len(raw)})
     chunks = [raw[a:b] for a, b in zip(cuts, cuts[1:])]
-
-    def decode(ids):
-        return b"".join(chunks[i] for i in ids).decode("utf-8", errors="replace")
-    decoder, pieces, ids = demo.IncrementalDecoder(decode), [], list(range(len(chunks)))
-    while ids:
-        k = data.draw(st.integers(1, 3))  # tokens per step: more under speculative decoding
-        pieces.append(decoder.push(ids[:k], final=len(ids) <= k))
-        ids = ids[k:]
-    full = decode(range(len(chunks)))
-    assert "".join(pieces) == full
-    if "\ufffd" not in full:
-        assert not any("\ufffd" in piece for piece in pieces)
+    tokenizer = SimpleNamespace(decode=lambda ids: b"".join(chunks[i] for i in ids).decode(
+        "utf-8", errors="replace"))
+    decoder, seq = detokenizer.Detokenizer(tokenizer), Sequence(0, [], 0)
+    decoder.start(seq)
+    full, texts = tokenizer.decode(range(len(chunks))), []
+    for i in range(len(chunks)):
+        seq.token_ids.append(i)
+        decoder.update(seq, SamplingParams())
+        texts.append(seq.text)
+        assert full.startswith(seq.text) and ("\ufffd" in full or "\ufffd" not in seq.text)
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+    assert seq.text == full or full.endswith("\ufffd")
 
 
 def test_the_demo_streams_one_request_after_another_as_tokens_arrive(capsys):
-    from types import SimpleNamespace
-
-    def output(ids, finished):
-        return SimpleNamespace(outputs=[SimpleNamespace(token_ids=list(ids))], finished=finished)
-    streamer = demo.Streamer(demo.Tokenizer("/nowhere"), ["p", "q"],
-                             [SamplingParams(), SamplingParams()])
-    euro = list("€".encode())  # three bytes, three tokens of the byte-level model
+    def output(text, finished):
+        return SimpleNamespace(outputs=[SimpleNamespace(text=text)], finished=finished)
+    streamer = demo.Streamer(["p", "q"], [SamplingParams(), SamplingParams()])
     printed = [capsys.readouterr().out]
-    for i, ids, finished in [(0, b"ab", False), (1, b"xy", False), (0, b"ab" + bytes(euro[:2]),
-                                                                     False),
-                             (0, b"ab" + bytes(euro), False), (1, b"xyz", False),
-                             (0, b"ab" + bytes(euro) + b"c", True), (1, b"xyzw", True)]:
-        streamer(i, output(ids, finished))
+    # the engine holds back a half-received "€" (three bytes, three tokens of the byte model)
+    for i, text, finished in [(0, "ab", False), (1, "xy", False), (0, "ab", False),
+                              (0, "ab€", False), (1, "xyz", False), (0, "ab€c", True),
+                              (1, "xyzw", True)]:
+        streamer(i, output(text, finished))
         printed.append(capsys.readouterr().out)
     assert printed == ["[0.0] 'p' -> ", "ab", "", "", "€", "", "c\n[1.0] 'q' -> xyz", "w\n"]
 
@@ -3060,16 +3151,16 @@ def test_a_recomputed_sequence_publishes_its_blocks_to_the_prefix_cache_again():
     keys = [chain_hash(None, prompt[:2])]
     keys.append(chain_hash(keys[-1], prompt[2:4]))
     keys.append(chain_hash(keys[-1], prompt[4:6]))
-    assert all(k in a.hash_to_block for k in keys)
+    assert all(k in a.prefix_cache.hash_to_block for k in keys)
     group = engine.requests[request_id]
     engine.scheduler.running.remove(group)
     engine.scheduler._preempt(group, nanopaged.SchedulerOutput())  # recompute: freed, still cached
     filler = make_seq(99, [0] * (a.num_free_blocks * 2))
     a.allocate(filler)  # takes every free block: the cached ones are evicted
     a.free(filler)
-    assert not any(k in a.hash_to_block for k in keys)
+    assert not any(k in a.prefix_cache.hash_to_block for k in keys)
     drain(engine)
-    assert all(k in a.hash_to_block for k in keys), "the recomputed prompt is shareable again"
+    assert all(k in a.prefix_cache.hash_to_block for k in keys), "the recomputed prompt is shareable again"
 
 
 @pytest.mark.parametrize("width", [1, 2, 3])
@@ -3189,10 +3280,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                    tables={g.request_id: [list(q.block_table) for q in g.seqs] for g in s.running},
                    decoding={g.request_id: s._is_decoding(g) for g in s.running},
                    need={g.request_id: a.num_blocks_to_append(g.seqs) for g in s.running})
+        hashes = [b.hash for b in a.blocks]
+        a.begin()  # as the engine does each step: a.taken, the blocks the step hands out
         out = s.schedule()
         self.check_step(pre, out)
         self.runner.copy_blocks(out)
-        self.fake_model(out, rng)
+        self.fake_model(out, rng, hashes)
 
     def expected_decodes_and_victims(self, pre):
         """Step 1 of the policy on the state before the step: running groups decode in order;
@@ -3276,16 +3369,21 @@ class SchedulerMachine(RuleBasedStateMachine):
             g = s.swapped[0]  # the budget as it stood before step 3's prefill chunks
             prefill_tokens = sum(n for seq, n in out.scheduled
                                  if not s._is_decoding(self.groups[seq.request_id]))
-            need = len({b for seq in g.seqs for b in seq.block_table}) + len(g.seqs)
+            need = a.swap_pool.num_blocks_to_swap_in(g.seqs) + len(g.seqs)
             assert (need + spare > a.num_free_blocks or len(g.seqs) > left + prefill_tokens
                     or num_seqs + g.params.num_seqs > S), "swap-in left out"
 
-    def fake_model(self, out, rng):
+    def fake_model(self, out, rng, hashes):
         a, bs, kv = self.a, self.a.block_size, self.runner.kv_cache
+        # A shared block is written only in the step that fills it: published by the schedule,
+        # it is read by a request admitted after its publisher, only after the write.
+        filling = {b.block_id for b, h in zip(a.blocks, hashes)
+                   if b.hash not in (None, h) or b.hash and b.block_id in a.taken}
         for seq, n in out.scheduled:
             for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
                 block_id = seq.block_table[p // bs]
-                assert a.blocks[block_id].ref_count == 1, "a write into a shared block"
+                assert a.blocks[block_id].ref_count == 1 or block_id in filling, \
+                    "a write into a shared block"
                 kv[0, 0, block_id, p % bs] = seq.token_ids[p] + 4 * p
             seq.num_computed_tokens += n
             a.cache_full_blocks(seq)
@@ -3320,7 +3418,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             cpu.update(b for seq in g.seqs for b in seq.block_table)
         assert all(not seq.block_table for g in s.waiting for seq in g.seqs)
         assert [b.ref_count for b in a.blocks] == [device[i] for i in range(a.num_blocks)]
-        assert a.cpu_ref_count == [cpu[i] for i in range(len(a.cpu_ref_count))]
+        assert a.swap_pool.ref_count == [cpu[i] for i in range(len(a.swap_pool.ref_count))]
         assert sum(len(g.seqs) for g in s.running) <= s.max_num_seqs  # sequences, samples included
 
     @invariant()
@@ -3352,7 +3450,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "a"):
             return
         a, bs = self.a, self.a.block_size
-        for h, block_id in a.hash_to_block.items():
+        for h, block_id in a.prefix_cache.hash_to_block.items():
             assert a.blocks[block_id].hash == h and len(a.blocks[block_id].token_ids) == bs
         for g in self.s.running:
             for seq in g.seqs:
@@ -3363,8 +3461,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                     computed = seq.num_computed_tokens >= (i + 1) * bs
                     if a.blocks[block_id].hash is not None:
                         assert computed and a.blocks[block_id].token_ids == chunk
-                    if computed and a.enable_prefix_caching:
-                        assert key in a.hash_to_block, \
+                    if computed and a.prefix_cache.enabled:
+                        assert key in a.prefix_cache.hash_to_block, \
                             f"block {i} of seq {seq.seq_id} is not cached"
 
     def teardown(self):
@@ -3379,7 +3477,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.a_block_is_cached_iff_full_and_computed()
         assert not self.groups and not self.s.has_unfinished()
         assert self.a.num_free_blocks == self.a.num_blocks
-        assert len(self.a.cpu_free_block_ids) == len(self.a.cpu_ref_count)
+        assert len(self.a.swap_pool.free_block_ids) == len(self.a.swap_pool.ref_count)
 
 
 SchedulerMachine.TestCase.settings = settings(max_examples=600, stateful_step_count=50,
@@ -3464,7 +3562,7 @@ def test_a_swapped_request_comes_back_only_within_both_budgets(limit, budget):
     allocator = BlockAllocator(64, 4, num_cpu_blocks=16, enable_prefix_caching=False)
     scheduler = nanopaged.Scheduler(allocator, preemption_mode="swap", **budgets)
     running, swapped = decoding_group(allocator, 0, 3, 0), decoding_group(allocator, 1, 2, 3)
-    allocator.swap_out(swapped.seqs)
+    allocator.swap_pool.swap_out(swapped.seqs)
     scheduler.running, scheduler.swapped = [running], [swapped]
     out = scheduler.schedule()
     fits = budget == 5
@@ -3514,9 +3612,9 @@ def sampling_batches(draw):
 @settings(max_examples=300, deadline=None)
 @given(sampling_batches())
 def test_sampling_matches_transformers_top_k_then_top_p(rows):
-    logits = torch.stack([r[0] for r in rows])                                      # (R, V)
+    logits = torch.stack([r[0] for r in rows]).float()  # a float32 model's, as generate() casts
     temperatures, top_ks, top_ps = ([r[i] for r in rows] for i in (1, 2, 3))
-    probs = nanopaged.sampling_probs(logits, temperatures, top_ks, top_ps)          # (R, V)
+    probs = pipeline_probs(logits, temperatures, top_ks, top_ps)                  # (R, V)
     for r, (row, temperature, top_k, top_p) in enumerate(rows):
         scores = transformers_scores(row, temperature, top_k, top_p)
         assert (probs[r] > 0).tolist() == scores.isfinite().tolist()  # the same support
@@ -3538,15 +3636,18 @@ def test_draws_follow_transformers_distribution(row, temperature, top_k, top_p):
     so it passes or fails the same way every run)."""
     logits, N = DRAW_ROWS[row], 4000
     gens = [nanopaged.sample_generator(11, i, 0, "cpu") for i in range(N)]
-    tokens = nanopaged.sample(logits.expand(N, -1), [temperature] * N, [top_k] * N, [top_p] * N,
-                              gens)
+    tokens = sample_rows(logits.expand(N, -1), [temperature] * N, [top_k] * N, [top_p] * N, gens)
     counts = torch.bincount(tokens, minlength=len(logits)).double()                  # (V,)
     scores = transformers_scores(logits, temperature, top_k, top_p)
     assert counts[scores.isinf()].sum() == 0  # no draw outside the support
-    expected = scores.double().softmax(-1) * N
-    # tokens expected fewer than 5 times are pooled into one cell, as chi-square needs
-    rare = scores.isfinite() & (expected < 5)
-    common = scores.isfinite() & ~rare
+    assert_chi_square(counts, scores.double().softmax(-1) * N, scores.isfinite())
+
+
+def assert_chi_square(counts, expected, support):
+    """Observed counts against expected ones over the support: a chi-square test with p > 1e-4.
+    Tokens expected fewer than 5 times are pooled into one cell, as chi-square needs."""
+    rare = support & (expected < 5)
+    common = support & ~rare
     observed = torch.cat([counts[common], counts[rare].sum()[None]])
     expected = torch.cat([expected[common], expected[rare].sum()[None]])
     observed, expected = observed[expected > 0], expected[expected > 0]
@@ -3566,9 +3667,9 @@ def test_sample_draws_only_from_the_support_and_greedy_is_the_argmax(seed, rows)
     logits = torch.randn(len(rows), 16, generator=g, dtype=torch.float64).round(decimals=1)  # ties
     temperatures, top_ks, top_ps = map(list, zip(*rows))
     gens = [torch.Generator().manual_seed(seed + i) for i in range(len(rows))]
-    support = nanopaged.sampling_probs(logits, [t or 1.0 for t in temperatures], top_ks, top_ps) > 0
+    support = pipeline_probs(logits, [t or 1.0 for t in temperatures], top_ks, top_ps) > 0
     for _ in range(20):
-        tokens = nanopaged.sample(logits, temperatures, top_ks, top_ps, gens)
+        tokens = sample_rows(logits, temperatures, top_ks, top_ps, gens)
         for r, t in enumerate(tokens.tolist()):
             assert t == logits[r].argmax() if temperatures[r] == 0 else support[r, t]
 
@@ -3584,8 +3685,8 @@ def test_a_rows_draw_ignores_the_other_rows(seed, rows):
 
     def generators():
         return [nanopaged.sample_generator(seed, i, 0, "cpu") for i in range(len(rows))]
-    together = nanopaged.sample(logits, temperatures, top_ks, top_ps, generators()).tolist()
-    alone = [nanopaged.sample(logits[r:r + 1], [t], [k], [p], [g]).item()
+    together = sample_rows(logits, temperatures, top_ks, top_ps, generators()).tolist()
+    alone = [sample_rows(logits[r:r + 1], [t], [k], [p], [g]).item()
              for r, (t, k, p, g) in enumerate(zip(temperatures, top_ks, top_ps, generators()))]
     assert together == alone
 
@@ -3593,10 +3694,12 @@ def test_a_rows_draw_ignores_the_other_rows(seed, rows):
 def test_sample_sorts_only_to_filter(monkeypatch):
     logits = torch.randn(3, 50)
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
-    monkeypatch.setattr(nanopaged, "sampling_support", None)  # no top-k, no top-p: never called
-    assert nanopaged.sample(logits, [1.0, 0.0, 0.7], [0, 0, 0], [1.0, 1.0, 1.0], gens).shape == (3,)
-    with pytest.raises(TypeError):
-        nanopaged.sample(logits, [1.0, 0.0, 0.7], [0, 0, 0], [1.0, 1.0, 0.9], gens)
+    sorts, real_sort = [], torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda *a, **k: sorts.append(1) or real_sort(*a, **k))
+    assert sample_rows(logits, [1.0, 0.0, 0.7], [0, 0, 0], [1.0, 1.0, 1.0], gens).shape == (3,)
+    assert not sorts  # no top-k, no top-p: nothing to sort
+    sample_rows(logits, [1.0, 0.0, 0.7], [0, 0, 0], [1.0, 1.0, 0.9], gens)
+    assert len(sorts) == 1
 
 
 @settings(max_examples=25, deadline=None)
@@ -3682,6 +3785,422 @@ def test_stop_tokens_always_stop_and_max_tokens_is_exact(
         else:
             assert c.finish_reason == "length" and len(c.token_ids) == max_tokens
             assert c.token_ids[-1] not in ends
+
+
+# -- penalties, min_p, min_tokens and logits processors ----------------------------------------
+
+
+def history_meta(rows):
+    """A SamplingMetadata for rows of (SamplingParams, prompt, output so far)."""
+    seqs = []
+    for i, (_, prompt, output) in enumerate(rows):
+        seqs.append(Sequence(i, prompt + output, len(prompt)))
+    return nanopaged.SamplingMetadata([p for p, _, _ in rows], seqs, [[]] * len(rows),
+                                      [None] * len(rows), {0}, torch.device("cpu"))
+
+
+def pipeline_scores(logits, meta):
+    scores = logits.clone()
+    for step in nanopaged.LOGITS_STEPS + nanopaged.SAMPLING_STEPS:
+        scores = step(scores, meta)
+    return scores
+
+
+def vllm_presence_frequency(row, output, presence, frequency):
+    """vLLM's documented rule, token by token: logit[t] -= presence * (t was generated) +
+    frequency * (times t was generated)."""
+    row = row.clone()
+    for t, c in Counter(output).items():
+        row[t] -= presence * 1.0 + frequency * c
+    return row
+
+
+def transformers_processed(row, prompt, output, p, eos=(0,)):
+    """The oracle: transformers' processors and warpers in generate()'s order (repetition
+    penalty; min_new_tokens; then temperature, top-k, top-p, min-p), with vLLM's presence and
+    frequency rule (which transformers lacks) after the repetition penalty, as vLLM applies its
+    penalties."""
+    lp = pytest.importorskip("transformers.generation.logits_process")
+    ids, scores = torch.tensor([prompt + output]), row[None].float()
+    if p.repetition_penalty != 1:
+        scores = lp.RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, scores)
+    scores = vllm_presence_frequency(scores[0], output, p.presence_penalty,
+                                     p.frequency_penalty)[None]
+    if p.min_tokens:
+        ends = sorted(set(p.stop_token_ids) | set(eos))
+        scores = lp.MinNewTokensLengthLogitsProcessor(len(prompt), p.min_tokens, ends)(ids, scores)
+    chain = [lp.TemperatureLogitsWarper(float(p.temperature))]
+    chain += [lp.TopKLogitsWarper(p.top_k)] if p.top_k > 0 else []
+    chain += [lp.TopPLogitsWarper(p.top_p)] if p.top_p < 1 else []
+    chain += [lp.MinPLogitsWarper(p.min_p)] if p.min_p > 0 else []
+    for warper in chain:
+        scores = warper(ids, scores)
+    return scores[0]
+
+
+@st.composite
+def penalised_rows(draw):
+    """Rows of float32 logits over one vocabulary with a random prompt and output (repeats
+    likely), and random penalties and filters (the values transformers and vLLM allow)."""
+    V = draw(st.integers(2, 24))
+    rows = []
+    for _ in range(draw(st.integers(1, 4))):
+        g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+        logits = (torch.randn(V, generator=g) * 3).clamp(-8, 8)
+        if draw(st.booleans()):
+            logits = logits.round()  # ties
+        ids = st.lists(st.integers(0, V - 1), max_size=8)
+        prompt, output = draw(ids) or [1 % V], draw(ids)
+        p = SamplingParams(
+            temperature=draw(st.sampled_from([0.5, 1.0, 1.7])), top_k=draw(st.integers(0, V)),
+            top_p=draw(st.sampled_from([1.0, 0.9, 0.5, 0.25])),
+            min_p=draw(st.sampled_from([0.0, 0.05, 0.3, 1.0])),
+            repetition_penalty=draw(st.sampled_from([1.0, 0.7, 1.3, 2.0])),
+            presence_penalty=draw(st.sampled_from([0.0, -0.5, 1.2])),
+            frequency_penalty=draw(st.sampled_from([0.0, 0.4, -2.0])),
+            min_tokens=draw(st.integers(0, 3)), max_tokens=8,
+            stop_token_ids=draw(st.lists(st.integers(0, V - 1), max_size=2)))
+        rows.append((logits, p, prompt, output))
+    return rows
+
+
+@settings(max_examples=300, deadline=None)
+@given(penalised_rows())
+def test_penalties_and_filters_match_transformers_processors(rows):
+    meta = history_meta([(p, prompt, output) for _, p, prompt, output in rows])
+    scores = pipeline_scores(torch.stack([r[0] for r in rows]), meta)
+    for r, (row, p, prompt, output) in enumerate(rows):
+        expected = transformers_processed(row, prompt, output, p)
+        assert scores[r].isfinite().tolist() == expected.isfinite().tolist()  # the same support
+        kept = expected.isfinite()
+        torch.testing.assert_close(scores[r][kept], expected[kept], rtol=1e-6, atol=1e-5)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 30), st.lists(st.integers(0, 29), max_size=12), st.integers(0, 2**31),
+       st.floats(-2, 2), st.floats(-2, 2))
+def test_presence_and_frequency_follow_vllms_formula(V, output, seed, presence, frequency):
+    output = [t % V for t in output]
+    logits = torch.randn(1, V, generator=torch.Generator().manual_seed(seed))
+    p = SamplingParams(presence_penalty=presence, frequency_penalty=frequency, temperature=0)
+    got = nanopaged.apply_penalties(logits.clone(), history_meta([(p, [0], output)]))
+    torch.testing.assert_close(got[0], vllm_presence_frequency(logits[0], output, presence,
+                                                               frequency))
+
+
+def test_penalised_draws_follow_the_processed_distribution():
+    """4,000 seeded draws of one row with every penalty and min_p on: none outside the support of
+    transformers' processed scores, and a chi-square test with p > 1e-4 (fixed seeds)."""
+    logits, N = DRAW_ROWS[0].float(), 4000
+    prompt, output = [0, 1, 2, 2], [3, 3, 1]
+    p = SamplingParams(temperature=0.9, repetition_penalty=1.4, presence_penalty=0.3,
+                       frequency_penalty=0.2, min_p=0.02, min_tokens=5, top_k=12)
+    meta = history_meta([(p, prompt, output)] * N)
+    meta.generators = [nanopaged.sample_generator(5, i, 0, "cpu") for i in range(N)]
+    tokens = nanopaged.sample(logits.expand(N, -1), meta)
+    counts = torch.bincount(tokens, minlength=len(logits)).double()
+    scores = transformers_processed(logits, prompt, output, p)
+    assert counts[scores.isinf()].sum() == 0
+    assert_chi_square(counts, scores.double().softmax(-1) * N, scores.isfinite())
+
+
+def test_logits_processors_see_the_prompt_and_the_output_so_far():
+    seen = []
+
+    def only_the_next_of(prompt, output, logits):  # count up from the prompt's last token
+        seen.append((list(prompt), list(output)))
+        forced = torch.full_like(logits, -math.inf)
+        forced[(prompt[-1] + len(output) + 1) % len(logits)] = 0
+        return forced
+    params = SamplingParams(max_tokens=4, temperature=0.8, seed=3, n=2,
+                            logits_processors=[only_the_next_of])
+    out = Engine(MODEL, block_size=2, num_blocks=32).generate([[5, 9]], params)[0]
+    assert [c.token_ids for c in out.outputs] == [[10, 11, 12, 13]] * 2
+    assert sorted(seen) == sorted([([5, 9], [10, 11, 12, 13][:i]) for i in range(4)] * 2)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompts=st.lists(st.lists(st.integers(0, 31), min_size=1, max_size=6), min_size=1,
+                        max_size=4),
+       min_tokens=st.integers(0, 6), extra=st.integers(0, 3), greedy=st.booleans(),
+       stops=st.lists(st.integers(0, 31), max_size=3))
+def test_min_tokens_hold_back_every_end_token(prompts, min_tokens, extra, greedy, stops):
+    """With the model's end-of-text id the likeliest token everywhere (a processor makes it so),
+    no sample ends before min_tokens, and one that may ends right there; stop tokens alike."""
+    model = tiny_model()
+    model.config.eos_token_id = 7
+
+    def eos_first(prompt, output, logits):
+        logits = logits.clone()
+        logits[7] = logits.max() + 5
+        return logits
+    params = SamplingParams(max_tokens=min_tokens + extra + 1, min_tokens=min_tokens,
+                            temperature=0 if greedy else 1.0, seed=1, stop_token_ids=stops,
+                            logits_processors=[eos_first])
+    for out in Engine(model, block_size=2, num_blocks=128).generate(prompts, params):
+        tokens = out.outputs[0].token_ids
+        assert len(tokens) >= min_tokens + 1
+        assert not set(tokens[:min_tokens]) & ({7} | set(stops))
+        if greedy:
+            assert tokens[min_tokens] == 7 and out.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("penalty", [0.8, 1.3])
+def test_repetition_penalty_decodes_as_transformers_generate(hf_folder, family, penalty):
+    """Greedy and beam search with repetition_penalty against transformers' generate()."""
+    path, hf = hf_folder(family)
+    hf64, model = _double(hf), _from_pretrained64(str(path))
+    prompts = [[(5 * i + 3 * j) % 97 for j in range(n)] for i, n in enumerate([3, 6, 9])]
+    engine = Engine(model, block_size=2, num_blocks=256)
+    for kwargs, params in [
+            (dict(do_sample=False), SamplingParams(max_tokens=10, temperature=0,
+                                                   repetition_penalty=penalty)),
+            (dict(do_sample=False, num_beams=3, num_return_sequences=3, early_stopping=True),
+             SamplingParams(max_tokens=10, beam_width=3, repetition_penalty=penalty))]:
+        for prompt, out in zip(prompts, engine.generate(prompts, params)):
+            hf_out = hf64.generate(torch.tensor([prompt]), max_new_tokens=10, pad_token_id=0,
+                                   attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                   eos_token_id=None, repetition_penalty=penalty, **kwargs)
+            assert [c.token_ids for c in out.outputs] == \
+                [row[len(prompt):].tolist() for row in hf_out]
+
+
+# -- stop strings, with a real tokenizer -------------------------------------------------------
+
+# Text with one-byte, two-byte, three-byte and four-byte characters, so that a byte-level
+# tokenizer splits characters across tokens
+STOP_ALPHABET = "ab \n.é☃🙂"
+
+
+@functools.cache
+def byte_bpe():
+    """A byte-level BPE (GPT-2's scheme) trained here on text of STOP_ALPHABET, with the
+    `tokenizers` package: every byte is a token, and merges join characters and words."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    rng = random.Random(0)
+    corpus = ["".join(rng.choice(STOP_ALPHABET) for _ in range(40)) for _ in range(300)]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=320, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return tok
+
+
+def random_tokenization(tok, text, cuts):
+    """text's ids, cut into pieces at the given byte offsets, each piece tokenized on its own:
+    the pieces' boundaries may fall inside a character."""
+    alphabet = pre_tokenizers_bytes()
+    mapped = "".join(alphabet[b] for b in text.encode())
+    bounds = sorted({0, len(mapped), *(c % (len(mapped) + 1) for c in cuts)})
+    return [t.id for a, b in zip(bounds, bounds[1:]) for t in tok.model.tokenize(mapped[a:b])]
+
+
+@functools.cache
+def pre_tokenizers_bytes():
+    """GPT-2's byte -> printable character table, as the ByteLevel pre-tokenizer maps bytes."""
+    chars = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+             *range(ord("®"), ord("ÿ") + 1)]
+    codes, n = list(chars), 0
+    for b in range(256):
+        if b not in chars:
+            chars.append(b)
+            codes.append(256 + n)
+            n += 1
+    return dict(zip(chars, map(chr, codes)))
+
+
+def vllm_stop_reference(tok, prompt, ids, stop, include, min_tokens):
+    """vLLM's rule, recomputed from scratch after every token: the text is the decode of the
+    sample's tokens after (up to) five prompt tokens of context, released while it does not end in
+    U+FFFD; once more than min_tokens tokens are out, the first stop string in the order given that
+    occurs ending within the newly released characters ends the sample, its text cut before it (or
+    after it, include). Returns (text, number of tokens, the stop string or None)."""
+    context = prompt[max(len(prompt) - 5, 0):]
+    base, text = tok.decode(context), ""
+    for k in range(1, len(ids) + 1):
+        full = tok.decode(context + ids[:k])
+        if full.endswith("\ufffd") or len(full) <= len(base) + len(text):
+            continue
+        new = full[len(base) + len(text):]
+        text += new
+        if k <= min_tokens:
+            continue
+        for s in stop:
+            at = [i for i in range(len(text) - len(s) + 1) if text[i:i + len(s)] == s
+                  and i + len(s) > len(text) - len(new)]
+            if at:
+                return (text[:at[0] + len(s)] if include else text[:at[0]]), k, s
+    return text, len(ids), None
+
+
+def forcing(ids):
+    """A logits processor that makes the model emit ids, one after another."""
+    def force(prompt, output, logits):
+        forced = torch.full_like(logits, -math.inf)
+        forced[ids[len(output)]] = 0
+        return forced
+    return force
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.text(STOP_ALPHABET, min_size=1, max_size=24),
+       prompt_text=st.text(STOP_ALPHABET, min_size=1, max_size=8),
+       cuts=st.lists(st.integers(0, 200), max_size=10), data=st.data(),
+       include=st.booleans(), min_tokens=st.integers(0, 3))
+def test_stop_strings_end_the_text_where_vllms_rule_says(text, prompt_text, cuts, data, include,
+                                                         min_tokens):
+    """A model made (by a logits processor) to emit a random text in a random tokenization, with
+    stop strings cut from that text and from the alphabet (across token boundaries, inside
+    multi-byte characters): the engine's text, tokens, finish_reason and stop_reason are those of
+    vLLM's rule, recomputed from scratch after every token."""
+    tok = byte_bpe()
+    ids, prompt = random_tokenization(tok, text, cuts), tok.encode(prompt_text).ids
+    pieces = st.integers(0, len(text) - 1).flatmap(lambda i: st.integers(i + 1, len(text)).map(
+        lambda j: text[i:j]))
+    stop = data.draw(st.lists(st.one_of(pieces, st.text(STOP_ALPHABET, min_size=1, max_size=3)),
+                              max_size=3))
+    min_tokens = min(min_tokens, len(ids))
+    model = stop_model(tok.get_vocab_size())
+    params = SamplingParams(max_tokens=len(ids), temperature=0, stop=stop, min_tokens=min_tokens,
+                            include_stop_str_in_output=include, logits_processors=[forcing(ids)])
+    engine = Engine(model, block_size=4, num_blocks=64, tokenizer=tok)
+    streamed = []
+    request_id = engine.add_request(prompt, params)
+    while engine.requests:
+        streamed += [o.outputs[0] for o in engine.step() if o.request_id == request_id]
+    out = streamed[-1]
+    expected_text, num_tokens, stop_string = vllm_stop_reference(tok, prompt, ids, stop, include,
+                                                                 min_tokens)
+    assert (out.text, out.token_ids, out.stop_reason) == (expected_text, ids[:num_tokens],
+                                                          stop_string)
+    assert out.finish_reason == ("stop" if stop_string is not None else "length")
+    # streamed text only grows, and never shows what a stop string may yet cut
+    texts = [c.text for c in streamed]
+    assert all(b.startswith(a) for a, b in zip(texts, texts[1:] + [out.text]))
+
+
+@functools.cache
+def stop_model(vocab_size):
+    return tiny_model(vocab_size=vocab_size)
+
+
+def test_stop_strings_need_a_tokenizer():
+    with pytest.raises(ValueError, match="stop strings .* needs a tokenizer"):
+        Engine(MODEL, block_size=4, num_blocks=16).add_request([1, 2], SamplingParams(stop="\n"))
+
+
+# -- prefix sharing from the first step ----------------------------------------------------------
+
+
+def test_identical_prompts_admitted_together_share_all_but_the_last_block():
+    """vLLM's case: two identical 64-token prompts scheduled in one step share 48 tokens (the
+    first request's four blocks are published as its step is scheduled; the second takes three
+    of them, since its last token is always computed)."""
+    prompt, model = [(7 * i) % 32 for i in range(64)], tiny_model(max_seq_len=128)
+    engine = Engine(model, block_size=16, num_blocks=64, max_num_batched_tokens=256)
+    first, second = engine.generate([prompt, prompt], SamplingParams(max_tokens=4, temperature=0))
+    assert (first.num_cached_tokens, second.num_cached_tokens) == (0, 48)
+    s = engine.stats()
+    assert (s["prefix_cache_hit_tokens"], s["prefix_cache_queried_tokens"]) == (48, 128)
+    assert first.outputs[0].token_ids == second.outputs[0].token_ids == \
+        naive_greedy(model, prompt, 4)
+
+
+def test_no_cache_counts_no_queries():
+    engine = Engine(MODEL, block_size=4, num_blocks=32, enable_prefix_caching=False)
+    engine.generate([[1, 2, 3, 4, 5]] * 3, SamplingParams(max_tokens=2))
+    s = engine.stats()
+    assert s["prefix_cache_hit_tokens"] == s["prefix_cache_queried_tokens"] == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(families=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=12), min_size=1,
+                         max_size=3),
+       picks=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 12),
+                                st.lists(st.integers(0, 3), max_size=3)), min_size=1, max_size=6),
+       block_size=st.sampled_from([1, 2, 3, 4]))
+def test_requests_admitted_together_hit_every_block_an_earlier_one_computes(families, picks,
+                                                                           block_size):
+    """All admitted in one step, each request hits exactly the leading full blocks (never the
+    last token's) it shares with any request admitted before it, whose blocks are published as
+    that one's step is scheduled."""
+    prompts = [families[f % len(families)][:n] + tail for f, n, tail in picks]
+    engine = Engine(MODEL, block_size=block_size, num_blocks=256, max_num_batched_tokens=512,
+                    max_num_seqs=8)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=1, temperature=0))
+    for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+        shared = 0
+        for earlier in prompts[:i]:
+            k = 0
+            while (k + 1) * block_size <= min(len(prompt) - 1, len(earlier)) and \
+                    prompt[:(k + 1) * block_size] == earlier[:(k + 1) * block_size]:
+                k += 1
+            shared = max(shared, k)
+        assert out.num_cached_tokens == shared * block_size
+    assert engine.stats()["num_preemptions"] == 0
+
+
+@st.composite
+def shared_prefix_batches(draw):
+    """Requests that share random prefixes (several families of them), greedy or seeded, with
+    n > 1 samples now and then; how they arrive (all in one step, or a few per step), the token
+    budget (small ones chunk the prompts), the pool (tight ones preempt) and the mode."""
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    families = [draw(st.lists(st.integers(0, 31), min_size=1, max_size=12)) for _ in range(3)]
+    requests = []
+    for i in range(draw(st.integers(2, 6))):
+        prefix = draw(st.sampled_from(families))
+        prompt = prefix[:draw(st.integers(1, len(prefix)))] + \
+            draw(st.lists(st.integers(0, 31), max_size=4))
+        kind = draw(st.sampled_from(["greedy", "greedy", "seeded", "n=2"]))
+        requests.append((prompt, SamplingParams(
+            max_tokens=draw(st.integers(1, 5)), temperature=0 if kind == "greedy" else 1.0,
+            seed=i, n=2 if kind == "n=2" else 1)))
+    worst = max(p.num_seqs * -(-(len(q) + p.max_tokens) // block_size) for q, p in requests)
+    return dict(requests=requests, per_step=draw(st.sampled_from([None, 1, 2])),
+                settings=dict(block_size=block_size, num_blocks=worst + draw(st.integers(0, 24)),
+                              max_num_batched_tokens=draw(st.sampled_from([4, 8, 64])),
+                              max_num_seqs=8,
+                              preemption_mode=draw(st.sampled_from(["recompute", "swap"]))))
+
+
+def serve(engine, requests, per_step):
+    """Outputs by request, the requests added all at once (per_step None) or a few per step."""
+    pending, ids, outputs = list(requests), [], {}
+    for _ in range(500):  # bounded: see drain
+        if not pending and not engine.requests:
+            break
+        take = len(pending) if per_step is None else per_step
+        ids += [engine.add_request(q, p) for q, p in pending[:take]]
+        pending = pending[take:]
+        outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert not engine.requests
+    return [[(c.token_ids, c.finish_reason) for c in outputs[i].outputs] for i in ids]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=shared_prefix_batches())
+def test_prefix_sharing_from_the_first_step_changes_no_output(batch):
+    """With the cache on, requests that share prefixes hit blocks published in the step that
+    computes them (admitted in that step, or later); their outputs equal the cache off's, no
+    block leaks, and when nothing is preempted every hit is counted once: the hit counter is the
+    sum of what the requests report."""
+    requests, per_step, settings_ = batch["requests"], batch["per_step"], batch["settings"]
+    off = serve(Engine(MODEL, enable_prefix_caching=False, **settings_), requests, per_step)
+    engine = Engine(MODEL, **settings_)
+    reports = []
+    real_step = engine.step
+    engine.step = lambda: [reports.append(o) or o for o in real_step()]
+    assert serve(engine, requests, per_step) == off
+    assert_all_blocks_free(engine)
+    s = engine.stats()
+    if not s["num_preemptions"]:
+        finals = [o for o in reports if o.finished]
+        assert s["prefix_cache_hit_tokens"] == sum(o.num_cached_tokens for o in finals)
+        assert s["prefix_cache_queried_tokens"] == sum(len(q) for q, _ in requests)
 
 
 # -----------------------------------------------------------------------------
@@ -3974,7 +4493,7 @@ def tp_worker(rank, port, folder, checkpoints):
         checkpoint = GPT.from_pretrained(path, dtype=torch.float64)
         results[name] = tp_scenarios(checkpoint, ["greedy", "beam"])
         results[name + " shapes"] = {k: tuple(p.shape) for k, p in checkpoint.named_parameters()}
-    report = nanopaged.main(TP_DEMO_FLAGS + ["--tensor-parallel-size", "2"])
+    report = demo.main(TP_DEMO_FLAGS + ["--tensor-parallel-size", "2"])
     results["demo"] = [[c.token_ids for c in o.outputs] for o in report["outputs"]]
     with torch.no_grad():  # what lets greedy and beam choices agree without a broadcast
         results["logits"] = model(torch.arange(30).view(2, 15))
@@ -4015,7 +4534,7 @@ def test_two_ranks_serve_every_feature_like_one_process(hf_folder, tmp_path):
         single = tp_scenarios(model)
         single |= {name: tp_scenarios(GPT.from_pretrained(path, dtype=torch.float64),
                                       ["greedy", "beam"]) for name, path in checkpoints.items()}
-        demo = nanopaged.main(TP_DEMO_FLAGS)["outputs"]
+        demo_outputs = demo.main(TP_DEMO_FLAGS)["outputs"]
     finally:
         torch.set_num_threads(num_threads)
     for p in ranks:
@@ -4031,7 +4550,7 @@ def test_two_ranks_serve_every_feature_like_one_process(hf_folder, tmp_path):
     assert rank0["scenarios"]["unseeded"] == rank1["scenarios"]["unseeded"]
     for name in TP_CHECKPOINTS:
         assert rank0[name] == rank1[name] == single[name], name
-    assert rank0["demo"] == rank1["demo"] == [[c.token_ids for c in o.outputs] for o in demo]
+    assert rank0["demo"] == rank1["demo"] == [[c.token_ids for c in o.outputs] for o in demo_outputs]
     # each rank caches its own K/V heads only, so one byte budget holds twice the blocks
     assert single["kv_heads"] == 2
     assert rank0["scenarios"]["kv_heads"] == rank1["scenarios"]["kv_heads"] == 1
@@ -4141,7 +4660,7 @@ def test_a_bad_tensor_parallel_launch_fails_fast(size, env, message, monkeypatch
         nanopaged.init_tensor_parallel(size)
     assert nanopaged.tp.world_size == 1 and not torch.distributed.is_initialized()
     with pytest.raises(SystemExit, match="nanopaged: error: " + message):
-        nanopaged.main(["--tensor-parallel-size", str(size)])
+        demo.main(["--tensor-parallel-size", str(size)])
 
 
 @pytest.mark.parametrize("n_head,n_kv_head,message", [(6, None, "n_head=6 does not divide"),
