@@ -1769,6 +1769,7 @@ class OutputProcessor:
         chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
         top = logprobs.topk(max(p.logprobs or 0 for p in meta.params))  # for those who asked
         done = set()  # sequences that stopped, or drew a token other than their proposal
+        kept_from = {seq.seq_id: seq.num_computed_tokens for _, seq, _ in to_sample}
         for r, ((group, seq, _, j), token) in enumerate(zip(draws, tokens.tolist())):
             if seq.seq_id in done:
                 continue
@@ -1790,7 +1791,7 @@ class OutputProcessor:
                 self.num_proposed_tokens += len(proposals[seq.seq_id])
                 if seq.finish_reason is None:  # a finished one gave back every block
                     self.allocator.free_lookahead_slots(seq)
-                    self.allocator.cache_full_blocks(seq, len(seq) - len(proposals[seq.seq_id]))
+                    self.allocator.cache_full_blocks(seq, kept_from[seq.seq_id])
 
     def record_prompt_logprobs(self, owed, logits, groups):
         """Prompt token p + 1's logprob and the k likeliest, from the logits after position p."""

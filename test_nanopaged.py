@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings, strategies as st
+from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import checkpoints
@@ -4313,6 +4313,9 @@ def test_speculative_greedy_output_is_the_targets_and_speculation_only_adds_look
        speculator=st.sampled_from(SPECULATORS), k=st.integers(1, 4),
        mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
        spare=st.integers(0, 24))
+# a one-token prompt and k = 4 guesses: the blocks to publish were once counted from before 0
+@example(prompts=[[0]], seed=0, n=1, top_k=0, top_p=1.0, temperature=0.5,
+         speculator="draft=target", k=4, mode="recompute", caching=False, spare=0)
 def test_speculative_seeded_samples_are_the_targets_token_for_token(
         prompts, seed, n, top_k, top_p, temperature, speculator, k, mode, caching, spare):
     params = [SamplingParams(max_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p,
