@@ -4,7 +4,7 @@ bench.py: the numbers that made PagedAttention matter, measured side by side in 
     python bench.py              # every section
     python bench.py --memory     # or any of: --memory --capacity --sharing --throughput
                                  #            --logprobs --kernel --quality --overhead
-                                 #            --tensor-parallel
+                                 #            --tensor-parallel --serve
                                  #            --soak (the soak is not in "every")
     python bench.py --kernel --aot   # the Triton kernels compiled for sm_80/86/90, without a GPU
     python bench.py --quick          # every section (the soak too) at a small size, in a temp dir
@@ -14,6 +14,7 @@ results/. The paper's figures are quoted next to ours (Kwon et al., SOSP 2023).
 """
 
 import argparse
+import asyncio
 import functools
 import gc
 import itertools
@@ -25,6 +26,8 @@ import random
 import re
 import tempfile
 import time
+import timeit
+from types import SimpleNamespace
 
 # Before torch starts OpenMP: idle workers that spin-wait make every small op wait for a
 # descheduled thread when another process shares the CPU (measured here: 11 ms instead of
@@ -715,6 +718,33 @@ def time_ms(calls, rounds=9):
     return {label: float(np.median(t[1:])) for label, t in times.items()}
 
 
+def kernel_grid(on_gpu):  # (batch, context, mixed: contexts from context / 8 to context)
+    return ([(b, c, False) for b in (1, 8, 64, 256) for c in (512, 1024, 4096, 16384)]
+            if on_gpu else [(b, c, False) for b in (1, 8, 32) for c in (256, 1024, 2048)]
+            ) + [(b, c, True) for b in (8, 32) for c in (1024, 2048)]
+
+
+def check_against_sdpa(calls, shape, case):  # before timing (llm.c's rule)
+    reference = calls["sdpa"]().reshape(shape)
+    for label, call in calls.items():
+        tol = 1e-4 if reference.dtype == torch.float32 else 5e-3
+        torch.testing.assert_close(call().reshape(shape), reference, atol=tol, rtol=tol,
+                                   msg=lambda m: f"{label} disagrees with SDPA at {case}: {m}")
+
+
+KERNEL_COLUMNS = ["batch", "context", "MB moved", "paged ms", "GB/s", "% peak", "SDPA ms",
+                  "GB/s", "paged/SDPA", "flex/SDPA", "split-KV speedup", "naive ms"]
+
+
+def kernel_row(batch, context, moved, r, peak):
+    pct = f"{100 * r['paged_GBps'] / peak:.0f}%" if peak else "-"
+    return [batch, context, f"{moved / 1e6:.0f}", f"{r['paged']:.3f}", f"{r['paged_GBps']:.0f}",
+            pct, f"{r['sdpa']:.3f}", f"{r['sdpa_GBps']:.0f}", f"{r['paged'] / r['sdpa']:.2f}x",
+            f"{r['flex'] / r['sdpa']:.2f}x" if "flex" in r else "-",
+            f"{r['paged, no split'] / r['paged']:.2f}x" if "paged, no split" in r else "-",
+            f"{r['naive']:.2f}" if "naive" in r else "-"]
+
+
 def bench_kernel(grid=None):
     import kernel
     on_gpu = torch.cuda.is_available()
@@ -725,11 +755,9 @@ def bench_kernel(grid=None):
         print("\n--kernel: the Triton kernel's latency and bandwidth need a GPU; on this CPU it "
               "times the torch paged path (the engine's CPU attention) instead")
     paged = kernel.paged_attention if on_gpu else kernel.paged_attention_torch
-    grid = grid or ([(b, c, False) for b in (1, 8, 64, 256) for c in (512, 1024, 4096, 16384)]
-                    if on_gpu else [(b, c, False) for b in (1, 8, 32) for c in (256, 1024, 2048)]
-                    ) + [(b, c, True) for b in (8, 32) for c in (1024, 2048)]  # contexts c/8 .. c
+    grid = grid or kernel_grid(on_gpu)
     n_head, n_kv, D = KERNEL_SHAPE["n_head"], KERNEL_SHAPE["n_kv_head"], KERNEL_SHAPE["head_dim"]
-    scale, results, rows = D ** -0.5, {}, []
+    scale, results, rows = D ** -0.5, {}, []  # results: what results.json keeps
     for batch, context, mixed in grid:
         try:
             q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, k, v = paged_case(
@@ -737,15 +765,12 @@ def bench_kernel(grid=None):
         except torch.cuda.OutOfMemoryError:
             print(f"batch {batch} x context {context}: skipped, out of GPU memory")
             continue
-        # the torch path's indices, built by the first call: once a step, as the engine builds
-        # them for all its layers (on a GPU, no plan)
-        plan, flex_plan = {}, {}
+        plan, flex_plan = {}, {}  # CPU: indices the first call builds, once for all layers
         calls = {
             "paged": lambda: paged(q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, scale,
                                    max_q_len=1, **({} if on_gpu else dict(plan=plan))),
-            # contiguous SDPA, the group's query heads stacked on the query axis so each K/V head
-            # is read once
-            # mixed lengths: padded to the longest and masked, as a contiguous batch is
+            # contiguous SDPA, a group's query heads stacked on the query axis so each K/V head
+            # is read once; mixed lengths padded to the longest and masked, as a batch would be
             "sdpa": lambda: F.scaled_dot_product_attention(q.view(batch, n_kv, n_head // n_kv, D),
                                                            k, v, attn_mask=mask, scale=scale),
         }
@@ -764,33 +789,20 @@ def bench_kernel(grid=None):
         if on_gpu and batch <= 8 and context >= 4096:
             calls["paged, no split"] = lambda: paged(q, k_cache, v_cache, tables, seq_lens,
                                                      cu_seqlens_q, scale, max_q_len=1, num_splits=1)
-        reference = calls["sdpa"]().reshape(batch, n_head, D)
-        for label, call in calls.items():  # check before timing (llm.c's rule)
-            tol = 1e-4 if dtype == torch.float32 else 5e-3
-            torch.testing.assert_close(call().reshape(batch, n_head, D), reference, atol=tol,
-                                       rtol=tol, msg=lambda m: f"{label} disagrees with SDPA at "
-                                       f"batch {batch} x {context}: {m}")
+        check_against_sdpa(calls, (batch, n_head, D), f"batch {batch} x {context}")
         # K, V read once; q in, out
         moved = (2 * int(seq_lens.sum()) * n_kv * D + 2 * q.numel()) * q.element_size()
         r = time_ms(calls)
         r["paged_GBps"], r["sdpa_GBps"] = moved / r["paged"] / 1e6, moved / r["sdpa"] / 1e6
         results[f"{batch}x{context}{' mixed' if mixed else ''}"] = r
-        pct = (lambda gbps: f"{100 * gbps / peak:.0f}%") if peak else (lambda gbps: "-")
-        rows.append([batch, f"{context // 8}-{context}" if mixed else context,
-                     f"{moved / 1e6:.0f}", f"{r['paged']:.3f}",
-                     f"{r['paged_GBps']:.0f}", pct(r["paged_GBps"]), f"{r['sdpa']:.3f}",
-                     f"{r['sdpa_GBps']:.0f}", f"{r['paged'] / r['sdpa']:.2f}x",
-                     f"{r['flex'] / r['sdpa']:.2f}x" if "flex" in r else "-",
-                     f"{r['paged, no split'] / r['paged']:.2f}x" if "paged, no split" in r else "-",
-                     f"{r['naive']:.2f}" if "naive" in r else "-"])
+        rows.append(kernel_row(batch, f"{context // 8}-{context}" if mixed else context, moved,
+                               r, peak))
+    shape = ", ".join(f"{k} {v}" for k, v in KERNEL_SHAPE.items())
     print_table(f"Decode attention, "
                 f"{'Triton paged_attention' if on_gpu else 'paged_attention_torch'} vs contiguous "
-                f"SDPA on {name} ({dtype}, n_head {n_head}, n_kv_head {n_kv}, head_dim {D}, "
-                f"block_size {KERNEL_SHAPE['block_size']}, shuffled tables; "
-                f"peak {peak or 'unknown'} GB/s; goal at 64 x 4096: "
-                ">= 75% of peak and <= 1.3x SDPA)",
-                ["batch", "context", "MB moved", "paged ms", "GB/s", "% peak", "SDPA ms", "GB/s",
-                 "paged/SDPA", "flex/SDPA", "split-KV speedup", "naive ms"], rows)
+                f"SDPA on {name} ({dtype}, {shape}, shuffled tables; peak "
+                f"{peak or 'unknown'} GB/s; goal at 64 x 4096: >= 75% of peak and <= 1.3x SDPA)",
+                KERNEL_COLUMNS, rows)
     return dict(device=name, dtype=str(dtype), peak_GBps=peak, shapes=results)
 
 
@@ -1152,8 +1164,60 @@ def time_block_take(num_blocks, policy, reps=2000):
     return (time.perf_counter() - start) / reps * 1e6
 
 
+def decode_steps(n, prompt_len, steps, observer=None, block_size=4, rounds=5):
+    """Median seconds per engine.step() of n decoding sequences (a no-op model; small blocks, so
+    that blocks fill and are published often), the best of `rounds` interleaved engines."""
+    engine = Engine(NoOpModel(), block_size=block_size, num_blocks=n * (prompt_len + steps * rounds
+                                                                      + 40) // block_size,
+                    max_num_seqs=n, max_num_batched_tokens=n * prompt_len, device="cpu",
+                    observer=observer)
+    for _ in range(n):
+        engine.add_request([1] * prompt_len, SamplingParams(max_tokens=steps * rounds + 20,
+                                                            temperature=0, ignore_eos=True))
+    for _ in range(10):  # prefill, and warm up
+        engine.step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def observer_cost(sizes=(32, 256), prompt_len=64, steps=20, rounds=3):
+    """What telling an observer costs (nanopaged.notify): events per decode step; with nobody
+    listening, their calls' share of the step (calls x the time of one call, measured alone);
+    with a pagetrace.Trace recording, the step's time against none (interleaved rounds)."""
+    import nanopaged
+    import pagetrace
+    rows, results = [], {}
+    part = SimpleNamespace(observer=None)
+    one_call = min(timeit.repeat(lambda: nanopaged.notify(part, "append", seq=1, block=2),
+                                 number=20_000, repeat=5)) / 20_000
+    for n in sizes:
+        counted = pagetrace.Trace()
+        decode_steps(n, prompt_len, steps, counted)
+        per_step = sum(e["step"] >= 10 for e in counted.events) / steps
+        none, trace = [], []
+        for _ in range(rounds):
+            none.append(decode_steps(n, prompt_len, steps))
+            trace.append(decode_steps(n, prompt_len, steps, pagetrace.Trace()))
+        none, trace = min(none), min(trace)
+        results[n] = dict(events_per_step=per_step, step_us=none * 1e6,
+                          idle_share=per_step * one_call / none, trace_step_us=trace * 1e6,
+                          trace_ratio=trace / none)
+        rows.append([n, f"{per_step:.0f}", f"{none * 1e6:.0f}",
+                     f"{100 * per_step * one_call / none:.2f}%", f"{trace * 1e6:.0f}",
+                     f"{trace / none:.2f}x"])
+    print_table(f"Telling an observer (nanopaged.notify, {one_call * 1e9:.0f} ns a call with "
+                "nobody listening), per decode step with a no-op model and 4-token blocks",
+                ["running seqs", "events/step", "step us, no observer", "notify's share",
+                 "step us, tracing", "tracing / none"], rows)
+    return results
+
+
 def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
-                   take_sizes=(1_000, 10_000, 100_000)):
+                   take_sizes=(1_000, 10_000, 100_000), observer=None):
     """Median over decode steps (the garbage collector's pauses included) of the engine's own
     time; and the time to take a block from free lists of up to 100k cached blocks."""
     results, rows = {}, []
@@ -1190,6 +1254,7 @@ def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
                 ["eviction policy", *map(str, take_sizes)],
                 [[policy, *(f"{us:.1f}" for us in t.values())] for policy, t in takes.items()])
     results["take_block_us"] = takes
+    results["observer"] = observer_cost(**(observer or {}))
     return results
 
 
@@ -1313,6 +1378,157 @@ def bench_tensor_parallel(kv_cache_bytes=4 << 20, num_requests=32, max_tokens=96
 
 
 # -----------------------------------------------------------------------------
+# --serve: online serving over HTTP (server.py) as `vllm bench serve` measures it: ShareGPT-like
+# requests arriving as a Poisson process, each a streaming client of the official openai
+# package; then the same requests through Engine.generate in this process, for what the HTTP
+# path costs. Client and server share this machine's cores, as they do under vllm bench serve.
+
+SERVE_FLAGS = ["--uvicorn-log-level", "warning"]  # the built-in model, the server's own pool
+
+
+def serve_workload(num_requests, max_output, seed=SEED):
+    """(prompt token ids, output length) pairs: ShareGPT-like lengths within the built-in model's
+    256 positions (outputs capped at max_output), random bytes as prompts."""
+    trace = [(p, min(o, max_output)) for p, o in synthetic_trace("ShareGPT-like", num_requests,
+                                                                  seed, max_len=256)]
+    return list(zip(random_prompts(trace, seed=seed), [o for _, o in trace]))
+
+
+async def streamed_request(client, prompt, max_tokens):
+    """One client: seconds to the first chunk (TTFT), between chunks (ITL), to the end; and the
+    tokens the usage chunk counts. Greedy, and ignore_eos so that each makes max_tokens."""
+    start, last, gaps, r = time.perf_counter(), None, [], {}
+    stream = await client.completions.create(
+        model="pydoc-gpt", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        now = time.perf_counter()
+        if chunk.choices:  # a token's chunk (its text may be empty: a byte of a character)
+            if last is None:
+                r["ttft"] = now - start
+            else:
+                gaps.append(now - last)
+            last = now
+        elif chunk.usage:
+            r["output_tokens"] = chunk.usage.completion_tokens
+    return r | dict(itl=gaps, latency=time.perf_counter() - start)
+
+
+async def http_run(url, workload, rate, seed=SEED):
+    """Send the workload's requests at Poisson arrivals of rate per second (inf: all at once)
+    and wait for all; their records and the seconds from the first arrival to the last answer."""
+    from openai import AsyncOpenAI
+    gaps = (np.random.default_rng(seed).exponential(1 / rate, len(workload))
+            if rate != math.inf else np.zeros(len(workload)))
+    async with AsyncOpenAI(base_url=url + "/v1", api_key="none", max_retries=0,
+                           timeout=600) as client:
+        start, tasks = time.perf_counter(), []
+        for (prompt, max_tokens), at in zip(workload, np.cumsum(gaps)):
+            await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
+            tasks.append(asyncio.create_task(streamed_request(client, prompt, max_tokens)))
+        records = await asyncio.gather(*tasks)
+    return records, time.perf_counter() - start
+
+
+def serving_summary(records, seconds):
+    """vllm bench serve's figures: requests/s, output tokens/s, TTFT, TPOT (a request's mean
+    gap after its first token) and ITL (every gap), in ms."""
+    tokens = sum(r["output_tokens"] for r in records)
+    ttft = [1e3 * r["ttft"] for r in records]
+    tpot = [1e3 * (r["latency"] - r["ttft"]) / (r["output_tokens"] - 1) for r in records
+            if r["output_tokens"] > 1]
+    itl = [1e3 * gap for r in records for gap in r.get("itl", ())]
+    out = dict(requests=len(records), seconds=seconds, request_throughput=len(records) / seconds,
+               output_throughput=tokens / seconds, output_tokens=tokens)
+    for name, values in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl)):
+        if values:
+            out |= {f"mean_{name}": float(np.mean(values)),
+                    f"median_{name}": float(np.median(values)),
+                    f"p99_{name}": float(np.percentile(values, 99))}
+    return out
+
+
+def serve_engine():
+    """An engine built from the server's flags, as server.py builds its own (one thread for the
+    built-in model: demo.load sets it, for this process)."""
+    import demo
+    import server
+    _, engine, _ = demo.load(server.argument_parser().parse_args(SERVE_FLAGS))
+    return engine
+
+
+def generate_run(engine, workload):
+    """The requests through Engine.generate, all at once: TTFT and TPOT from each output's
+    metrics (no ITL: it returns at the end)."""
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in workload]
+    start = time.perf_counter()
+    outputs = engine.generate([p for p, _ in workload], params)
+    seconds = time.perf_counter() - start
+    records = []
+    for o in outputs:
+        m, n = o.metrics, len(o.outputs[0].token_ids)
+        records.append(dict(ttft=m.first_token_time - m.arrival_time, output_tokens=n,
+                            latency=m.finished_time - m.arrival_time))
+    return records, seconds
+
+
+def print_serving(results, num_requests, rounds):
+    rows = []
+    for name, r in results.items():
+        if isinstance(r, dict):
+            ms = [f"{r[k]:.1f}" if k in r else "-" for k in (
+                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
+                "median_itl_ms", "p99_itl_ms")]
+            rows.append([name, f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.0f}",
+                         *ms])
+    print_table(f"Online serving over HTTP: {num_requests} ShareGPT-like requests "
+                f"({results['Engine.generate']['output_tokens']} output tokens, greedy, "
+                "ignore_eos) to `python server.py` (the built-in model), Poisson arrivals "
+                f"(inf: all at once), streaming openai clients; ms; all at once: the faster of "
+                f"{rounds}", ["path", "req/s", "out tok/s", "TTFT mean", "p50", "p99",
+                              "TPOT mean", "ITL mean", "p50", "p99"], rows)
+    print(f"HTTP, all at once: {results['http_over_generate_output_throughput']:.2f}x "
+          "Engine.generate's output tokens/s on the same requests (the server's event loop, "
+          "JSON and the clients share the cores)")
+
+
+def bench_serve(num_requests=100, rates=(4.0, 16.0), max_output=256, rounds=2):
+    """Requests/s, output tokens/s, TTFT, TPOT and ITL through `python server.py` (started on a
+    free port, stopped at the end) at each arrival rate; then all at once, over HTTP and through
+    Engine.generate in this process, taking turns for rounds and keeping the faster of each
+    (other load on the machine only slows a run), for what the HTTP path costs."""
+    import server
+    workload, threads = serve_workload(num_requests, max_output), torch.get_num_threads()
+    results = {}
+    with tempfile.TemporaryFile("w+") as log:
+        try:
+            engine = serve_engine()
+            with server.running_server(SERVE_FLAGS, timeout_s=120, log=log) as url:
+                asyncio.run(http_run(url, workload[:2], math.inf))  # warm-ups
+                generate_run(engine, workload[:2])
+                for rate in rates:
+                    results[f"http @ {rate}/s"] = serving_summary(
+                        *asyncio.run(http_run(url, workload, rate)))
+                runs = {"http @ inf/s": lambda: asyncio.run(http_run(url, workload, math.inf)),
+                        "Engine.generate": lambda: generate_run(engine, workload)}
+                for _ in range(rounds):  # taking turns
+                    for name, run in runs.items():
+                        r = serving_summary(*run())
+                        if name not in results or r["seconds"] < results[name]["seconds"]:
+                            results[name] = r
+        except Exception:
+            print(server.read_back(log))  # what the server said before it failed
+            raise
+        finally:
+            torch.set_num_threads(threads)  # the sections after this one keep theirs
+    results["http_over_generate_output_throughput"] = (
+        results["http @ inf/s"]["output_throughput"]
+        / results["Engine.generate"]["output_throughput"])
+    print_serving(results, num_requests, rounds)
+    return results
+
+
+# -----------------------------------------------------------------------------
 
 
 def machine():
@@ -1333,13 +1549,16 @@ QUICK = dict(memory=dict(num_requests=20),
              speculative=dict(batches=(1, 2), max_tokens=8, repeats=1),
              kernel=dict(grid=[(1, 256, False), (4, 512, True)]),
              quality=dict(windows=2, prompts=2, kv_cache_dtypes=("fp8",)),
-             overhead=dict(sizes=(16,), prompt_len=16, steps=5, take_sizes=(1_000, 10_000)),
+             overhead=dict(sizes=(16,), prompt_len=16, steps=5, take_sizes=(1_000, 10_000),
+                           observer=dict(sizes=(16,), prompt_len=16, steps=5, rounds=1)),
              tensor_parallel=dict(num_requests=2, max_tokens=8),
-             soak=dict(num_requests=1000))
+             soak=dict(num_requests=1000),
+             serve=dict(num_requests=8, rates=(16.0,), max_output=16, rounds=1))
 SECTIONS = dict(memory=bench_memory, capacity=bench_capacity, sharing=bench_sharing,
                 throughput=bench_throughput, logprobs=bench_logprobs,
                 speculative=bench_speculative, kernel=bench_kernel, quality=bench_quality,
-                overhead=bench_overhead, tensor_parallel=bench_tensor_parallel)
+                overhead=bench_overhead, tensor_parallel=bench_tensor_parallel,
+                serve=bench_serve)
 
 
 def main():
@@ -1361,6 +1580,8 @@ def main():
         soak="10,000 requests with aborts through a small pool; asserts nothing is lost",
         tensor_parallel="KV bytes, blocks and sequences per rank at one budget, tokens/s "
         "and time in collectives: tp=1 vs tp=2 on the CPU (gloo)",
+        serve="requests/s, output tokens/s, TTFT, TPOT, ITL through server.py over HTTP\n"
+              "(Poisson arrivals, streaming openai clients) against Engine.generate",
         aot="with --kernel: compile the Triton kernels for sm_80/86/90 instead (no GPU\n"
             "needed); print registers, spills, shared memory, programs per SM and the\n"
             "K/V loop's SASS length")

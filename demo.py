@@ -2,9 +2,11 @@
 demo.py: what `python nanopaged.py` runs. A mixed workload on the built-in byte-level model
 (shared prefixes, parallel samples, a beam search) served in a KV pool small enough to
 preempt, with a live progress line, a map of the physical block pool at the moment of most
-sharing, and a summary against a contiguous cache. With --prompt it serves those prompts instead
-and streams their text as it is generated; --model serves a Hugging Face folder (its dtype,
-its generation_config.json and, with --chat, its chat template). `python nanopaged.py --help`.
+sharing, and a summary against a contiguous cache; --trace writes every change to paging, and
+--html a page that replays them step by step (pagetrace.py). With --prompt it serves those
+prompts instead and streams their text as it is generated; --model serves a Hugging Face folder
+(its dtype, its generation_config.json and, with --chat, its chat template).
+`python nanopaged.py --help`.
 """
 
 import argparse
@@ -16,6 +18,7 @@ import torch
 
 import checkpoints
 import nanopaged
+import pagetrace
 from kernel import ATTENTION_BACKENDS
 from nanopaged import GPT, Engine, SamplingParams
 
@@ -251,9 +254,10 @@ def speculative_config(args):
 
 def add_engine_flags(p):
     """The flags that choose the model and build its engine (server.py takes them too)."""
-    p.add_argument("--model", default=DEMO_MODEL,
-                   help="a local Hugging Face folder of a gpt2, llama, mistral or "
-                   "qwen2 model (default: the built-in byte-level model trained on Python's docs)")
+    p.add_argument("--model", default=os.path.relpath(DEMO_MODEL),
+                   help="a local Hugging Face folder of a gpt2, llama, mistral or qwen2 model "
+                   "(default: models/pydoc-gpt, the built-in byte-level model trained on Python's "
+                   "docs)")
     p.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], default="auto",
                    help="weights and KV cache (default auto: the checkpoint's own on a GPU, "
                    "float32 on a CPU)")
@@ -261,6 +265,10 @@ def add_engine_flags(p):
                    default="auto", help="the KV cache's dtype: auto (the model's) or 8-bit, with "
                    "per-layer scales (fp8 is e4m3): twice the blocks of 16 bits in the same bytes")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=len(CELLS),
+                   help="sequences running at once, at most (default: one per letter of the map)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens one step computes, at most (prefill chunks and decodes)")
     p.add_argument("--num-blocks", type=int, default=96,
                    help="KV blocks in the pool; few enough to preempt")
     p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
@@ -291,7 +299,11 @@ def add_engine_flags(p):
                    help="CPU threads for torch (default: 1 for models under 100M parameters, "
                    "whose ops are too small to split and crawl when another process shares the "
                    "cores; torch's default, one per core, for larger models)")
-    # None: not given. The sampling flags override the folder's generation_config.json.
+    return add_sampling_flags(p)
+
+
+def add_sampling_flags(p):
+    """Sampling defaults: None when not given; given, they override generation_config.json."""
     for flag, what in [("temperature", "sampling temperature, 0 for greedy"),
                        ("top-k", "keep the k likeliest tokens, 0 for all"),
                        ("top-p", "nucleus sampling threshold"),
@@ -332,6 +344,11 @@ def argument_parser():
     p.add_argument("--seed", type=int, default=0, help="request i samples with seed + i")
     p.add_argument("--plot", metavar="FILE.png",
                    help="also draw the block map and KV use over time to an image")
+    p.add_argument("--trace", metavar="FILE.jsonl",
+                   help="write every change to paging, one JSON object a line (pagetrace.py)")
+    p.add_argument("--html", metavar="FILE.html",
+                   help="write one self-contained page that replays the run step by step: the "
+                   "pool, the block tables, sharing, copy-on-write, prefix hits, preemption")
     return p
 
 
@@ -355,13 +372,18 @@ def load(args):
     if args.threads or sum(w.numel() for w in model.parameters()) < 100e6:
         torch.set_num_threads(args.threads or 1)
     tokenizer = Tokenizer(args.model)
+    traced = getattr(args, "trace", None) or getattr(args, "html", None)  # server.py has neither
     engine = Engine(model, block_size=args.block_size, num_blocks=args.num_blocks,
                     device=args.device, preemption_mode=args.preemption,
-                    enable_prefix_caching=not args.no_prefix_cache, max_num_seqs=len(CELLS),
+                    enable_prefix_caching=not args.no_prefix_cache, max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens,
                     scheduling_policy=args.scheduling_policy,
                     eviction_policy=args.eviction_policy, kv_cache_dtype=args.kv_cache_dtype,
                     attention_backend=args.attention_backend,
-                    speculative_config=speculative_config(args), tokenizer=tokenizer)
+                    speculative_config=speculative_config(args), tokenizer=tokenizer,
+                    observer=pagetrace.Trace() if traced else None)
+    if traced:  # the pool's shape opens the trace: the page draws it
+        engine.observer(pagetrace.header(engine))
     return model, engine, tokenizer
 
 
@@ -445,5 +467,11 @@ def main(argv=None):
     if args.plot and is_rank_0:
         plot_demo(args.plot, snapshot, timeline, engine)
         print(f"wrote {args.plot}")
+    if args.trace and is_rank_0:
+        engine.observer.write_jsonl(args.trace)
+        print(f"wrote {args.trace}: {len(engine.observer.events)} events")
+    if args.html and is_rank_0:
+        pagetrace.write_html(engine.observer.events, args.html, decode=tokenizer.decode)
+        print(f"wrote {args.html}: open it in a browser to replay the run step by step")
     return dict(outputs=outputs, summary=summary, snapshot=snapshot, engine=engine,
                 tokenizer=tokenizer, params=params)

@@ -88,15 +88,16 @@ def number(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def setting(default, allowed, ok):
+def setting(default, allowed, ok, beams=True):
     """A dataclass field and what it allows: ok(value) says whether a value is allowed, allowed
-    says which in words, for the ValueError that names the field (check_fields)."""
-    return field(default=default, metadata=dict(allowed=allowed, ok=ok))
+    says which in words, for the ValueError that names the field (check_fields). beams=False: a
+    sampling parameter beam search cannot honour, refused beside beam_width."""
+    return field(default=default, metadata=dict(allowed=allowed, ok=ok, beams=beams))
 
 
-def int_setting(default, least, none=False):  # an int >= least (or None)
+def int_setting(default, least, none=False, beams=True):  # an int >= least (or None)
     return setting(default, f"{'None or ' * none}an int >= {least}",
-                   lambda x: none and x is None or integer(x) and x >= least)
+                   lambda x: none and x is None or integer(x) and x >= least, beams)
 
 
 def check_fields(obj):
@@ -124,15 +125,16 @@ class SamplingParams:
     # then of those, renormalised, the smallest set reaching top_p; then those at least min_p
     # times as likely as the likeliest
     top_p: float = setting(1.0, "a number in (0, 1]", lambda x: number(x) and 0 < x <= 1)
-    min_p: float = setting(0.0, "a number in [0, 1]", lambda x: number(x) and 0 <= x <= 1)
+    min_p: float = setting(0.0, "a number in [0, 1]", lambda x: number(x) and 0 <= x <= 1,
+                           beams=False)
     # over prompt and output, a token's positive logit divided by it, a negative one multiplied
     repetition_penalty: float = setting(1.0, "a number > 0",
                                         lambda x: number(x) and 0 < x < math.inf)
     # over the output: minus presence once per token present, minus frequency times its count
     presence_penalty: float = setting(0.0, "a number in [-2, 2]",
-                                      lambda x: number(x) and -2 <= x <= 2)
+                                      lambda x: number(x) and -2 <= x <= 2, beams=False)
     frequency_penalty: float = setting(0.0, "a number in [-2, 2]",
-                                       lambda x: number(x) and -2 <= x <= 2)
+                                       lambda x: number(x) and -2 <= x <= 2, beams=False)
     # token t of sample i is drawn by a generator seeded by (seed, i, t); None: a random seed
     seed: int | None = setting(None, "None or an int", lambda x: x is None or integer(x))
     n: int = int_setting(1, 1)  # parallel samples of one prompt, sharing its blocks
@@ -145,7 +147,8 @@ class SamplingParams:
         None, "None or a list of token ids", lambda x: x is None or isinstance(
             x, (list, tuple)) and all(integer(t) and t >= 0 for t in x))
     stop: str | list[str] | None = setting(None, "None, a string or a list of non-empty strings",
-                                           lambda x: x is None or x == [] or strings(x))
+                                           lambda x: x is None or x == [] or strings(x),
+                                           beams=False)
     include_stop_str_in_output: bool = setting(False, "True or False",
                                                lambda x: isinstance(x, bool))
     ignore_eos: bool = setting(False, "True or False", lambda x: isinstance(x, bool))
@@ -153,12 +156,12 @@ class SamplingParams:
     # per generated token, the k likeliest tokens' log-probabilities and the drawn one's, under
     # the model (before penalties, temperature and filters), as vLLM returns them; and the same
     # for each prompt token after the first
-    logprobs: int | None = int_setting(None, 0, none=True)
+    logprobs: int | None = int_setting(None, 0, none=True, beams=False)
     prompt_logprobs: int | None = int_setting(None, 0, none=True)
     # callables (prompt_token_ids, output_token_ids, logits (V,)) -> logits, run first (vLLM's)
     logits_processors: list | None = setting(
         None, "None or a list of callables", lambda x: x is None or isinstance(
-            x, (list, tuple)) and all(map(callable, x)))
+            x, (list, tuple)) and all(map(callable, x)), beams=False)
 
     def __post_init__(self):
         check_fields(self)
@@ -173,10 +176,10 @@ class SamplingParams:
                              "(beam search), not both")
         # beams rank by (penalised) log-probabilities, as transformers' beam search, which
         # draws nothing: temperature, top_k and top_p do not apply to them
-        for name in ("presence_penalty", "frequency_penalty", "min_p", "stop",
-                     "logits_processors", "logprobs"):
-            if self.beam_width is not None and getattr(self, name) not in (0, [], None):
-                raise ValueError(f"SamplingParams.{name} does not apply to beam search: leave "
+        for f in fields(self):
+            if (self.beam_width is not None and not f.metadata.get("beams", True)
+                    and getattr(self, f.name) not in (f.default, [])):
+                raise ValueError(f"SamplingParams.{f.name} does not apply to beam search: leave "
                                  "it unset with beam_width")
 
     @property
@@ -253,13 +256,23 @@ class SequenceGroup:
         self.finished = []  # finished samples, or beam hypotheses (token_ids, logprob, reason)
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.num_cached_tokens = 0  # prompt tokens the prefix cache held at the first admission
-        self.num_preemptions = 0  # counted where it happens: Scheduler.preempt
+        self.num_preemptions = 0  # counted in one place: Scheduler._count_preemption
         self.seed = None  # sampled requests: token t of sample i draws from (seed, i, t)
         self.prompt_logprobs = seq.prompt_logprobs  # the same list, filled by the prefill
 
     @property
     def is_finished(self):
         return not self.seqs
+
+    @property
+    def is_decoding(self):  # every live sequence computes just its newest token next
+        return all(len(seq) - seq.num_computed_tokens == 1 for seq in self.seqs)
+
+    def admitted(self):  # to running: the first admission ends its time in the queue
+        if (m := self.metrics).first_scheduled_time is None:
+            m.first_scheduled_time = time.perf_counter()
+            m.time_in_queue = m.first_scheduled_time - m.arrival_time
+            self.num_cached_tokens = self.seqs[0].num_computed_tokens
 
 
 @dataclass
@@ -291,7 +304,7 @@ class RequestOutput:
 # it. Rather than undo each change by name, a Transaction keeps each object as it was before
 # the step first changed it, all its fields at once, so a field a fork adds is covered too.
 
-CONTAINERS = (list, dict, set, deque)
+CONTAINERS = {list, dict, set, deque}
 
 
 class Transaction:
@@ -302,27 +315,26 @@ class Transaction:
     container wins."""
 
     def __init__(self):
-        self.saved = {}  # id(obj) -> (obj, its state)
+        self.saved = {}  # id(obj) -> (obj, its fields or contents, its containers' contents)
 
     def save(self, obj):
         if id(obj) not in self.saved:
-            if isinstance(obj, CONTAINERS):
-                state = copy.copy(obj)
-            else:
-                state = {name: (value, copy.copy(value) if isinstance(value, CONTAINERS) else None)
-                         for name, value in vars(obj).items()}
-            self.saved[id(obj)] = (obj, state)
+            state = obj.copy() if type(obj) in CONTAINERS else vars(obj).copy()
+            contents = {} if type(obj) in CONTAINERS else \
+                {name: value.copy() for name, value in state.items() if type(value) in CONTAINERS}
+            self.saved[id(obj)] = (obj, state, contents)
         return obj
 
     def rollback(self):
-        for obj, state in reversed(self.saved.values()):
-            if isinstance(obj, CONTAINERS):
+        for obj, state, contents in reversed(self.saved.values()):
+            if type(obj) in CONTAINERS:
                 refill(obj, state)
                 continue
-            vars(obj).clear()  # fields the step added go too
-            for name, (value, contents) in state.items():
-                if contents is not None:
-                    refill(value, contents)
+            for name in vars(obj).keys() - state.keys():  # fields the step added
+                delattr(obj, name)
+            for name, value in state.items():  # a reader never finds one missing
+                if name in contents:
+                    refill(value, contents[name])
                 setattr(obj, name, value)
         self.saved = {}
 
@@ -330,6 +342,14 @@ class Transaction:
 def refill(container, contents):
     container.clear()
     (container.update if isinstance(container, (dict, set)) else container.extend)(contents)
+
+
+# Each part that changes paging tells an observer what it did, if one listens
+# (Engine(observer=...): pagetrace.py records, replays and draws it). Nobody listens by default.
+
+def notify(part, event, **details):
+    if part.observer is not None:
+        part.observer(dict(event=event, **details))
 
 
 # -----------------------------------------------------------------------------
@@ -365,6 +385,7 @@ class BlockAllocator:
     shared block copies it first. Free blocks that still hold a cached prefix are the prefix
     cache's to give up (section 3); swapping moves tables to the CPU pool (section 4). Every
     change to a block is journaled, so a step that fails can be undone."""
+    observer = None  # see notify
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
                  eviction_policy="lru"):
@@ -443,6 +464,8 @@ class BlockAllocator:
         seq.block_table = hits + [self._take() for _ in range(num_needed - len(hits))]
         seq.block_hashes, seq.num_computed_tokens = keys, len(hits) * self.block_size
         self.prefix_cache.count(seq, hits)
+        notify(self, "allocate", seq=seq.seq_id, request=seq.request_id,
+               table=list(seq.block_table), hits=len(hits))
 
     def num_blocks_to_append(self, seqs):
         """Free blocks append_slot needs to give each of seqs a slot for its newest token."""
@@ -460,6 +483,7 @@ class BlockAllocator:
         needs, for the engine to perform on the KV tensors before the step, or None."""
         if len(seq.block_table) * self.block_size < len(seq):  # last block is full
             seq.block_table.append(self._take())
+            notify(self, "append", seq=seq.seq_id, block=seq.block_table[-1])
             return None
         last = seq.block_table[-1]
         if self.blocks[last].ref_count == 1:
@@ -469,6 +493,7 @@ class BlockAllocator:
         new = self._take()
         self._release(last)
         seq.block_table[-1] = new
+        notify(self, "cow", seq=seq.seq_id, src=last, dst=new)
         return last, new
 
     def append_lookahead_slots(self, seq, num_slots):
@@ -476,6 +501,7 @@ class BlockAllocator:
         blocks (append_slot already made the newest token's block seq's own, copied on write)."""
         while len(seq.block_table) * self.block_size < len(seq) + num_slots:
             seq.block_table.append(self._take())
+            notify(self, "append", seq=seq.seq_id, block=seq.block_table[-1])
 
     def free_lookahead_slots(self, seq):
         """After verification: give back the blocks past seq's computed tokens, which only
@@ -484,12 +510,14 @@ class BlockAllocator:
         for block_id in reversed(seq.block_table[keep:]):
             self._release(block_id)
         del seq.block_table[keep:]
+        notify(self, "trim", seq=seq.seq_id, keep=keep)
 
     def fork(self, parent, child):
         """The child shares every block of the parent: parallel samples and beams start this way."""
         child.block_table = list(parent.block_table)
         for block_id in child.block_table:
             self._share(block_id)
+        notify(self, "fork", seq=child.seq_id, parent=parent.seq_id)
 
     def free(self, seq):
         """Return every block of a finished, aborted or preempted sequence."""
@@ -497,6 +525,7 @@ class BlockAllocator:
         for block_id in reversed(seq.block_table):
             self._release(block_id)
         seq.block_table = []
+        notify(self, "free", seq=seq.seq_id)
 
     def cache_full_blocks(self, seq, start=0):
         """After a step computed seq's tokens from start on: publish its full blocks the schedule
@@ -513,6 +542,7 @@ class BlockAllocator:
                 self._share(twin)
                 self._release(block_id)
                 seq.block_table[i] = twin
+                notify(self, "twin", seq=seq.seq_id, index=i, block=twin)
 
     # -- a step as a transaction: undo every change since begin() --------------------------
 
@@ -580,6 +610,7 @@ class HitCounts:  # the hit rate is hit_tokens / queried_tokens
 class PrefixCache:
     """Published blocks by key, the free ones among them by eviction order, and hit counts.
     touch(block_id) returns a block about to change (the allocator's journal)."""
+    observer = None  # see notify
 
     def __init__(self, blocks, block_size, enabled=True, eviction_policy="lru", touch=None):
         self.blocks, self.block_size, self.enabled = blocks, block_size, enabled
@@ -652,6 +683,7 @@ class PrefixCache:
         block.hash, block.logical_index = seq.block_hashes[i], i
         block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
         self.hash_to_block[block.hash] = block.block_id
+        notify(self, "publish", block=block.block_id, index=i, tokens=list(block.token_ids))
 
     def revive(self, block):  # a hit on a cached block nobody held
         del self.evictable[block.block_id]
@@ -670,6 +702,7 @@ class PrefixCache:
         block = self.touch(entry[-1])
         del self.evictable[block.block_id], self.hash_to_block[block.hash]
         block.hash, block.token_ids = None, ()
+        notify(self, "evict", block=block.block_id)
         return block.block_id
 
     def rebuild(self):  # the index and the eviction order, from the blocks alone
@@ -689,6 +722,7 @@ class SwapPool:
     """A second pool of blocks, in CPU memory, with a free list and ref counts as the device pool
     has and no cache; and the moves of whole sequences between the two pools. A block the
     sequences share maps to one block on the other side, so sharing survives a swap."""
+    observer = None  # see notify
 
     def __init__(self, num_blocks, allocator):
         self.allocator = allocator  # the device pool's
@@ -711,7 +745,10 @@ class SwapPool:
         if not self.can_swap_out(seqs):
             raise OutOfBlocksError("the CPU swap space cannot hold these sequences")
         self.allocator.txn.save(self)
-        return self._move(seqs, lambda _: self._take(), self._share, self.allocator._release)
+        copies = self._move(seqs, lambda _: self._take(), self._share, self.allocator._release)
+        for seq in seqs:
+            notify(self, "swap_out", seq=seq.seq_id, table=list(seq.block_table))
+        return copies
 
     def _still_cached(self, seqs):
         """CPU block -> the device block that still holds its prefix in the cache: swapping in
@@ -753,6 +790,7 @@ class SwapPool:
         for block_id in pinned:
             a._release(block_id)
         for seq in seqs:
+            notify(self, "swap_in", seq=seq.seq_id, table=list(seq.block_table))
             a.prefix_cache.publish(seq, len(seq.block_hashes) * a.block_size, again=True)
         return [(src, dst) for src, dst in copies if src not in kept]
 
@@ -775,6 +813,7 @@ class SwapPool:
         for block_id in seq.block_table:
             self._release(block_id)
         seq.block_table = []
+        notify(self, "free", seq=seq.seq_id)
 
     def _take(self):
         block_id = self.free_block_ids.popleft()
@@ -821,6 +860,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    observer = None  # see notify
 
     def __init__(self, allocator, max_num_seqs, max_num_batched_tokens, preemption_mode="recompute",
                  watermark=0.01, scheduling_policy="fcfs", num_lookahead_slots=0):
@@ -853,7 +893,7 @@ class Scheduler:
         num_seqs = sum(g.params.num_seqs for g in self.running)  # room held for all samples of each
         num_seqs = self._swap_in(out, num_seqs)
         for group in self.running:
-            if not self._is_decoding(group):
+            if not group.is_decoding:
                 self._schedule_prefill(group, out)
         self._admit(out, num_seqs)
         if self.num_lookahead_slots:
@@ -866,7 +906,7 @@ class Scheduler:
         i = 0
         while i < len(self.running):
             group = self.running[i]
-            if not self._is_decoding(group) or self._over_budget(out, len(group.seqs)):
+            if not group.is_decoding or self._over_budget(out, len(group.seqs)):
                 i += 1
                 continue
             while self.allocator.num_blocks_to_append(group.seqs) > self.allocator.num_free_blocks:
@@ -894,7 +934,8 @@ class Scheduler:
             num_seqs += group.params.num_seqs
             out.blocks_to_swap_in += self.allocator.swap_pool.swap_in(group.seqs)
             insort(self.running, group, key=self.key)
-            if self._is_decoding(group):
+            notify(self, "resume", request=group.request_id)
+            if group.is_decoding:
                 self._append_slots(group, out)
         return num_seqs
 
@@ -909,14 +950,12 @@ class Scheduler:
                 break  # nobody overtakes the first waiting request
             num_seqs += group.params.num_seqs
             self.waiting.popleft()
+            notify(self, "admit", request=group.request_id)
             for seq in group.seqs:
                 self.allocator.allocate(seq)
-            if (m := group.metrics).first_scheduled_time is None:  # its first admission
-                m.first_scheduled_time = time.perf_counter()
-                m.time_in_queue = m.first_scheduled_time - m.arrival_time
-                group.num_cached_tokens = group.seqs[0].num_computed_tokens
+            group.admitted()
             insort(self.running, group, key=self.key)
-            if not self._is_decoding(group):
+            if not group.is_decoding:
                 self._schedule_prefill(group, out)
             elif not self._over_budget(out, len(group.seqs)):
                 self._append_slots(group, out)  # recomputed samples, all but the last tokens cached
@@ -931,10 +970,6 @@ class Scheduler:
         # Alone on the device, a group needs no watermark: there is nobody left to preempt.
         spare = self.watermark_blocks if self.running else 0
         return num_blocks + spare <= self.allocator.num_free_blocks
-
-    @staticmethod
-    def _is_decoding(group):
-        return all(len(seq) - seq.num_computed_tokens == 1 for seq in group.seqs)
 
     def _schedule(self, seq, num_new, out):
         """seq computes num_new more tokens this step. The blocks they fill are published now,
@@ -962,10 +997,9 @@ class Scheduler:
 
     def _reserve_lookahead(self, out):
         """Speculative decoding: slots for up to num_lookahead_slots proposed tokens after each
-        sequence whose last token runs this step (one sampled already: a prompt's first token is
-        sampled plainly). Reserved last, from the token budget and free blocks the step left, so
-        speculation never preempts nor holds back what plain decoding would run; and never past
-        max_tokens, which the proposals and the token after them must stay within."""
+        sequence whose last token runs this step (a prompt's first token is sampled plainly),
+        from the token budget and free blocks the step left, so speculation never preempts nor
+        holds back what plain decoding would run; and never past max_tokens."""
         a = self.allocator
         last = {seq.seq_id for seq, n in out.scheduled if seq.num_computed_tokens + n == len(seq)}
         for group in self.running:
@@ -988,7 +1022,7 @@ class Scheduler:
         if self.preemption_mode == "swap" and self.allocator.swap_pool.can_swap_out(group.seqs):
             out.blocks_to_swap_out += self.allocator.swap_pool.swap_out(group.seqs)
             insort(self.swapped, group, key=self.key)
-            self._count_preemption(group)
+            self._count_preemption(group, "swap")
         else:
             self.preempt_by_recompute(group)
 
@@ -997,11 +1031,12 @@ class Scheduler:
         for seq in group.seqs:
             self.allocator.free(seq)
         self._recompute(group)
-        self._count_preemption(group)
+        self._count_preemption(group, "recompute")
 
-    def _count_preemption(self, group):  # the one place preemptions are counted
+    def _count_preemption(self, group, mode):  # the one place preemptions are counted
         group.num_preemptions += 1
         self.num_preemptions += 1
+        notify(self, "preempt", request=group.request_id, mode=mode)
 
     def _recompute(self, group):
         for seq in group.seqs:
@@ -1360,6 +1395,29 @@ def kv_block_shape(config, block_size):
     return (2, config.n_layer, block_size, config.n_kv_head // tp.world_size, config.head_dim)
 
 
+def pool_sizes(config, device, block_size, bytes_per_block, num_blocks, kv_cache_bytes,
+               max_num_seqs, num_cpu_blocks, swap_space):
+    """The blocks of the device pool and of the CPU swap pool. The device pool is sized like
+    vLLM's: by a byte budget, by default 90% of free GPU memory (but no more than max_num_seqs
+    full-length sequences use); the swap pool by swap_space GiB (vLLM's), or the device pool's
+    size if smaller: more rarely helps, as a group that finds it full is recomputed instead.
+    Each rank holds its own K/V heads: one budget makes tp times the blocks, and every rank
+    takes the least."""
+    if num_blocks is None:
+        if kv_cache_bytes is None:
+            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 30
+            most = bytes_per_block * max_num_seqs * cdiv(config.max_seq_len, block_size)
+            kv_cache_bytes = min(int(0.9 * free), most)
+        num_blocks = kv_cache_bytes // bytes_per_block
+    num_blocks = tp_min(num_blocks, device)
+    if num_blocks < 1:  # only a budget can come to this; and then it does on every rank
+        raise ValueError(f"Engine: kv_cache_bytes={kv_cache_bytes} is smaller than one KV "
+                         f"block ({bytes_per_block} bytes at block_size={block_size})")
+    if num_cpu_blocks is None:
+        num_cpu_blocks = min(num_blocks, int(swap_space * 2**30) // bytes_per_block)
+    return num_blocks, tp_min(num_cpu_blocks, device)
+
+
 @dataclass
 class Batch:
     """One engine step, packed: the new tokens of every scheduled sequence, back to back."""
@@ -1521,15 +1579,26 @@ class SamplingMetadata:
     device: torch.device
     columns: dict = field(default_factory=dict)  # made once per step, on first use
 
+    def default(self, name):
+        """A parameter's default, read from the class of a row that has it: a fork may add a
+        parameter in a subclass of SamplingParams, and give it to some requests only."""
+        return next(type(p).__dataclass_fields__[name].default for p in self.params
+                    if name in type(p).__dataclass_fields__)
+
+    def value(self, p, name):  # the row's own, or the default where its params lack it
+        return getattr(p, name) if hasattr(p, name) else self.default(name)
+
     def uses(self, name):
-        """Whether any row sets SamplingParams.<name> away from its default."""
-        default = SamplingParams.__dataclass_fields__[name].default
-        return any(getattr(p, name) not in (default, []) for p in self.params)
+        """Whether any row sets the parameter away from its default."""
+        if not any(hasattr(p, name) for p in self.params):
+            return False
+        default = self.default(name)
+        return any(self.value(p, name) not in (default, []) for p in self.params)
 
     def column(self, name, dtype=torch.float64):
-        """(R,) every row's SamplingParams.<name>, on the logits' device."""
+        """(R,) every row's parameter, on the logits' device."""
         if (name, dtype) not in self.columns:
-            self.columns[name, dtype] = torch.tensor([getattr(p, name) for p in self.params],
+            self.columns[name, dtype] = torch.tensor([self.value(p, name) for p in self.params],
                                                      dtype=dtype, device=self.device)
         return self.columns[name, dtype]
 
@@ -1942,13 +2011,14 @@ def request_output(group, detokenizer=None):
 
 
 class Engine:
+    observer = None  # see notify
 
     def __init__(self, model, block_size=16, num_blocks=None, kv_cache_bytes=None,
                  num_cpu_blocks=None, preemption_mode="recompute", enable_prefix_caching=True,
                  max_num_seqs=256, max_num_batched_tokens=2048, device=None,
                  attention_backend=None, swap_space=4, allocator_cls=None, scheduler_cls=None,
                  scheduling_policy="fcfs", eviction_policy="lru", kv_cache_dtype="auto",
-                 speculative_config=None, tokenizer=None):
+                 speculative_config=None, tokenizer=None, observer=None):
         device, attention, dtype = check_engine_settings(
             model, device, attention_backend, preemption_mode, enable_prefix_caching, swap_space,
             kv_cache_dtype, scheduling_policy, eviction_policy,
@@ -1964,13 +2034,9 @@ class Engine:
         # dtype: the KV cache's (kv_cache_dtype "fp8": half the bytes)
         bytes_per_block = math.prod(kv_block_shape(self.config, block_size)) * dtype.itemsize
         bytes_per_block += proposer.bytes_per_block(block_size, dtype) if proposer else 0  # draft
-        num_blocks = self.num_device_blocks(num_blocks, kv_cache_bytes, bytes_per_block,
-                                            max_num_seqs)
-        if num_cpu_blocks is None:  # swap_space GiB (vLLM's), or the device pool if smaller:
-            # more rarely helps (a group that finds the swap space full is recomputed instead)
-            swap_blocks = min(num_blocks, int(swap_space * 2**30) // bytes_per_block)
-            num_cpu_blocks = swap_blocks if preemption_mode == "swap" else 0
-        num_cpu_blocks = tp_min(num_cpu_blocks, device)
+        num_blocks, num_cpu_blocks = pool_sizes(
+            self.config, device, block_size, bytes_per_block, num_blocks, kv_cache_bytes,
+            max_num_seqs, num_cpu_blocks, swap_space if preemption_mode == "swap" else 0)
         # Replaceable parts (vLLM's scheduler_cls): a fork passes its subclass, edits nothing else
         allocator = (allocator_cls or BlockAllocator)(num_blocks, block_size, num_cpu_blocks,
                                                       enable_prefix_caching, eviction_policy)
@@ -1991,24 +2057,14 @@ class Engine:
             self.detokenizer = detokenizer.Detokenizer(tokenizer)
         self.output_processor = OutputProcessor(self.config, self.scheduler, self.seq_ids, device,
                                                 self.detokenizer)
+        self.num_steps = 0
+        self.set_observer(observer)
 
-    def num_device_blocks(self, num_blocks, kv_cache_bytes, bytes_per_block, max_num_seqs):
-        """The KV cache is sized like vLLM's: by a byte budget, by default 90% of free GPU memory
-        (but no more than max_num_seqs full-length sequences use). Each rank holds its own K/V
-        heads: the same budget makes tp times the blocks, and every rank takes the least."""
-        if num_blocks is None:
-            if kv_cache_bytes is None:
-                free = (torch.cuda.mem_get_info(self.device)[0] if self.device.type == "cuda"
-                        else 1 << 30)
-                most = bytes_per_block * max_num_seqs * cdiv(self.config.max_seq_len,
-                                                             self.block_size)
-                kv_cache_bytes = min(int(0.9 * free), most)
-            num_blocks = kv_cache_bytes // bytes_per_block
-        num_blocks = tp_min(num_blocks, self.device)
-        if num_blocks < 1:  # only a budget can come to this; and then it does on every rank
-            raise ValueError(f"Engine: kv_cache_bytes={kv_cache_bytes} is smaller than one KV "
-                             f"block ({bytes_per_block} bytes at block_size={self.block_size})")
-        return num_blocks
+    def set_observer(self, observer):
+        """observer(event: dict) hears every change to paging (notify); None: nobody listens."""
+        a = self.allocator
+        for part in (self, self.scheduler, a, a.prefix_cache, a.swap_pool):
+            part.observer = observer
 
     @property
     def allocator(self):  # one reference, the scheduler's, so no part can hold a stale one
@@ -2025,14 +2081,20 @@ class Engine:
                                "cannot agree on the state any more: start them again")
         txn = self.begin_step()
         try:
+            notify(self, "step", step=self.num_steps)
             out = self.scheduler.schedule()
+            if self.observer is not None:
+                notify(self, "schedule", **schedule_summary(out))
             if not (out.scheduled or out.preempted) and self.scheduler.has_unfinished():
-                raise RuntimeError(self.stall_message())  # nothing outside could unblock it
+                raise RuntimeError(stall_message(self))  # nothing outside could unblock it
             proposals = self.proposer.propose(out) if self.proposer else {}  # seq_id -> tokens
             logits = self.model_runner.execute(out, proposals)
             groups = [] if logits is None else \
                 self.output_processor.process(out.scheduled, logits, proposals)
             outputs = [request_output(group, self.detokenizer) for group in groups]
+            for group in groups:
+                if group.is_finished:
+                    notify(self, "finished", request=group.request_id)
         except BaseException as e:
             self.rollback(txn)
             if tp.world_size > 1:  # every rank learns of it: see tp_shut_down
@@ -2041,6 +2103,7 @@ class Engine:
         for group in groups:  # the step is done: nothing after this can fail
             if group.is_finished:
                 del self.requests[group.request_id]
+        self.num_steps += 1
         return outputs
 
     # -- a step as a transaction ----------------------------------------------------------
@@ -2065,15 +2128,22 @@ class Engine:
     def rollback(self, txn):
         """Undo a failed step. Its writes into the KV cache cannot be undone, and they land only
         in blocks it handed out: a request that held such a block before the step (its blocks
-        were taken from it by a preemption in the step) is left preempted by recompute."""
-        taken = self.allocator.rollback()
-        txn.rollback()
-        s = self.scheduler
-        for group in list(s.running):  # a copy: groups leave s.running
-            if any(taken.intersection(seq.block_table) for seq in group.seqs):
-                s.running.remove(group)
-                s.preempt_by_recompute(group)
-        self.allocator.begin()  # those preemptions are the state the next step starts from
+        were taken from it by a preemption in the step) is left preempted by recompute. An
+        observer hears of the undo, but cannot stop it by raising."""
+        observer = self.observer
+        self.set_observer(observer and quiet(observer))
+        try:
+            taken = self.allocator.rollback()
+            txn.rollback()
+            notify(self, "rollback", step=self.num_steps, uncached=sorted(taken))
+            s = self.scheduler
+            for group in list(s.running):  # a copy: groups leave s.running
+                if any(taken.intersection(seq.block_table) for seq in group.seqs):
+                    s.running.remove(group)
+                    s.preempt_by_recompute(group)
+            self.allocator.begin()  # those preemptions are the state the next step starts from
+        finally:
+            self.set_observer(observer)
 
     # -- requests -----------------------------------------------------------------------
 
@@ -2091,6 +2161,7 @@ class Engine:
             seq.prompt_logprobs.append(None)  # the first prompt token has nothing before it
         if self.detokenizer is not None:
             self.detokenizer.start(seq)
+        notify(self, "add", request=request_id, seq=seq.seq_id, prompt=prompt_token_ids)
         group = SequenceGroup(request_id, prompt_token_ids, params, seq, priority)
         if params.beam_width is None and params.temperature > 0:
             # without a seed, a seed drawn from torch's global RNG
@@ -2100,12 +2171,11 @@ class Engine:
         return request_id
 
     def abort(self, request_id):
-        """Stop a request wherever it is (waiting, running, swapped, mid-prefill); frees its
-        blocks."""
-        group = self.requests.pop(request_id, None)
-        if group is None:
+        """Drop a request wherever it is (waiting, running, swapped); free its blocks."""
+        if request_id not in self.requests:
             raise ValueError(f"no unfinished request with id {request_id}")
-        self.scheduler.abort(group)
+        notify(self, "abort", request=request_id)
+        self.scheduler.abort(self.requests.pop(request_id))
 
     def check_request(self, prompt, params, priority=0):
         """Raise ValueError saying what is wrong with a request, before it takes any block. A
@@ -2140,13 +2210,6 @@ class Engine:
 
     def stats(self):
         return engine_stats(self)
-
-    def stall_message(self):
-        s = self.stats()
-        return (f"the engine can make no progress: this step scheduled, preempted and moved "
-                f"nothing, while {s['num_waiting']} waiting and {s['num_swapped']} swapped "
-                f"requests and {s['num_running']} running sequences are unfinished "
-                f"({s['num_free_blocks']} of {s['num_blocks']} KV blocks free)")
 
 
 # -----------------------------------------------------------------------------
@@ -2259,6 +2322,27 @@ def check_request(prompt, params, priority, config, scheduler, has_tokenizer=Fal
     return prompt_token_ids
 
 
+def schedule_summary(out):
+    """A SchedulerOutput as an observer hears it: each scheduled chunk's sequence, start and
+    tokens, and the block moves."""
+    return dict(scheduled=[(seq.seq_id, seq.num_computed_tokens,
+                            seq.token_ids[seq.num_computed_tokens:][:n])
+                           for seq, n in out.scheduled],
+                lookahead=[(seq.seq_id, n) for seq, n in out.lookahead],
+                copies=out.blocks_to_copy, swap_in=out.blocks_to_swap_in,
+                swap_out=out.blocks_to_swap_out,
+                preempted=[group.request_id for group in out.preempted])
+
+
+def quiet(observer):  # the observer, its exceptions dropped
+    def call(event):
+        try:
+            observer(event)
+        except Exception:
+            pass
+    return call
+
+
 def engine_stats(engine):
     """Engine.stats(): the pool, the queues, and what paging saved."""
     a, s, bs = engine.allocator, engine.scheduler, engine.block_size
@@ -2285,6 +2369,14 @@ def engine_stats(engine):
         num_proposed_tokens=o.num_proposed_tokens, num_accepted_tokens=o.num_accepted_tokens,
         prefix_cache_hit_tokens=hits.hit_tokens, prefix_cache_queried_tokens=hits.queried_tokens,
     )
+
+
+def stall_message(engine):
+    s = engine.stats()
+    return (f"the engine can make no progress: this step scheduled, preempted and moved "
+            f"nothing, while {s['num_waiting']} waiting and {s['num_swapped']} swapped "
+            f"requests and {s['num_running']} running sequences are unfinished "
+            f"({s['num_free_blocks']} of {s['num_blocks']} KV blocks free)")
 
 
 if __name__ == "__main__":

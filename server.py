@@ -1,0 +1,882 @@
+"""
+server.py: nanopaged behind the OpenAI HTTP API, as vLLM's `vllm serve` puts its engine there,
+so that clients nobody here wrote (the official `openai` package, `vllm bench serve`, chat UIs)
+can drive a scheduling or eviction policy under online load. One optional file over the core:
+nanopaged.py never imports it.
+
+    pip install -r requirements.txt                      # FastAPI and uvicorn
+    python server.py [--model PATH] [--port 8000] [engine flags of `python nanopaged.py`]
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
+    out = client.completions.create(model="pydoc-gpt", prompt="The for statement", max_tokens=32)
+    print(out.choices[0].text)
+
+Routes: POST /v1/completions and /v1/chat/completions (the folder's chat template), streamed as
+server-sent events with `stream=true`; GET /v1/models, /health, and /metrics (Prometheus text,
+vLLM's metric names). Request fields are the OpenAI API's and vLLM's extensions (top_k, min_p,
+repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
+priority). A field left out takes the server's sampling flags, which default to the folder's
+generation_config.json as in `python nanopaged.py`.
+
+One asyncio task, EngineLoop.run, owns the Engine: handlers never touch it. They check a
+request completely (nothing bad reaches the engine), submit it, and read the RequestOutputs the
+loop hands back on the request's own queue; a client that goes away aborts its request between
+two steps. Each step runs in a worker thread, so the event loop keeps answering while the model
+computes. `python bench.py --serve` measures this path against Engine.generate.
+"""
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from collections import Counter, deque
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+import checkpoints
+import demo
+from nanopaged import SamplingParams
+
+logger = logging.getLogger("nanopaged.server")
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs; the OpenAI API's top_logprobs allows 0-20
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM sends this for a token the model rules out
+# the server's sampling flags: the default of each request field left out
+DEFAULT_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+                  "presence_penalty", "frequency_penalty", "min_tokens")
+
+# -----------------------------------------------------------------------------
+# Request bodies: the OpenAI API's fields and vLLM's extensions, under their names. Strict:
+# a string is not a number, nor true an int; a field nobody defined is an error, not ignored.
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False  # one more chunk before [DONE], with usage and no choices
+
+
+class OpenAIRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model: str | None = None  # None: the served model (vLLM's); the openai client always sends it
+    max_tokens: int | None = None
+    temperature: float | None = None  # None (left out): the server's sampling flag, and so on
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # an end user's id, for abuse monitoring at OpenAI: unused here
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    priority: int = 0  # with --scheduling-policy priority: lower runs first
+
+
+class CompletionRequest(OpenAIRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]  # text or token ids, or several
+    max_tokens: int | None = 16  # the OpenAI API's default for completions
+    logprobs: int | None = None  # the k likeliest tokens at each position, and the drawn one
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # templates may read tool_calls, name
+    role: str
+    content: str | list[dict] | None = None  # text, or parts [{"type": "text", "text": ...}]
+
+
+class ChatCompletionRequest(OpenAIRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # the newer name of max_tokens; wins if both
+    logprobs: bool = False
+    top_logprobs: int | None = None  # with logprobs: this many likeliest tokens at each position
+
+
+class APIError(Exception):
+    """An error for the client, in the OpenAI API's shape: {"error": {"message", "type", "param",
+    "code"}}; param names the request field at fault."""
+
+    def __init__(self, message, param=None, status=400, code=None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+    def response(self):
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return JSONResponse(error_body(self.message, kind, self.param, self.code), self.status)
+
+
+def error_body(message, kind, param=None, code=None):
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def validation_error(exc):
+    """FastAPI's 422 for a body that does not parse, as the OpenAI API's 400 naming the field."""
+    first = exc.errors()[0]
+    if first["type"] == "json_invalid":
+        return APIError(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+    loc = [str(x) for x in first["loc"] if x != "body"]
+    param = loc[0] if loc else None
+    if first["type"] == "extra_forbidden":
+        return APIError(f"unrecognized request argument supplied: {param}", param)
+    got = f", got {first['input']!r}"[:80] if "input" in first and param else ""
+    return APIError(f"{'.'.join(loc) or 'body'}: {first['msg']}{got}", param)
+
+
+# -----------------------------------------------------------------------------
+# From a request to the engine's inputs: token ids and a SamplingParams, checked in full here,
+# so that what reaches the engine loop cannot be refused there.
+
+
+@dataclass
+class ServedModel:
+    """What the handlers need to know of the model and its engine, read once at start."""
+    names: list  # names a request may give as "model"; the first is the one /v1/models lists
+    path: str  # the folder: its chat template
+    tokenizer: object  # demo.Tokenizer: encode(text), decode(ids)
+    max_seq_len: int
+    vocab_size: int
+    defaults: dict  # the sampling flags' values: a field left out takes these
+    priority_scheduling: bool
+    check_request: object  # Engine.check_request: it reads only the engine's settings
+    tokens: object = field(init=False)  # TokenTexts: each token's text and bytes, for logprobs
+
+    def __post_init__(self):
+        self.tokens = TokenTexts(self.tokenizer)
+
+
+def check_model(req, served):
+    if req.model is not None and req.model not in served.names:
+        raise APIError(f"The model `{req.model}` does not exist (this server serves "
+                       f"{served.names[0]!r})", "model", 404, "model_not_found")
+
+
+def completion_prompts(req, served):
+    """The prompt as lists of token ids: text is encoded (with the tokenizer's special tokens,
+    as vLLM), ids are taken as they are."""
+    prompt = req.prompt
+    if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
+        prompt = [prompt]  # one prompt
+    if not prompt:
+        raise APIError("prompt is empty", "prompt")
+    prompts = [served.tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
+    for ids in prompts:
+        check_prompt(ids, served, "prompt")
+    return prompts
+
+
+def chat_prompt(req, served):
+    """The messages through the folder's chat template, tokenized without adding special tokens
+    (the template wrote them)."""
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):  # parts: only text ones can reach a text-only model
+            if any(part.get("type") != "text" or not isinstance(part.get("text"), str)
+                   for part in content):
+                raise APIError(f"messages[{i}].content: only text parts are supported",
+                               "messages")
+            content = "".join(part["text"] for part in content)
+        messages.append(m.model_dump(exclude_none=True) | {"content": content or ""})
+    try:
+        text = checkpoints.render_chat(served.path, messages)
+    except ValueError as e:  # no template, no jinja2, or the template refused the messages
+        raise APIError(str(e), "messages") from None
+    ids = served.tokenizer.encode(text, add_special_tokens=False)
+    check_prompt(ids, served, "messages")
+    return ids
+
+
+def check_prompt(ids, served, param):
+    if not ids:
+        raise APIError(f"{param}: the prompt is empty", param)
+    if any(not 0 <= t < served.vocab_size for t in ids):
+        raise APIError(f"{param}: token ids must be in [0, {served.vocab_size})", param)
+    if len(ids) >= served.max_seq_len:  # and at least one token must follow it
+        raise APIError(f"{param}: this model's maximum context length is {served.max_seq_len} "
+                       f"tokens, and the prompt has {len(ids)}", param)
+
+
+def sampling_params(req, served, prompts, max_tokens, logprobs, names):
+    """The request's SamplingParams. SamplingParams checks each value and names the field, which
+    names renames to the request's own (max_completion_tokens, top_logprobs); the engine's own
+    check comes last (n against max_num_seqs, the pool's size)."""
+    if logprobs is not None and logprobs > MAX_LOGPROBS:
+        raise APIError(f"{names['logprobs']} must be at most {MAX_LOGPROBS}, got {logprobs}",
+                       names["logprobs"])
+    for t in req.stop_token_ids or []:
+        if not 0 <= t < served.vocab_size:
+            raise APIError(f"stop_token_ids: {t} is outside the vocabulary "
+                           f"[0, {served.vocab_size})", "stop_token_ids")
+    if req.priority != 0 and not served.priority_scheduling:
+        raise APIError("priority needs a server started with --scheduling-policy priority",
+                       "priority")
+    fields = {name: getattr(req, name) for name in DEFAULT_FIELDS}
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens, n=req.n, seed=req.seed, stop=req.stop,
+            stop_token_ids=req.stop_token_ids, logprobs=logprobs, ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            **{k: served.defaults[k] if v is None else v for k, v in fields.items()})
+    except ValueError as e:  # "SamplingParams.<field> must be ..., got ..."
+        def rename(m):
+            return names.get(m[1], m[1])
+        named = re.search(r"SamplingParams\.(\w+)", str(e))
+        raise APIError(re.sub(r"SamplingParams\.(\w+)", rename, str(e)),
+                       named and rename(named)) from None
+    for ids in prompts:
+        try:
+            served.check_request(ids, params, req.priority)
+        except ValueError as e:
+            raise APIError(str(e)) from None
+    return params
+
+
+def max_tokens_of(max_tokens, param, served, prompts):
+    """max_tokens, or, left out (chat), what the context has room for after the longest prompt
+    (vLLM's default)."""
+    longest = max(map(len, prompts))
+    if max_tokens is None:
+        return served.max_seq_len - longest
+    if max_tokens >= 1 and longest + max_tokens > served.max_seq_len:
+        raise APIError(f"{param}: this model's maximum context length is {served.max_seq_len} "
+                       f"tokens, and you requested {longest + max_tokens} ({longest} in the "
+                       f"prompt, {max_tokens} in the completion)", param)
+    return max_tokens  # below 1: SamplingParams says so
+
+
+# -----------------------------------------------------------------------------
+# The engine loop: the one owner of the Engine (vLLM's AsyncLLMEngine, in one task)
+
+
+@dataclass
+class Submission:
+    """One engine request of an HTTP request (a completion may send several prompts): what to
+    add, and the queue its outputs go to, shared by the HTTP request's submissions."""
+    prompt_token_ids: list
+    params: SamplingParams
+    priority: int
+    outputs: asyncio.Queue  # (submission, RequestOutput or StepFailed), in order
+    index: int = 0  # which prompt of the HTTP request
+    request_id: int | None = None  # the engine's, once added
+    started: bool = False  # it has had its first token
+    finished: bool = False  # its last output (or its failure) has been handed to the client
+    cancelled: bool = False  # its client left: never add it, or abort it
+
+
+class StepFailed(Exception):
+    """engine.step() raised in a step that scheduled this request: it was aborted."""
+
+
+class EngineLoop:
+    """Runs engine.step() while requests are unfinished. Between two steps, and only there, it
+    applies what handlers queued (new requests, aborts) and reads the engine's stats for them;
+    the step itself runs in a worker thread, so HTTP is served meanwhile. It never waits on a
+    client: outputs go into per-request queues without bound."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.to_add, self.to_abort = deque(), deque()  # from handlers, applied between steps
+        self.live = {}  # request_id -> Submission, while the engine has the request
+        self.stats_wanted = []  # futures of /metrics handlers: answered between steps
+        self.wake = asyncio.Event()  # set when a handler queued something
+        self.finished = Counter()  # requests by how they ended: stop, length, abort, error
+        self.num_prompt_tokens = 0  # prompts of requests that got their first token
+        self.dead = None  # the exception that stopped the loop itself (a bug), if one did
+        self.scheduled = set()  # the request ids the step in progress scheduled
+        record_scheduled(engine, self)
+
+    def submit(self, sub):
+        if self.dead:
+            raise APIError(f"the engine loop stopped: {self.dead!r}", status=503)
+        self.to_add.append(sub)
+        self.wake.set()
+
+    def abort(self, subs):
+        """Stop the submissions that have not finished; the engine frees their blocks before
+        its next step. Safe to call twice, and for finished ones."""
+        for sub in subs:
+            if not (sub.cancelled or sub.finished):
+                sub.cancelled = True
+                self.to_abort.append(sub)
+                self.wake.set()
+
+    async def stats(self):
+        """engine.stats() and the loop's counters, read between two steps."""
+        if self.dead:
+            raise APIError(f"the engine loop stopped: {self.dead!r}", status=503)
+        future = asyncio.get_running_loop().create_future()
+        self.stats_wanted.append(future)
+        self.wake.set()
+        return await future
+
+    async def run(self):
+        try:
+            while True:
+                self.apply_queued()
+                self.answer_stats()
+                if not self.engine.requests:  # idle: sleep until a handler queues something
+                    self.wake.clear()
+                    await self.wake.wait()
+                    continue
+                await self.step()
+        except Exception as e:  # a bug in the loop: fail everyone rather than hang them
+            logger.exception("the engine loop stopped")
+            self.dead = e
+            for sub in list(self.live.values()) + list(self.to_add):
+                sub.outputs.put_nowait((sub, StepFailed(f"the engine loop stopped: {e!r}")))
+            for future in self.stats_wanted:
+                future.cancel()
+
+    async def step(self):
+        self.scheduled = set()
+        try:
+            outputs = await asyncio.to_thread(self.engine.step)
+        except Exception as e:
+            self.fail_step(e)
+            return
+        for out in outputs:
+            sub = self.live[out.request_id]
+            if not sub.started:  # its first token: its prompt is prefilled
+                sub.started = True
+                self.num_prompt_tokens += len(out.prompt_token_ids)
+            sub.outputs.put_nowait((sub, out))
+            if out.finished:
+                del self.live[out.request_id]
+                self.finished[out.outputs[0].finish_reason] += 1
+
+    def fail_step(self, error):
+        """A step raised, and the engine rolled it back: it is as before the step, so the next
+        step would fail the same way if the failure follows from its requests. Those the step
+        scheduled are aborted with the error (all of them if it scheduled none: the scheduler
+        raised, or found nothing it could run); the others go on."""
+        logger.error("engine step failed: %r", error, exc_info=error)
+        failed = self.scheduled or set(self.live)
+        for request_id in failed & set(self.live):
+            sub = self.live.pop(request_id)
+            self.engine.abort(request_id)
+            sub.outputs.put_nowait((sub, StepFailed(f"the engine step failed: {error!r}")))
+            self.finished["error"] += 1
+
+    def apply_queued(self):
+        while self.to_abort:
+            sub = self.to_abort.popleft()
+            if self.live.pop(sub.request_id, None) is not None:  # else finished, or never added
+                self.engine.abort(sub.request_id)
+                self.finished["abort"] += 1
+        while self.to_add:
+            sub = self.to_add.popleft()
+            if sub.cancelled:
+                continue
+            try:  # checked by the handler already: a refusal here is a bug, for this one alone
+                sub.request_id = self.engine.add_request(sub.prompt_token_ids, sub.params,
+                                                         sub.priority)
+            except ValueError as e:
+                sub.outputs.put_nowait((sub, StepFailed(f"the engine refused it: {e}")))
+                continue
+            self.live[sub.request_id] = sub
+
+    def answer_stats(self):
+        if not self.stats_wanted:
+            return
+        s, scheduler = self.engine.stats(), self.engine.scheduler
+        s |= dict(num_requests_running=len(scheduler.running),
+                  num_requests_waiting=len(scheduler.waiting),
+                  num_requests_swapped=len(scheduler.swapped),
+                  num_prompt_tokens=self.num_prompt_tokens, finished=dict(self.finished))
+        for future in self.stats_wanted:
+            if not future.done():
+                future.set_result(s)
+        self.stats_wanted = []
+
+
+def record_scheduled(engine, loop):
+    """Have the scheduler tell the loop which requests each step schedules: a failed step's
+    error does not name the requests at fault, and after the rollback nothing says which ran.
+    The wrapper lives on the scheduler object, so a step's undo keeps it."""
+    schedule = engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        loop.scheduled = {seq.request_id for seq, _ in out.scheduled}
+        return out
+    engine.scheduler.schedule = recorded
+
+
+async def results(queue, subs):
+    """(submission, RequestOutput) as the loop hands them back, until every submission has
+    finished; a failed step raises StepFailed."""
+    while not all(sub.finished for sub in subs):
+        sub, out = await queue.get()
+        sub.finished = isinstance(out, Exception) or out.finished
+        if isinstance(out, Exception):
+            raise out
+        yield sub, out
+
+
+# -----------------------------------------------------------------------------
+# From RequestOutputs to the OpenAI API's responses. step() returns each request's outputs so
+# far (cumulative); a Cursor turns them into what each choice gained since the client last heard.
+
+
+@dataclass
+class Delta:
+    """What one choice gained: its new tokens, their text and logprob entries, and its finish."""
+    index: int  # the choice's: prompt index * n + sample index, as vLLM numbers them
+    token_ids: list
+    text: str
+    logprobs: list | None  # per new token {token_id: logprob}, the drawn one and the k likeliest
+    finish_reason: str | None
+    stop_reason: int | str | None
+    text_offset: int  # the summed lengths of the choice's earlier tokens' texts
+
+
+@dataclass
+class Cursor:
+    n: int  # samples per prompt
+    sent: dict = field(default_factory=dict)  # choice index -> (tokens, characters, offset, done)
+
+    def deltas(self, sub, out, tokens):
+        for c in out.outputs:
+            index = sub.index * self.n + c.index
+            num_tokens, num_chars, offset, done = self.sent.get(index, (0, 0, 0, False))
+            if done or len(c.token_ids) == num_tokens and c.finish_reason is None:
+                continue
+            new = c.token_ids[num_tokens:]
+            text = c.text or ""  # a stop string may yet cut what the engine holds back
+            yield Delta(index, new, text[num_chars:], c.logprobs and c.logprobs[num_tokens:],
+                        c.finish_reason, c.stop_reason, offset)
+            offset += sum(len(tokens.text(t)) for t in new)
+            self.sent[index] = (len(c.token_ids), len(text), offset, c.finish_reason is not None)
+
+
+class TokenTexts:
+    """Each token's own bytes and text, for logprobs. The built-in model's tokens are bytes; a
+    token that is part of a multi-byte character shows as "bytes:\\xe2" (the OpenAI API's way)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.cache = tokenizer, {}
+        self.bytes_level = isinstance(tokenizer, demo.Tokenizer) and tokenizer.hf is None
+
+    def bytes(self, token_id):
+        if token_id not in self.cache:
+            self.cache[token_id] = (bytes([token_id]) if self.bytes_level else
+                                    self.tokenizer.decode([token_id]).encode("utf-8"))
+        return self.cache[token_id]
+
+    def text(self, token_id):  # its share of the completion's text
+        return self.bytes(token_id).decode("utf-8", errors="replace")
+
+    def token(self, token_id):  # the name it goes by in logprobs
+        raw = self.bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def likeliest(entry, k):
+    """The k likeliest (token_id, logprob) of an entry, likeliest first (the drawn token is in
+    the entry too, whether or not it is among them)."""
+    return sorted(entry.items(), key=lambda item: -item[1])[:k]
+
+
+def clamp(logprob):
+    return max(logprob, LOGPROB_FLOOR)
+
+
+def completion_logprobs(d, k, tokens):
+    """The completions API's logprobs of a delta: per token its text, logprob, offset, and the k
+    likeliest with the drawn one (so k or k + 1 of them)."""
+    offsets, offset = [], d.text_offset
+    for t in d.token_ids:
+        offsets.append(offset)
+        offset += len(tokens.text(t))
+    return dict(
+        tokens=[tokens.token(t) for t in d.token_ids],
+        token_logprobs=[clamp(e[t]) for t, e in zip(d.token_ids, d.logprobs)],
+        top_logprobs=[{tokens.token(i): clamp(lp) for i, lp in likeliest(e, k) + [(t, e[t])]}
+                      for t, e in zip(d.token_ids, d.logprobs)],
+        text_offset=offsets)
+
+
+def chat_logprobs(d, k, tokens):
+    """The chat API's logprobs of a delta: per token {token, logprob, bytes, top_logprobs}."""
+    def entry(t, lp):
+        return dict(token=tokens.token(t), logprob=clamp(lp), bytes=list(tokens.bytes(t)))
+    return dict(content=[entry(t, e[t]) | dict(top_logprobs=[entry(*x) for x in likeliest(e, k)])
+                         for t, e in zip(d.token_ids, d.logprobs)], refusal=None)
+
+
+def completion_choice(d, k, tokens):
+    return dict(index=d.index, text=d.text, finish_reason=d.finish_reason,
+                stop_reason=d.stop_reason,
+                logprobs=None if d.logprobs is None else completion_logprobs(d, k, tokens))
+
+
+def chat_choice(d, k, tokens, streaming):
+    content = {"delta": {"content": d.text}} if streaming else {
+        "message": {"role": "assistant", "content": d.text, "refusal": None}}
+    return dict(index=d.index, **content, finish_reason=d.finish_reason,
+                stop_reason=d.stop_reason,
+                logprobs=None if d.logprobs is None else chat_logprobs(d, k, tokens))
+
+
+def usage(finals):
+    """Tokens of the prompts (each once, however many samples) and of every choice."""
+    prompt = sum(len(out.prompt_token_ids) for out in finals)
+    completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
+    return dict(prompt_tokens=prompt, completion_tokens=completion,
+                total_tokens=prompt + completion,
+                prompt_tokens_details=dict(cached_tokens=sum(o.num_cached_tokens for o in finals)))
+
+
+# -----------------------------------------------------------------------------
+# The routes
+
+
+@dataclass
+class Call:
+    """One HTTP request on its way: its submissions and how to shape what comes back."""
+    chat: bool
+    req: OpenAIRequest
+    subs: list
+    logprobs: int | None  # k, when logprobs were asked for
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def envelope(self, model, choices, streaming, **more):
+        kind = ("chat.completion.chunk" if streaming else "chat.completion") if self.chat \
+            else "text_completion"
+        return dict(id=("chatcmpl-" if self.chat else "cmpl-") + self.id, object=kind,
+                    created=self.created, model=model, choices=choices, **more)
+
+    def choice(self, d, tokens, streaming):
+        return (chat_choice(d, self.logprobs, tokens, streaming) if self.chat
+                else completion_choice(d, self.logprobs, tokens))
+
+
+def prepare(req, served, chat):
+    """A request, checked in full, as a Call whose submissions are ready for the loop."""
+    check_model(req, served)
+    if req.stream_options is not None and not req.stream:
+        raise APIError("stream_options is only allowed with stream=true", "stream_options")
+    names = dict(max_tokens="max_tokens", logprobs="logprobs")  # SamplingParams' -> the request's
+    if chat:
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", "top_logprobs")
+        prompts = [chat_prompt(req, served)]
+        k = (req.top_logprobs or 0) if req.logprobs else None
+        names["logprobs"] = "top_logprobs"
+        max_tokens = req.max_tokens
+        if req.max_completion_tokens is not None:  # the newer name; it wins, as in vLLM
+            max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
+    else:
+        prompts, k, max_tokens = completion_prompts(req, served), req.logprobs, req.max_tokens
+    max_tokens = max_tokens_of(max_tokens, names["max_tokens"], served, prompts)
+    params = sampling_params(req, served, prompts, max_tokens, k, names)
+    queue = asyncio.Queue()
+    subs = [Submission(p, params, req.priority, queue, i) for i, p in enumerate(prompts)]
+    return Call(chat, req, subs, k)
+
+
+async def serve(call, loop, served, request):
+    """Submit the call's requests and answer: a stream of events, or one JSON body."""
+    if call.req.stream:  # it submits them when it starts: a client gone before, costs nothing
+        return StreamingResponse(events(call, loop, served), media_type="text/event-stream")
+    for sub in call.subs:
+        loop.submit(sub)
+    try:
+        finals = await until_disconnected(request, collect(call))
+    except StepFailed as e:
+        raise APIError(str(e), status=500) from None
+    finally:  # a client that left, or a failed sibling: stop the others too
+        loop.abort(call.subs)
+    tokens, cursor = served.tokens, Cursor(call.req.n)
+    choices = sorted((call.choice(d, tokens, False) for sub, out in finals
+                      for d in cursor.deltas(sub, out, tokens)), key=lambda c: c["index"])
+    return call.envelope(served.names[0], choices, False, usage=usage([o for _, o in finals]))
+
+
+async def collect(call):
+    """Each submission's final RequestOutput."""
+    return [(sub, out) async for sub, out in results(call.subs[0].outputs, call.subs)
+            if out.finished]
+
+
+async def until_disconnected(request, coro):
+    """coro's result; if the client disconnects first, coro is cancelled (its finally runs)."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # this handler cancelled (a shutdown) stops coro too
+        watcher.cancel()
+        gone = not task.done()
+        if gone:
+            task.cancel()
+    if gone:
+        raise APIError("the client disconnected", status=499)
+    return task.result()
+
+
+async def wait_for_disconnect(request):
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def events(call, loop, served):
+    """Server-sent events: a chunk per choice as it gains tokens, then usage if asked, then
+    [DONE]. Starlette cancels this generator when the client disconnects: finally aborts."""
+    model, tokens, cursor, finals = served.names[0], served.tokens, Cursor(call.req.n), []
+    try:
+        for sub in call.subs:
+            loop.submit(sub)
+        if call.chat:  # the OpenAI API's first chunk of each choice: the role, no content yet
+            for i in range(call.req.n):
+                yield sse(call.envelope(model, [dict(index=i, delta=dict(
+                    role="assistant", content=""), logprobs=None, finish_reason=None)], True))
+        async for sub, out in results(call.subs[0].outputs, call.subs):
+            for d in cursor.deltas(sub, out, tokens):
+                yield sse(call.envelope(model, [call.choice(d, tokens, True)], True))
+            finals += [out] if out.finished else []
+        if call.req.stream_options and call.req.stream_options.include_usage:
+            yield sse(call.envelope(model, [], True, usage=usage(finals)))
+    except (StepFailed, APIError) as e:  # the status line went out already: an error event
+        yield sse(error_body(str(e), "server_error"))
+    finally:
+        loop.abort(call.subs)
+    yield "data: [DONE]\n\n"
+
+
+def sse(payload):
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def metrics_text(s, model):
+    """Prometheus text (format 0.0.4): vLLM's metric names where it has one (a counter's name
+    ends in _total), nanopaged's where it has none; each sample labelled with the model."""
+    used, cpu = s["num_blocks"] - s["num_free_blocks"], s["num_cpu_blocks"]
+    queried, hits = s["prefix_cache_queried_tokens"], s["prefix_cache_hit_tokens"]
+    rows = [  # name, type, help, {finished_reason or None: value}
+        ("vllm:num_requests_running", "gauge", "Requests in model execution batches.",
+         s["num_requests_running"]),
+        ("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.",
+         s["num_requests_waiting"]),
+        ("vllm:num_requests_swapped", "gauge", "Requests swapped to CPU.",
+         s["num_requests_swapped"]),
+        ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+         used / s["num_blocks"]),
+        ("vllm:cpu_cache_usage_perc", "gauge", "CPU KV-cache (swap space) usage.",
+         (cpu - s["num_free_cpu_blocks"]) / cpu if cpu else 0.0),
+        ("nanopaged:num_blocks", "gauge", "KV blocks in the device pool.", s["num_blocks"]),
+        ("nanopaged:num_blocks_in_use", "gauge", "KV blocks that some sequence holds.", used),
+        ("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of "
+         "number of queried tokens.", queried),
+        ("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of "
+         "cached tokens.", hits),
+        ("vllm:gpu_prefix_cache_hit_rate", "gauge", "Prefix cache hits / queries, in tokens, "
+         "since the start.", hits / queried if queried else 0.0),
+        ("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions.",
+         s["num_preemptions"]),
+        ("vllm:prompt_tokens_total", "counter", "Prompt tokens of the requests prefilled.",
+         s["num_prompt_tokens"]),
+        ("vllm:generation_tokens_total", "counter", "Generated tokens.",
+         s["num_generated_tokens"]),
+        ("vllm:request_success_total", "counter", "Finished requests by finished_reason (abort: "
+         "the client left; error: a failed step).",
+         {r: s["finished"].get(r, 0) for r in ("stop", "length", "abort", "error")}),
+    ]
+    model = model.replace("\\", "\\\\").replace('"', '\\"')
+    lines = []
+    for name, kind, help_, values in rows:
+        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+        for reason, value in (values.items() if isinstance(values, dict) else [(None, values)]):
+            reason = f',finished_reason="{reason}"' if reason else ""
+            lines.append(f'{name}{{model_name="{model}"{reason}}} {value}')
+    return "\n".join(lines) + "\n"
+
+
+def build_app(engine, served):
+    """The FastAPI app: the routes over one EngineLoop, started with the app and stopped with
+    it."""
+    loop = None
+
+    @asynccontextmanager
+    async def lifespan(app):
+        nonlocal loop
+        loop = EngineLoop(engine)
+        task = asyncio.create_task(loop.run())
+        yield
+        task.cancel()
+
+    app = FastAPI(title="nanopaged", lifespan=lifespan)
+    app.add_exception_handler(APIError, lambda request, e: e.response())
+    app.add_exception_handler(RequestValidationError,
+                              lambda request, e: validation_error(e).response())
+    app.add_exception_handler(HTTPException, lambda request, e: APIError(
+        str(e.detail), status=e.status_code).response())
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        return await serve(prepare(req, served, chat=False), loop, served, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        return await serve(prepare(req, served, chat=True), loop, served, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return dict(object="list", data=[dict(
+            id=served.names[0], object="model", created=int(time.time()), owned_by="nanopaged",
+            root=served.path, max_model_len=served.max_seq_len)])
+
+    @app.get("/health")
+    async def health():  # 200 while the engine loop runs (vLLM's): it may be mid-step
+        return Response(status_code=503 if loop.dead else 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(metrics_text(await loop.stats(), served.names[0]),
+                                 media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+# -----------------------------------------------------------------------------
+# The command line
+
+
+def argument_parser():
+    p = demo.add_engine_flags(argparse.ArgumentParser(
+        description="An OpenAI-compatible HTTP server over nanopaged's engine.",
+        epilog="--num-blocks defaults here to the engine's own sizing, not the demo's 96: as vLLM"
+        " sizes its cache, enough for max_num_seqs sequences of max_seq_len tokens, within 90% "
+        "of free GPU memory (1 GiB on a CPU). The sampling flags are the defaults of the "
+        "request fields a client leaves out."))
+    p.set_defaults(num_blocks=None)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only; "
+                   "0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    p.add_argument("--served-model-name",
+                   help="the model name clients send and /v1/models lists (default: the "
+                   "folder's name); --model's value is accepted too")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level; info logs a line per request (default info)")
+    return p
+
+
+def served_model(args, model, engine, tokenizer):
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    return ServedModel(
+        names=[name, args.model], path=args.model, tokenizer=tokenizer,
+        max_seq_len=model.config.max_seq_len, vocab_size=model.config.vocab_size,
+        defaults={k: getattr(args, k) for k in DEFAULT_FIELDS},
+        priority_scheduling=args.scheduling_policy == "priority",
+        check_request=engine.check_request)
+
+
+def main(argv=None):
+    args = argument_parser().parse_args(argv)
+    try:
+        if args.tensor_parallel_size != 1:  # ranks step in lockstep; one process serves HTTP
+            raise ValueError("--tensor-parallel-size: the server runs in one process, "
+                             "without torchrun; use 1")
+        model, engine, tokenizer = demo.load(args)
+    except ValueError as e:
+        sys.exit(f"server.py: error: {e}")
+    served = served_model(args, model, engine, tokenizer)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    logger.info("model %s as %r: max_seq_len %d; KV pool %d blocks x %d tokens on %s",
+                args.model, served.names[0], served.max_seq_len, engine.allocator.num_blocks,
+                engine.block_size, engine.device)
+    # a stream still open at shutdown gets a few seconds, then is cut
+    uvicorn.run(build_app(engine, served), host=args.host, port=args.port,
+                log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+
+
+# -----------------------------------------------------------------------------
+# A server in a subprocess, for the tests and bench.py --serve
+
+
+def free_port(host="127.0.0.1"):
+    """A port nothing listens on now (another process may yet take it before the server does;
+    a server that cannot bind exits, which running_server reports)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def running_server(argv=(), timeout_s=60, log=subprocess.DEVNULL):
+    """`python server.py *argv` in a subprocess on a free port of 127.0.0.1, for tests and
+    bench.py: yields its base URL once /health answers, within timeout_s; on exit it is stopped,
+    and killed if it has not stopped within 10 s. log: where its output goes (a file, not a
+    pipe nobody reads, which would fill and block it; opened "w+", a failed start quotes it)."""
+    port = free_port()
+    here = os.path.dirname(os.path.abspath(__file__))
+    process = subprocess.Popen([sys.executable, os.path.join(here, "server.py"), "--host",
+                                "127.0.0.1", "--port", str(port), *argv], stdout=log,
+                               stderr=subprocess.STDOUT, cwd=here)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not healthy(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                why = (f"exited with {process.returncode}" if process.poll() is not None else
+                       f"did not answer /health within {timeout_s} s")
+                raise RuntimeError(f"server.py {why}; its output:\n{read_back(log)}")
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def read_back(log, limit=3000):
+    """The end of what a server wrote to log, if log is a file opened for reading too."""
+    try:
+        log.flush()
+        log.seek(0)
+        return log.read()[-limit:]
+    except (AttributeError, OSError, ValueError):  # DEVNULL, or a file opened "w"
+        return "(not kept: pass running_server a file opened with 'w+')"
+
+
+def healthy(url):
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:  # not listening yet (or 503: HTTPError is an OSError too)
+        return False
+
+
+if __name__ == "__main__":
+    main()
