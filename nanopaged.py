@@ -13,10 +13,11 @@ sequences onto the device as the blocks allow and preempts when they run out.
 Sections, in reading order, each built on the ones before it: 1. sequences, requests and
 their lifecycle; 2. the block allocator; 3. the prefix cache; 4. the swap pool; 5. the
 scheduler; 6. tensor parallelism; 7. the model; 8. the model runner; 9. sampling; 10. output
-processing; 11. the engine. An appendix holds the metrics. The attention kernels live in
-kernel.py, the only file this one imports; checkpoint loading (checkpoints.py), speculative
-decoding's proposers (speculative.py) and the demo (demo.py) sit above it, each reached by one
-lazy import where it is needed.
+processing; 11. the engine. An appendix holds the checks of settings and requests, and the
+metrics. The attention kernels live in kernel.py, the only file this one imports at load;
+checkpoint loading (checkpoints.py), speculative decoding's proposers (speculative.py), text
+and stop strings (detokenizer.py) and the demo (demo.py) are each reached by one lazy import
+where it is needed.
 Run `python nanopaged.py`, or `torchrun --nproc-per-node 2 nanopaged.py
 --tensor-parallel-size 2` to split the model and its KV cache across two processes.
 """

@@ -4214,6 +4214,75 @@ def test_cuda_without_a_gpu_is_a_clear_error():
         Engine(MODEL, block_size=4, num_blocks=8, device="cuda")
 
 
+def counters_from_the_outside(engine, queue_before, seen):
+    """stats()'s counters as the queues, block tables and streamed outputs imply them, each
+    derived apart from engine_stats: blocks held are the union of the tables, a slot is filled
+    once however many tables share its block, a preemption is a request that was running before
+    a step and is waiting or swapped after it."""
+    s, a, bs = engine.scheduler, engine.allocator, engine.block_size
+    running = [seq for g in s.running for seq in g.seqs]
+    held = {b for seq in running for b in seq.block_table}
+    filled = {(seq.block_table[i // bs], i % bs) for seq in running
+              for i in range(seq.num_computed_tokens)}
+    queue_after = {g.request_id: name for name in ("waiting", "running", "swapped")
+                   for g in getattr(s, name)}
+    return dict(
+        num_free_blocks=a.num_blocks - len(held),
+        num_free_cpu_blocks=a.swap_pool.num_blocks - len(
+            {b for g in s.swapped for seq in g.seqs for b in seq.block_table}),
+        num_cached_blocks=len({b.block_id for b in a.blocks if b.hash is not None} - held),
+        num_logical_blocks=sum(len(seq.block_table) for seq in running),
+        kv_utilization=len(filled) / (len(held) * bs) if held else 0.0,
+        num_running=len(running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
+        preempted=sum(queue_before.get(r) == "running" and q in ("waiting", "swapped")
+                      for r, q in queue_after.items()),
+        generated=sum(len(c.token_ids) for c in seen.values()),
+    ), queue_after
+
+
+@pytest.mark.engine
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 7), min_size=1, max_size=10),
+                                   st.integers(1, 6), st.sampled_from(["greedy", "seeded", "n=2"])),
+                         min_size=1, max_size=6),
+       shared=st.lists(st.integers(0, 7), max_size=6), block_size=st.sampled_from([1, 2, 4]),
+       spare=st.integers(0, 8), mode=st.sampled_from(["recompute", "swap"]),
+       caching=st.booleans(), abort_at=st.sets(st.integers(0, 30), max_size=2))
+@example(requests=[([1, 2, 3], 6, "n=2"), ([1, 2, 3], 6, "seeded")], shared=[4, 5, 6, 7],
+         block_size=2, spare=0, mode="swap", caching=True, abort_at=set())
+def test_stats_counters_are_what_the_queues_and_tables_imply(
+        requests, shared, block_size, spare, mode, caching, abort_at):
+    """After every step, stats() against counters_from_the_outside(): free and cached blocks,
+    the sharing it reports, the slots filled, the queues, preemptions step by step, and every
+    token drawn (each sample's streamed tokens, aborted ones too)."""
+    prompts = [shared + prompt for prompt, _, _ in requests]
+    params = [SamplingParams(max_tokens=m, temperature=0 if kind == "greedy" else 1.0, seed=i,
+                             n=2 if kind == "n=2" else 1)
+              for i, (_, m, kind) in enumerate(requests)]
+    worst = max(p.n * -(-(len(q) + p.max_tokens) // block_size) for q, p in zip(prompts, params))
+    engine = Engine(MODEL, block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
+                    enable_prefix_caching=caching, max_num_batched_tokens=6, max_num_seqs=4)
+    for prompt, p in zip(prompts, params):
+        engine.add_request(prompt, p)
+    queues, seen, preemptions = {}, {}, 0  # seen: (request, sample) -> its latest output
+    for i in range(300):
+        if not engine.requests:
+            break
+        if i in abort_at:
+            engine.abort(sorted(engine.requests)[0])
+        for out in engine.step():
+            seen.update(((out.request_id, c.index), c) for c in out.outputs)
+        expected, queues = counters_from_the_outside(engine, queues, seen)
+        preemptions += expected.pop("preempted")
+        stats = engine.stats()
+        assert stats["num_preemptions"] == preemptions
+        assert stats["num_generated_tokens"] == expected.pop("generated")
+        assert stats["kv_utilization"] == pytest.approx(expected.pop("kv_utilization"))
+        assert {k: stats[k] for k in expected} == expected
+    assert not engine.requests
+    event(f"preempted: {preemptions > 0}")
+
+
 # -----------------------------------------------------------------------------
 # checkpoints.py: Hugging Face folders, their config dialects, shards, dtypes,
 # generation_config.json and chat templates  (-m checkpoints)
