@@ -31,7 +31,7 @@ import sys
 import time
 from bisect import insort
 from collections import Counter, deque
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from datetime import timedelta
 from heapq import heappop, heappush
 from types import SimpleNamespace
@@ -1582,25 +1582,23 @@ class SamplingMetadata:
 
     def default(self, name):
         """A parameter's default, read from the class of a row that has it: a fork may add a
-        parameter in a subclass of SamplingParams, and give it to some requests only."""
-        return next(type(p).__dataclass_fields__[name].default for p in self.params
-                    if name in type(p).__dataclass_fields__)
-
-    def value(self, p, name):  # the row's own, or the default where its params lack it
-        return getattr(p, name) if hasattr(p, name) else self.default(name)
+        parameter in a subclass of SamplingParams, and give it to some requests only (MISSING:
+        to none)."""
+        return next((type(p).__dataclass_fields__[name].default for p in self.params
+                     if name in type(p).__dataclass_fields__), MISSING)
 
     def uses(self, name):
         """Whether any row sets the parameter away from its default."""
-        if not any(hasattr(p, name) for p in self.params):
-            return False
         default = self.default(name)
-        return any(self.value(p, name) not in (default, []) for p in self.params)
+        return any(getattr(p, name, default) not in (default, []) for p in self.params)
 
     def column(self, name, dtype=torch.float64):
-        """(R,) every row's parameter, on the logits' device."""
+        """(R,) every row's parameter (the default where its params lack it), on the logits'
+        device."""
         if (name, dtype) not in self.columns:
-            self.columns[name, dtype] = torch.tensor([self.value(p, name) for p in self.params],
-                                                     dtype=dtype, device=self.device)
+            default = self.default(name)
+            self.columns[name, dtype] = torch.tensor(
+                [getattr(p, name, default) for p in self.params], dtype=dtype, device=self.device)
         return self.columns[name, dtype]
 
     def prompt_ids(self, r):

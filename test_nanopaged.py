@@ -1815,14 +1815,20 @@ FAILURE_AFTER_KV = ["last layer", "sample", "stop check"]
                         max_size=5),
        where=st.sampled_from(FAILURE_AFTER_KV), at=st.integers(1, 8),
        block_size=st.sampled_from([1, 2, 3]), spare=st.integers(0, 4),
-       mode=st.sampled_from(["recompute", "swap"]))
+       mode=st.sampled_from(["recompute", "swap"]), then=st.sampled_from(["retry", "abort"]))
+# the failed step evicts a cached block of the second prompt to grow the first: once aborted,
+# nothing takes that block again, and its prefix must not come back with the step's K/V in it
+@example(prompts=[[1, 2, 3, 4], [5, 6, 7, 0]], where="last layer", at=4, block_size=2,
+         spare=0, mode="recompute", then="abort")
 def test_after_a_failed_step_the_prefix_cache_holds_only_what_its_tokens_produce(
-        prompts, where, at, block_size, spare, mode):
+        prompts, where, at, block_size, spare, mode, then):
     """A step fails after its K/V writes (in the model's last layer, in sampling, in a stop
     check), in a pool tight enough that the step hands out cached blocks and writes into them.
-    Then requests that share every prefix the failed step touched (every prompt and every output
-    so far, again) are served: their outputs equal a run without the failure, and every block the
-    prefix cache holds holds exactly the K/V its tokens produce."""
+    Its requests are retried, or aborted (as server.py does with a failed step's requests), so
+    the next step need not take those blocks again. Then requests that share every prefix the
+    failed step touched (every prompt and every output so far, again) are served: their outputs
+    equal a run without the failure, and every block the prefix cache holds holds exactly the
+    K/V its tokens produce."""
     params = SamplingParams(max_tokens=4, temperature=0)
     worst = -(-(max(map(len, prompts)) + 6) // block_size)  # the longest request of both rounds
     settings_ = dict(block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
@@ -1848,18 +1854,24 @@ def test_after_a_failed_step_the_prefix_cache_holds_only_what_its_tokens_produce
             if not engine.requests:
                 break
             try:
-                outputs.update({o.request_id: o for o in engine.step() if o.finished})
+                outputs.update({o.request_id: o for o in engine.step()})  # the latest of each
             except RuntimeError as e:
                 assert "injected" in str(e)
-    texts = [p + outputs[i].outputs[0].token_ids for p, i in zip(prompts, ids)]
+                for request_id in list(engine.requests) if then == "abort" else []:
+                    engine.abort(request_id)
+    texts = [p + (outputs[i].outputs[0].token_ids if i in outputs else [])
+             for p, i in zip(prompts, ids)]
+    prefixes = {}
+    for t in texts:
+        prefixes |= keys_of(t, block_size)
+    cached_kv_is_recomputed_kv(engine, prefixes)  # before a later request could evict any
     again = [t[:n] for t in texts for n in range(1, len(t))]  # every prefix, again
     second = engine.generate(again, SamplingParams(max_tokens=2, temperature=0))
     plain = Engine(MODEL, block_size=block_size, num_blocks=256, enable_prefix_caching=False)
     assert [o.outputs[0].token_ids for o in second] == \
         [o.outputs[0].token_ids for o in plain.generate(again, SamplingParams(max_tokens=2,
                                                                               temperature=0))]
-    prefixes = {}
-    for t in texts + [a + o.outputs[0].token_ids for a, o in zip(again, second)]:
+    for t in [a + o.outputs[0].token_ids for a, o in zip(again, second)]:
         prefixes |= keys_of(t, block_size)
     cached_kv_is_recomputed_kv(engine, prefixes)
     event(f"failed: {calls[0] >= at}")
