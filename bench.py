@@ -15,8 +15,10 @@ results/. The paper's figures are quoted next to ours (Kwon et al., SOSP 2023).
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import gc
+import io
 import itertools
 import json
 import math
@@ -24,6 +26,7 @@ import os
 import platform
 import random
 import re
+import shutil
 import tempfile
 import time
 import timeit
@@ -1554,11 +1557,50 @@ QUICK = dict(memory=dict(num_requests=20),
              tensor_parallel=dict(num_requests=2, max_tokens=8),
              soak=dict(num_requests=1000),
              serve=dict(num_requests=8, rates=(16.0,), max_output=16, rounds=1))
+def bench_page():
+    """The README's picture: the page `python nanopaged.py --html` writes, in headless Chromium
+    at a laptop's 1366 x 768, moved to the step where the most blocks are shared, the block with
+    the highest ref count hovered (its tooltip open)."""
+    import demo
+    import pagetrace
+    browser = next(filter(None, map(shutil.which, ("chromium-headless-shell", "chromium"))), None)
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        sync_playwright = None
+    if not (browser and sync_playwright):
+        print("\n--page: skipped: it needs a headless Chromium and the playwright package")
+        return {}
+    html = os.path.join(tempfile.mkdtemp(prefix="bench-page-"), "paging.html")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        run = demo.main(["--html", html])
+    states = pagetrace.replay(run["engine"].observer.events)
+    shared = [sum(n > 1 for n in pool.ref_counts().values()) for _, pool in states]
+    at = shared.index(max(shared))
+    refs = states[at][1].ref_counts()
+    block = max(refs, key=refs.get)
+    png = os.path.join(OUT_DIR, "paging.png")
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=browser)
+        try:
+            page = chromium.new_page(viewport=dict(width=1366, height=768))
+            page.goto("file://" + os.path.abspath(html))
+            page.locator("#slider").fill(str(at))
+            page.locator(f'#pool [data-block="{block}"]').hover()
+            page.screenshot(path=png)
+        finally:
+            chromium.close()
+    print(f"\nThe page of python nanopaged.py --html at step {states[at][0]} ({max(shared)} blocks "
+          f"shared), block {block} hovered (ref count {refs[block]}): {png}")
+    return dict(step=states[at][0], shared_blocks=max(shared), hovered_block=block,
+                ref_count=refs[block])
+
+
 SECTIONS = dict(memory=bench_memory, capacity=bench_capacity, sharing=bench_sharing,
                 throughput=bench_throughput, logprobs=bench_logprobs,
                 speculative=bench_speculative, kernel=bench_kernel, quality=bench_quality,
                 overhead=bench_overhead, tensor_parallel=bench_tensor_parallel,
-                serve=bench_serve)
+                serve=bench_serve, page=bench_page)
 
 
 def main():
@@ -1582,6 +1624,8 @@ def main():
         "and time in collectives: tp=1 vs tp=2 on the CPU (gloo)",
         serve="requests/s, output tokens/s, TTFT, TPOT, ITL through server.py over HTTP\n"
               "(Poisson arrivals, streaming openai clients) against Engine.generate",
+        page="results/paging.png, README's picture: python nanopaged.py --html's page in\n"
+             "headless Chromium at the step with the most sharing",
         aot="with --kernel: compile the Triton kernels for sm_80/86/90 instead (no GPU\n"
             "needed); print registers, spills, shared memory, programs per SM and the\n"
             "K/V loop's SASS length")

@@ -6013,7 +6013,7 @@ def test_bench_quick_runs_every_section_and_leaves_the_readmes_results_alone():
     results = json.load(open(written))
     assert set(results) >= (set(checked) if FAST else {
         "memory", "capacity", "sharing", "throughput", "kernel", "overhead", "tensor_parallel",
-        "soak", "quality"})
+        "soak", "quality", "page"})
     # the same bytes: an fp8 pool holds every request the fp32 pool held, and the loss moves
     assert results["capacity"]["paged fp8 @ inf/s"]["peak_running"] >= \
         results["capacity"]["paged @ inf/s"]["peak_running"]
