@@ -1810,7 +1810,7 @@ FAILURE_AFTER_KV = ["last layer", "sample", "stop check"]
 
 
 @pytest.mark.prefix_cache
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompts=st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=10), min_size=2,
                         max_size=5),
        where=st.sampled_from(FAILURE_AFTER_KV), at=st.integers(1, 8),
@@ -2438,7 +2438,7 @@ def checked_budgets(engine):
 @pytest.mark.scheduler
 @pytest.mark.parametrize("width,slack", [(2, 0), (3, 1), (4, 0)])
 @pytest.mark.parametrize("kind", ["n", "beam"])
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), mode=st.sampled_from(["recompute", "swap"]),
        block_size=st.sampled_from([1, 2]))
 def test_every_step_keeps_its_budgets_with_groups_as_large_as_they_allow(width, slack, kind,
@@ -3637,7 +3637,7 @@ def test_stop_tokens_always_stop_and_max_tokens_is_exact(
 
 
 @pytest.mark.beam
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompt=st.lists(st.integers(0, 31), min_size=1, max_size=6), width=st.integers(2, 4),
        length_penalty=st.sampled_from([1.0, 0.5, 2.0]), max_tokens=st.integers(2, 6))
 def test_streamed_beams_come_best_first_by_the_final_ranking(prompt, width, length_penalty,
@@ -4879,7 +4879,7 @@ def naive_ngram(tokens, max_n, min_n, k):
 
 
 @pytest.mark.speculative
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=30), max_n=st.integers(1, 5),
        spread=st.integers(0, 4), k=st.integers(1, 6))
 def test_the_ngram_proposer_is_prompt_lookup_by_its_definition(tokens, max_n, spread, k):
@@ -5776,7 +5776,7 @@ def assert_replay_is_the_engine(pool, engine):
 
 
 @pytest.mark.trace
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=st.lists(st.tuples(st.lists(st.integers(0, 7), min_size=1, max_size=10),
                                    st.integers(1, 6),
                                    st.sampled_from(["greedy", "seeded", "n=2", "beam=2"])),
