@@ -5148,6 +5148,23 @@ def test_the_demo_speculates_with_the_built_in_draft_and_says_how_much_it_kept(c
 
 
 @pytest.mark.demo
+def test_readmes_python_use_runs_as_printed(tmp_path):
+    """README's "Use it from Python" block, as a user would paste it, in a folder of their own
+    (the built-in model reached as models/pydoc-gpt): it runs, streams, and writes its page."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    readme = open(os.path.join(here, "README.md")).read()
+    section = readme.split("\n## Use it from Python\n", 1)[1].split("\n## ", 1)[0]
+    (code,) = re.findall(r"```python\n(.*?)```", section, re.S)
+    os.symlink(os.path.join(here, "models"), tmp_path / "models")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=here))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert re.match(r"'.*' (stop|length) ", run.stdout)  # the first sample's text and end
+    assert "True" in run.stdout and "num_free_blocks" in run.stdout  # a finished stream, stats
+    assert "<html" in (tmp_path / "paging.html").read_text()[:500].lower()
+
+
+@pytest.mark.demo
 def test_demo_takes_the_kv_cache_dtype_from_the_command_line(capsys):
     report = demo.main(["--prompt", "def ", "--max-tokens", "4", "--temperature", "0",
                              "--kv-cache-dtype", "fp8_e5m2"])
