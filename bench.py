@@ -1556,7 +1556,7 @@ QUICK = dict(memory=dict(num_requests=20),
                            observer=dict(sizes=(16,), prompt_len=16, steps=5, rounds=1)),
              tensor_parallel=dict(num_requests=2, max_tokens=8),
              soak=dict(num_requests=1000),
-             serve=dict(num_requests=8, rates=(16.0,), max_output=16, rounds=1))
+             serve=dict(num_requests=8, rates=(16.0,), max_output=16, rounds=1), page={})
 def bench_page():
     """The README's picture: the page `python nanopaged.py --html` writes, in headless Chromium
     at a laptop's 1366 x 768, moved to the step where the most blocks are shared, the block with
