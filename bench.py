@@ -1167,18 +1167,24 @@ def time_block_take(num_blocks, policy, reps=2000):
     return (time.perf_counter() - start) / reps * 1e6
 
 
+def decoding_engine(n, prompt_len, max_tokens, block_size, num_blocks, observer=None):
+    """A no-op model's engine whose n sequences decode at every step from here on: their
+    prompts of prompt_len prefilled and 10 steps warmed up, each with room for max_tokens."""
+    engine = Engine(NoOpModel(), block_size=block_size, num_blocks=num_blocks, max_num_seqs=n,
+                    max_num_batched_tokens=n * prompt_len, device="cpu", observer=observer)
+    for _ in range(n):
+        engine.add_request([1] * prompt_len, SamplingParams(max_tokens=max_tokens,
+                                                            temperature=0, ignore_eos=True))
+    for _ in range(10):
+        engine.step()
+    return engine
+
+
 def decode_steps(n, prompt_len, steps, observer=None, block_size=4, rounds=5):
     """Median seconds per engine.step() of n decoding sequences (a no-op model; small blocks, so
-    that blocks fill and are published often), the best of `rounds` interleaved engines."""
-    engine = Engine(NoOpModel(), block_size=block_size, num_blocks=n * (prompt_len + steps * rounds
-                                                                      + 40) // block_size,
-                    max_num_seqs=n, max_num_batched_tokens=n * prompt_len, device="cpu",
-                    observer=observer)
-    for _ in range(n):
-        engine.add_request([1] * prompt_len, SamplingParams(max_tokens=steps * rounds + 20,
-                                                            temperature=0, ignore_eos=True))
-    for _ in range(10):  # prefill, and warm up
-        engine.step()
+    that blocks fill and are published often), with room for `rounds` such runs."""
+    engine = decoding_engine(n, prompt_len, steps * rounds + 20, block_size,
+                             n * (prompt_len + steps * rounds + 40) // block_size, observer)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -1225,15 +1231,7 @@ def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
     time; and the time to take a block from free lists of up to 100k cached blocks."""
     results, rows = {}, []
     for n in sizes:
-        engine = Engine(NoOpModel(), block_size=16, num_blocks=n * 16, max_num_seqs=n,
-                        max_num_batched_tokens=n * prompt_len, device="cpu")
-        for _ in range(n):
-            engine.add_request([1] * prompt_len,
-                               SamplingParams(max_tokens=steps + 20, temperature=0,
-                                              ignore_eos=True))
-        # prefill everything, and warm up: from here on every step decodes n sequences
-        for _ in range(10):
-            engine.step()
+        engine = decoding_engine(n, prompt_len, steps + 20, block_size=16, num_blocks=n * 16)
         # start clean: garbage from the sizes before would bill this one for its collection
         gc.collect()
         # (steps, 5) us per sequence

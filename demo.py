@@ -32,10 +32,11 @@ DEMO_TOPICS = ["The for statement", "A list", "The import system", "Exceptions",
                "Comparisons", "Assignment statements", "Keyword arguments", "The assert statement",
                "Modules", "Sequences", "Numbers", "The if statement"]
 CELLS = "abcdefghijklmnopqrstuvwxyz"
-# what the sampling flags default to when neither they nor generation_config.json set them
-SAMPLING_DEFAULTS = dict(temperature=0.8, top_k=0, top_p=0.95, min_p=0.0, repetition_penalty=1.0,
-                         presence_penalty=0.0, frequency_penalty=0.0, min_tokens=0)
 PENALTIES = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens")
+# what the sampling flags default to when neither they nor generation_config.json set them: the
+# demo's own temperature and top_p, SamplingParams' defaults for the rest
+SAMPLING_DEFAULTS = dict(temperature=0.8, top_k=0, top_p=0.95, **{
+    key: SamplingParams.__dataclass_fields__[key].default for key in PENALTIES})
 
 
 class Tokenizer:

@@ -454,7 +454,7 @@ class BlockAllocator:
         """Give a new (or recomputing) sequence a block table covering all its tokens, reusing
         cached prefix blocks. Sets seq.num_computed_tokens to the tokens found in the cache."""
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
-        num_taken = self.num_blocks_to_allocate(seq)
+        num_taken = self.num_blocks_to_allocate(seq)  # what a fork's override says, too
         if num_taken > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {num_taken} blocks, "
                                    f"{self.num_free_blocks} are free")
@@ -761,22 +761,22 @@ class SwapPool:
                     kept.setdefault(seq.block_table[i], block_id)
         return kept
 
-    def num_blocks_to_swap_in(self, seqs):
+    def num_blocks_to_swap_in(self, seqs, kept=None):
         """Free device blocks swap_in(seqs) takes: a fresh one per CPU block, but none for a
-        block the prefix cache still holds on the device, unless that one is free too."""
-        kept = self._still_cached(seqs)
+        block the prefix cache still holds on the device (kept), unless that one is free too."""
+        kept = self._still_cached(seqs) if kept is None else kept
         revived = {b for b in kept.values() if self.allocator.blocks[b].ref_count == 0}
         return len(blocks_held(seqs) - kept.keys()) + len(revived)
 
-    def can_swap_in(self, seqs):
-        return self.num_blocks_to_swap_in(seqs) <= self.allocator.num_free_blocks
+    def can_swap_in(self, seqs, kept=None):
+        return self.num_blocks_to_swap_in(seqs, kept) <= self.allocator.num_free_blocks
 
     def swap_in(self, seqs):
         """Bring swapped-out seqs back; returns the (cpu block, device block) copies to perform,
         which land before the step runs. Their fresh blocks are published again."""
-        if not self.can_swap_in(seqs):
-            raise OutOfBlocksError("not enough free device blocks to swap these sequences in")
         a, kept = self.allocator, self._still_cached(seqs)
+        if not self.can_swap_in(seqs, kept):
+            raise OutOfBlocksError("not enough free device blocks to swap these sequences in")
         a.txn.save(self)
 
         def take(cpu_block):
@@ -1924,7 +1924,6 @@ def beam_search_step(group, logits, stops, fork, free, eos_token_ids=frozenset()
     params, beams = group.params, group.seqs
     width = params.beam_width
     logprobs = logits.double().log_softmax(-1)                                           # (k, V)
-    # the penalties and min_tokens act on log-probabilities, as transformers' processors do
     meta = SamplingMetadata([params] * len(beams), beams, [[]] * len(beams),
                             [None] * len(beams), set(eos_token_ids), logprobs.device)
     for step in LOGITS_STEPS:

@@ -57,8 +57,7 @@ logger = logging.getLogger("nanopaged.server")
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs; the OpenAI API's top_logprobs allows 0-20
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM sends this for a token the model rules out
 # the server's sampling flags: the default of each request field left out
-DEFAULT_FIELDS = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty",
-                  "presence_penalty", "frequency_penalty", "min_tokens")
+DEFAULT_FIELDS = tuple(demo.SAMPLING_DEFAULTS)
 
 # -----------------------------------------------------------------------------
 # Request bodies: the OpenAI API's fields and vLLM's extensions, under their names. Strict:
