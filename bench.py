@@ -44,7 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from demo import DEMO_MODEL  # noqa: E402
 from nanopaged import (GPT, EVICTION_POLICIES, BlockAllocator, Engine, GPTConfig,  # noqa: E402
-                       SamplingParams, Sequence, request_output, step_chunks)
+                       SamplingParams, Sequence, cdiv, step_chunks)
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SEED = 0
@@ -177,7 +177,8 @@ class ReservingAllocator(BlockAllocator):
 
     def allocate(self, seq):
         super().allocate(seq)
-        seq.block_table += [self._take() for _ in range(self.blocks_per_seq - len(seq.block_table))]
+        for _ in range(self.blocks_per_seq - len(seq.block_table)):
+            seq.block_table.append(self.take())
 
 
 def serve_trace(engine, prompts, trace, arrival_rate, seed=SEED):
@@ -1126,23 +1127,29 @@ class NoOpModel(nn.Module):
         return torch.zeros(len(batch.logits_indices), self.config.vocab_size)
 
 
+PHASES = ("plan", "prepare", "model", "decide", "commit")
+
+
 def timed_step(engine):
-    """Engine.step, phase by phase: seconds saving what a failure would roll back, in the scheduler,
-    input preparation, model, postprocess."""
-    start = time.perf_counter()
-    engine.begin_step()
+    """Engine.step, phase by phase, in seconds: the plan (the scheduler, its changes journaled),
+    preparing the batch (block copies, the input tensors), the (no-op) model, deciding (draws
+    and stops) and the commit (tokens, outputs)."""
     t0 = time.perf_counter()
-    out = engine.scheduler.schedule()
+    engine.allocator.begin()
+    plan = engine.plan()
     t1 = time.perf_counter()
-    engine.model_runner.copy_blocks(out)
-    batch = engine.model_runner.prepare(step_chunks(out.scheduled, {}))
+    engine.model_runner.copy_blocks(plan)
+    batch = engine.model_runner.prepare(step_chunks(plan.scheduled, {}))
     t2 = time.perf_counter()
-    logits = engine.model(batch.input_ids, batch, engine.kv_cache)
+    with torch.inference_mode():
+        logits = engine.model(batch.input_ids, batch, engine.kv_cache)
     t3 = time.perf_counter()
-    for group in engine.output_processor.process(out.scheduled, logits):
-        request_output(group)
+    result = engine.output_processor.decide(plan, logits, {})
     t4 = time.perf_counter()
-    return t0 - start, t1 - t0, t2 - t1, t3 - t2, t4 - t3
+    engine.allocator.end()
+    engine.commit(plan, result)
+    t5 = time.perf_counter()
+    return t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4
 
 
 def time_block_take(num_blocks, policy, reps=2000):
@@ -1163,14 +1170,15 @@ def time_block_take(num_blocks, policy, reps=2000):
         one.num_computed_tokens = 1
         a.cache_full_blocks(one)
         a.free(one)
-    a.begin()  # drop the journal of changes, as each engine step does
     return (time.perf_counter() - start) / reps * 1e6
 
 
 def decoding_engine(n, prompt_len, max_tokens, block_size, num_blocks, observer=None):
     """A no-op model's engine whose n sequences decode at every step from here on: their
-    prompts of prompt_len prefilled and 10 steps warmed up, each with room for max_tokens."""
-    engine = Engine(NoOpModel(), block_size=block_size, num_blocks=num_blocks, max_num_seqs=n,
+    prompts of prompt_len prefilled (one prompt, so they share its full blocks) and 10 steps
+    warmed up, each with room for max_tokens."""
+    model = NoOpModel(max_seq_len=prompt_len + max_tokens)
+    engine = Engine(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=n,
                     max_num_batched_tokens=n * prompt_len, device="cpu", observer=observer)
     for _ in range(n):
         engine.add_request([1] * prompt_len, SamplingParams(max_tokens=max_tokens,
@@ -1225,29 +1233,52 @@ def observer_cost(sizes=(32, 256), prompt_len=64, steps=20, rounds=3):
     return results
 
 
+def engine_phases(n, prompt_len, steps, block_size=16):
+    """(steps, phases) microseconds per sequence of n decoding sequences' steps, and the engine's
+    own time (all but the no-op model) per step."""
+    engine = decoding_engine(n, prompt_len, steps + 20, block_size,
+                             cdiv(prompt_len, block_size) + n * cdiv(steps + 40, block_size))
+    # start clean: garbage from the sizes before would bill this one for its collection
+    gc.collect()
+    phases = np.array([timed_step(engine) for _ in range(steps)]) * 1e6 / n  # (steps, 5)
+    return phases, phases[:, [0, 1, 3, 4]].sum(axis=1)
+
+
 def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
+                   contexts=(128, 1024, 4096, 16384), context_sizes=(64, 256),
                    take_sizes=(1_000, 10_000, 100_000), observer=None):
     """Median over decode steps (the garbage collector's pauses included) of the engine's own
-    time; and the time to take a block from free lists of up to 100k cached blocks."""
+    time: by running sequences, and by context length (the step's work is the same, so its cost
+    should be too); and the time to take a block from free lists of up to 100k cached blocks."""
     results, rows = {}, []
     for n in sizes:
-        engine = decoding_engine(n, prompt_len, steps + 20, block_size=16, num_blocks=n * 16)
-        # start clean: garbage from the sizes before would bill this one for its collection
-        gc.collect()
-        # (steps, 5) us per sequence
-        phases = np.array([timed_step(engine) for _ in range(steps)]) * 1e6 / n
-        engine_us = phases[:, [0, 1, 2, 4]].sum(axis=1)  # all but the (no-op) model
-        median = dict(zip(("save", "schedule", "prepare", "model", "postprocess"),
-                          np.median(phases, axis=0).tolist()))
+        phases, engine_us = engine_phases(n, prompt_len, steps)
+        median = dict(zip(PHASES, np.median(phases, axis=0).tolist()))
         results[n] = dict(engine_us_per_seq=float(np.median(engine_us)),
                           fastest_step_us_per_seq=float(engine_us.min()),
                           **{f"{k}_us_per_seq": v for k, v in median.items()})
         rows.append([n, f"{n * np.median(engine_us) / 1e3:.2f}", f"{np.median(engine_us):.2f}",
                      f"{engine_us.min():.2f}", *(f"{v:.2f}" for v in median.values())])
-    print_table(f"Engine overhead per decode step with a no-op model, median of {steps} steps "
-                "(goal: <= 10 us per running sequence)",
-                ["running seqs", "engine ms/step", "us/seq", "fastest step", "save state",
-                 "schedule", "prepare", "(no-op model)", "postprocess"], rows)
+    print_table(f"Engine overhead per decode step with a no-op model, {prompt_len}-token "
+                f"prompts, median of {steps} steps (goal: <= 10 us per running sequence)",
+                ["running seqs", "engine ms/step", "us/seq", "fastest step", *PHASES[:2],
+                 "(no-op model)", *PHASES[3:]], rows)
+    results["context"], rows = {}, []
+    for n in context_sizes:
+        for context in contexts:
+            phases, engine_us = engine_phases(n, context, steps)
+            median = np.median(phases, axis=0)
+            results["context"][f"{n}x{context}"] = dict(
+                engine_us_per_seq=float(np.median(engine_us)),
+                **{f"{k}_us_per_seq": float(v) for k, v in zip(PHASES, median)})
+            base = results["context"][f"{n}x{contexts[0]}"]["engine_us_per_seq"]
+            rows.append([n, context, f"{np.median(engine_us):.2f}",
+                         f"{np.median(engine_us) / base:.2f}x",
+                         *(f"{v:.2f}" for i, v in enumerate(median) if i != 2)])
+    print_table(f"Engine time per sequence and decode step against context length (goal: at "
+                f"{contexts[-1]} tokens within 1.2x of {contexts[0]}), median of {steps} steps",
+                ["running seqs", "context", "us/seq", f"vs {contexts[0]}",
+                 *(p for p in PHASES if p != "model")], rows)
     takes = {policy: {n: time_block_take(n, policy) for n in take_sizes}
              for policy in EVICTION_POLICIES}
     print_table("Taking a block (evicting the first cached one by the policy), publishing and "
@@ -1550,7 +1581,8 @@ QUICK = dict(memory=dict(num_requests=20),
              speculative=dict(batches=(1, 2), max_tokens=8, repeats=1),
              kernel=dict(grid=[(1, 256, False), (4, 512, True)]),
              quality=dict(windows=2, prompts=2, kv_cache_dtypes=("fp8",)),
-             overhead=dict(sizes=(16,), prompt_len=16, steps=5, take_sizes=(1_000, 10_000),
+             overhead=dict(sizes=(16,), prompt_len=16, steps=5, contexts=(16, 256),
+                           context_sizes=(8,), take_sizes=(1_000, 10_000),
                            observer=dict(sizes=(16,), prompt_len=16, steps=5, rounds=1)),
              tensor_parallel=dict(num_requests=2, max_tokens=8),
              soak=dict(num_requests=1000),

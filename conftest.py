@@ -1,12 +1,21 @@
 """
-pytest's set-up for the test files: the Hypothesis profiles `python -m pytest
---hypothesis-profile NAME` chooses from. They are registered here, not in test_nanopaged.py,
-because the Hypothesis plugin loads the named profile while pytest configures itself, before it
+pytest's set-up for the test files: Triton's interpreter where there is no GPU, and the
+Hypothesis profiles `python -m pytest --hypothesis-profile NAME` chooses from. Both live here,
+not in test_nanopaged.py: the interpreter must be chosen before any test file imports kernel.py,
+and the Hypothesis plugin loads the named profile while pytest configures itself, before it
 imports any test file. test_nanopaged.examples() scales each test's examples by the active
 profile's max_examples against the default profile's (100).
 """
 
+import os
+
+import torch
 from hypothesis import settings
+
+if not torch.cuda.is_available():
+    # Triton's interpreter runs the kernels on the CPU. kernel.py's @triton.jit reads this when
+    # it is imported, so it is set here, before any test file (yours too) imports kernel.py.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 settings.register_profile("fast", max_examples=10)  # an edit-test loop: about 2 minutes
 settings.register_profile("thorough", max_examples=1000)  # a night: 10x the default's examples

@@ -32,9 +32,9 @@ def check_stop_strings(text, num_new_chars, stop, include_in_output):
 
 
 class Detokenizer:
-    """Grows each sequence's seq.text by its newest token and ends it at a stop string. The
-    state it keeps lives on the sequence (seq.text and seq.text_offsets), so forks copy it and a
-    failed step's undo restores it with the rest of the sequence."""
+    """The text of each sequence as its tokens come, and the stop strings that end it. The state
+    it reads lives on the sequence (seq.text and seq.text_offsets), and texts() only computes:
+    a step's run decodes, its commit keeps what the run decoded (nanopaged.py, section 11)."""
 
     def __init__(self, tokenizer):
         self.decode = tokenizer.decode
@@ -45,32 +45,41 @@ class Detokenizer:
         seq.text, seq.text_offsets = "", (max(seq.num_prompt_tokens - CONTEXT, 0),
                                           seq.num_prompt_tokens)
 
-    def update(self, seq, params):
-        """Add the newest token's text; if it completes a stop string (counted only after
-        min_tokens tokens, as in vLLM), cut the text there and return the string."""
-        ids, (prefix, read) = seq.token_ids, seq.text_offsets
-        before = self.decode(ids[prefix:read])
-        after = self.decode(ids[prefix:])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return None  # no new text yet, or a character still to complete
-        new = after[len(before):]
-        seq.text += new
-        seq.text_offsets = (read, len(ids))
-        if not params.stop or seq.num_output_tokens <= params.min_tokens:
+    def texts(self, seq, tokens):
+        """seq's text after each of tokens in turn, as (text, text_offsets, the characters that
+        token added), without changing seq. Each token is decoded within its window; a token
+        adds nothing while the character it begins is incomplete."""
+        text, (prefix, read) = seq.text, seq.text_offsets
+        base = prefix  # ids[i] is token base + i of the sequence with tokens appended
+        ids, states = seq.token_ids[base:], []
+        for token in tokens:
+            ids.append(token)
+            before = self.decode(ids[prefix - base:read - base])
+            after = self.decode(ids[prefix - base:])
+            new = ""
+            if len(after) > len(before) and not after.endswith("\ufffd"):
+                new = after[len(before):]
+                text, prefix, read = text + new, read, base + len(ids)
+            states.append((text, (prefix, read), new))
+        return states
+
+    @staticmethod
+    def stop_string(text, new, params, num_output_tokens):
+        """If the characters new, just added to text, complete one of params.stop (counted once
+        the output is longer than min_tokens, as in vLLM): (that string, the text cut there)."""
+        if not params.stop or num_output_tokens <= params.min_tokens:
             return None
-        found = check_stop_strings(seq.text, len(new), params.stop,
-                                   params.include_stop_str_in_output)
+        found = check_stop_strings(text, len(new), params.stop, params.include_stop_str_in_output)
         if found is None:
             return None
         stop, cut = found
-        if cut != -1:
-            seq.text = seq.text[:cut]
-        return stop
+        return stop, text if cut == -1 else text[:cut]
 
     @staticmethod
     def visible(seq, params, finished):
         """The text a streamed output shows: while the sequence runs, all but the last
         len(longest stop string) - 1 characters, which may yet begin a stop string to cut."""
-        hold = 0 if finished or params.include_stop_str_in_output or not params.stop else \
-            max(map(len, params.stop)) - 1
+        hold = 0
+        if not (finished or params.include_stop_str_in_output or not params.stop):
+            hold = max(map(len, params.stop)) - 1
         return seq.text[:max(0, len(seq.text) - hold)]

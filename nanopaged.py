@@ -30,12 +30,14 @@ import os
 import sys
 import time
 from bisect import insort
-from collections import Counter, deque
+from collections import deque
 from dataclasses import MISSING, dataclass, field, fields
 from datetime import timedelta
 from heapq import heappop, heappush
 from types import SimpleNamespace
+from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -63,7 +65,7 @@ import kernel
 # waiting -> running on admission, running -> waiting or swapped on preemption, swapped ->
 # running on swap-in (or -> waiting, to be recomputed, when nothing running can make room
 # for it), running -> finished when every sequence stops; abort() leaves from anywhere.
-# Recompute frees the blocks and sets num_computed_tokens to 0: the prompt and the tokens
+# Recompute frees the blocks, which sets num_computed_tokens to 0: the prompt and the tokens
 # generated so far are prefilled again (less what the prefix cache still holds). Swap keeps
 # num_computed_tokens and moves the blocks to CPU memory and back. A recomputed group of
 # several sequences holds back the last token of each: the group advances in lockstep (its
@@ -198,9 +200,13 @@ class Sequence:
         self.index = index  # which sample or beam of its request it is
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = num_prompt_tokens
+        # Its paging state, which a step's plan changes through the allocator (section 2):
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache: see the lifecycle above
-        self.block_table = []  # physical block ids; device blocks, or CPU blocks while swapped out
-        self.block_hashes = []  # prefix-cache keys of its full blocks, computed or being computed
+        self.block_table = BlockTable()  # device blocks, or CPU blocks while swapped out
+        self.num_cached_blocks = 0  # its leading full blocks offered to the prefix cache
+        # The prefix-cache keys of its full blocks, one per block its tokens fill, computed as
+        # the tokens arrive (with prefix caching on: section 3).
+        self.block_hashes = []
         self.cumulative_logprob = 0.0
         self.logprobs = []  # per generated token {token id: log-probability}, when asked for
         self.prompt_logprobs = []  # when asked for: None, then one per prompt token as computed
@@ -228,11 +234,14 @@ class Sequence:
                      min(end, self.num_prompt_tokens - 1))
 
     def fork(self, seq_id, index):
-        """A copy that shares everything generated so far, every field a fork of nanopaged adds
-        too; the allocator shares its blocks. The prompt's logprobs stay the parent's."""
+        """A copy that shares everything generated so far (every field a copy of nanopaged adds,
+        too), with an empty block table: the allocator shares the blocks. The prompt's logprobs
+        stay the parent's."""
         child = copy.copy(self)
-        child.seq_id, child.index, child.block_table, child.prompt_logprobs = seq_id, index, [], []
-        child.token_ids, child.block_hashes = list(self.token_ids), list(self.block_hashes)
+        child.seq_id, child.index, child.prompt_logprobs = seq_id, index, []
+        child.block_table = BlockTable()
+        child.token_ids = list(self.token_ids)
+        child.block_hashes = list(self.block_hashes)
         child.logprobs = list(self.logprobs)
         return child
 
@@ -254,10 +263,11 @@ class SequenceGroup:
         self.request_id, self.params, self.priority = request_id, params, priority
         self.prompt_token_ids = list(prompt_token_ids)
         self.seqs = [seq]  # the live ones
-        self.finished = []  # finished samples, or beam hypotheses (token_ids, logprob, reason)
+        self.finished = []  # parallel samples that finished
+        self.hypotheses = []  # beam search: the finished hypotheses (BeamHypothesis)
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.num_cached_tokens = 0  # prompt tokens the prefix cache held at the first admission
-        self.num_preemptions = 0  # counted in one place: Scheduler._count_preemption
+        self.num_preemptions = 0  # counted in one place: Scheduler.count_preemption
         self.seed = None  # sampled requests: token t of sample i draws from (seed, i, t)
         self.prompt_logprobs = seq.prompt_logprobs  # the same list, filled by the prefill
 
@@ -269,8 +279,11 @@ class SequenceGroup:
     def is_decoding(self):  # every live sequence computes just its newest token next
         return all(len(seq) - seq.num_computed_tokens == 1 for seq in self.seqs)
 
-    def admitted(self):  # to running: the first admission ends its time in the queue
-        if (m := self.metrics).first_scheduled_time is None:
+    def admitted(self):
+        """Commit of the step that first admitted it to running: its time in the queue ends,
+        and the prompt tokens the prefix cache served are counted."""
+        m = self.metrics
+        if m.first_scheduled_time is None:
             m.first_scheduled_time = time.perf_counter()
             m.time_in_queue = m.first_scheduled_time - m.arrival_time
             self.num_cached_tokens = self.seqs[0].num_computed_tokens
@@ -289,6 +302,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
+    """A request as it stood after a step: a snapshot, which later steps leave as it is."""
     request_id: int
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]  # n samples in order, or the beams best first
@@ -301,58 +315,12 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with prompt_logprobs
 
 
-# A step is a transaction: it either completes or leaves every object it reached as it found
-# it. Rather than undo each change by name, a Transaction keeps each object as it was before
-# the step first changed it, all its fields at once, so a field a fork adds is covered too.
-
-CONTAINERS = {list, dict, set, deque}
-
-
-class Transaction:
-    """save(obj) before obj's first change keeps its state: a container's contents, or an
-    object's fields (vars()) and the contents of every container among them. rollback() puts
-    each field back to the very object it held and refills each container, so objects that
-    share a list still share it. Latest saved first, so an earlier snapshot of a shared
-    container wins."""
-
-    def __init__(self):
-        self.saved = {}  # id(obj) -> (obj, its fields or contents, its containers' contents)
-
-    def save(self, obj):
-        if id(obj) not in self.saved:
-            state = obj.copy() if type(obj) in CONTAINERS else vars(obj).copy()
-            contents = {} if type(obj) in CONTAINERS else \
-                {name: value.copy() for name, value in state.items() if type(value) in CONTAINERS}
-            self.saved[id(obj)] = (obj, state, contents)
-        return obj
-
-    def rollback(self):
-        for obj, state, contents in reversed(self.saved.values()):
-            if type(obj) in CONTAINERS:
-                refill(obj, state)
-                continue
-            for name in vars(obj).keys() - state.keys():  # fields the step added
-                delattr(obj, name)
-            for name, value in state.items():  # a reader never finds one missing
-                if name in contents:
-                    refill(value, contents[name])
-                setattr(obj, name, value)
-        self.saved = {}
-
-
-def refill(container, contents):
-    container.clear()
-    (container.update if isinstance(container, (dict, set)) else container.extend)(contents)
-
-
 # Each part that changes paging tells an observer what it did, if one listens
 # (Engine(observer=...): pagetrace.py records, replays and draws it). Nobody listens by default.
 
 def notify(part, event, **details):
     if part.observer is not None:
         part.observer(dict(event=event, **details))
-
-
 # -----------------------------------------------------------------------------
 # 2. The block allocator. Paper: blocks and block tables (section 4.2), ref counts and
 #    copy-on-write (4.4). Later vLLM: its BlockPool; nano-vllm: its BlockManager.
@@ -362,6 +330,41 @@ def notify(part, event, **details):
 # physical blocks that hold its tokens in order: token t lives in slot t % block_size of
 # block block_table[t // block_size]. Blocks are taken one at a time as a sequence grows,
 # so a sequence wastes at most the unfilled tail of its last block (paper, section 4.2).
+#
+# A step plans first (section 5): it takes and moves blocks before the model runs. If the
+# step then fails, its plan is undone from a journal: every change to a block, a block table
+# or a queue records how to put back what it changed, so the undo costs what the plan changed,
+# never what the sequences hold. Blocks and block tables journal their own changes, so no code
+# that changes them can leave a change out of the undo.
+
+
+class Journal:
+    """The undo log of one step's plan. Open while the step plans and runs; the commit that
+    follows records nothing (it cannot fail halfway: section 11)."""
+
+    def __init__(self):
+        self.undo = None  # while open: (function, args) that put back each change, in order
+
+    def open(self):
+        self.undo = []
+
+    def close(self):  # the plan stands
+        self.undo = None
+
+    def record(self, undo, *args):
+        if self.undo is not None:
+            self.undo.append((undo, args))
+
+    def set(self, obj, name, value):
+        """obj.name = value, journaled (the plan's changes to a sequence's paging state)."""
+        self.record(setattr, obj, name, getattr(obj, name))
+        setattr(obj, name, value)
+
+    def rollback(self):
+        """Undo every change since open(), the latest first; the journal is closed after."""
+        undo, self.undo = self.undo or [], None
+        for fn, args in reversed(undo):
+            fn(*args)
 
 
 class OutOfBlocksError(RuntimeError):
@@ -378,75 +381,152 @@ class PhysicalBlock:
     logical_index: int = 0  # confirm a key hit: a colliding key must never share K/V
     num_hits: int = 0       # prefix-cache hits since it was taken
     score: float = 0        # its eviction policy's score, when last freed
+    journal = None          # its pool's Journal (a class attribute, not a field, until then)
+
+    def __setattr__(self, name, value):  # every change to a block is journaled, here
+        if self.journal is not None:
+            self.journal.record(object.__setattr__, self, name, getattr(self, name))
+        object.__setattr__(self, name, value)
 
 
-class BlockAllocator:
-    """The pool of physical blocks and the block tables that point into it. A free list, a ref
-    count per block; whole sequences are allocated, grown, forked and freed, and a write into a
-    shared block copies it first. Free blocks that still hold a cached prefix are the prefix
-    cache's to give up (section 3); swapping moves tables to the CPU pool (section 4). Every
-    change to a block is journaled, so a step that fails can be undone."""
+class BlockTable:
+    """A sequence's block table: the physical block of each of its logical blocks, in order.
+    The ids live in a numpy int32 row that doubles as it fills, so the model runner copies a
+    step's tables into the batch as rows, without walking Python lists (vLLM v1 keeps
+    persistent block tables so, updated by the blocks that change). Read it as a list; change
+    it by append, item assignment and truncate, each journaled once the allocator has given
+    it its journal."""
+
+    def __init__(self):
+        self.ids, self.n, self.journal = np.zeros(4, dtype=np.int32), 0, None
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter(self.tolist())
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.ids[:self.n][i].tolist()
+        if not -self.n <= i < self.n:
+            raise IndexError(f"block table index {i} out of range ({self.n} blocks)")
+        return int(self.ids[i % self.n])
+
+    def __eq__(self, other):
+        return isinstance(other, (BlockTable, list, tuple)) and self.tolist() == list(other)
+
+    def __repr__(self):
+        return f"BlockTable({self.tolist()})"
+
+    def tolist(self):
+        return self.ids[:self.n].tolist()
+
+    def append(self, block_id):
+        if self.n == len(self.ids):
+            self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
+        self.ids[self.n] = block_id
+        self.n += 1
+        if self.journal is not None:
+            self.journal.record(self.truncate, self.n - 1)
+
+    def __setitem__(self, i, block_id):
+        old = self[i]
+        self.ids[i % self.n] = block_id
+        if self.journal is not None:
+            self.journal.record(self.__setitem__, i, old)
+
+    def truncate(self, n):
+        """Keep the first n blocks."""
+        if self.journal is not None:
+            self.journal.record(self.extend, self[n:])
+        self.n = min(n, self.n)
+
+    def extend(self, block_ids):
+        for block_id in block_ids:
+            self.append(block_id)
+
+
+class BlockPool:
+    """Physical blocks, a ref count each and a free list; take, share and release one block at
+    a time (vLLM v1's BlockPool). A free block that still holds a cached prefix is the prefix
+    cache's to give up (section 3); the other free blocks go first, the last freed on top."""
+
+    def __init__(self, num_blocks, block_size, journal, enable_prefix_caching=False,
+                 eviction_policy="lru", prefix_cache_cls=None):
+        self.block_size, self.num_blocks, self.journal = block_size, num_blocks, journal
+        self.blocks = [PhysicalBlock(i, freed_at=-i) for i in range(num_blocks)]  # 0 goes first
+        for block in self.blocks:
+            block.journal = journal
+        self.clock = itertools.count(1)  # stamps freed_at
+        self.prefix_cache = (prefix_cache_cls or PrefixCache)(
+            self.blocks, block_size, journal, enable_prefix_caching, eviction_policy)
+        self.taken = set()  # blocks handed out since the plan began: their slots may be written
+        self.rebuild_free_list()
+
+    @property
+    def num_free_blocks(self):  # blocks that hold nothing, and cached blocks nobody holds
+        return len(self.empty_block_ids) + self.prefix_cache.num_evictable
+
+    def take(self):
+        """A free block for one owner: the last freed of those that hold nothing, or, when none
+        is left, the cached block the eviction policy gives up."""
+        if self.empty_block_ids:
+            block_id = self.empty_block_ids.pop()
+        elif self.prefix_cache.num_evictable:
+            block_id = self.prefix_cache.evict()
+        else:
+            raise OutOfBlocksError(f"all {self.num_blocks} KV blocks are in use")
+        block = self.blocks[block_id]
+        block.ref_count, block.num_hits = 1, 0
+        self.taken.add(block_id)
+        return block_id
+
+    def share(self, block_id):
+        block = self.blocks[block_id]
+        if block.ref_count == 0:  # a cached free block comes back to life
+            self.prefix_cache.revive(block)
+        block.ref_count += 1
+
+    def release(self, block_id):
+        block = self.blocks[block_id]
+        if block.ref_count < 1:  # a double free would hand one block to two
+            raise RuntimeError(f"block {block_id} released more times than it was taken")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            block.freed_at = next(self.clock)
+            if block.hash is None:
+                self.empty_block_ids.append(block_id)
+            else:  # it keeps its prefix until the cache gives it up
+                self.prefix_cache.retire(block)
+
+    def rebuild_free_list(self):
+        """The free list and the prefix cache's index, from the blocks alone: after an undo."""
+        free = sorted((b for b in self.blocks if b.ref_count == 0), key=lambda b: b.freed_at)
+        self.empty_block_ids = [b.block_id for b in free if b.hash is None]  # last freed on top
+        self.prefix_cache.rebuild()
+
+
+class BlockAllocator(BlockPool):
+    """The device pool, and the block tables that point into it: whole sequences are allocated
+    (on the prefix cache's hits), grown, forked, trimmed and freed, and a write into a shared
+    block copies it first. Its journal undoes a failed step's plan (rollback)."""
     observer = None  # see notify
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
-                 eviction_policy="lru"):
+                 eviction_policy="lru", prefix_cache_cls=None):
         for name, value, least in (("num_blocks", num_blocks, 1), ("block_size", block_size, 1),
                                    ("num_cpu_blocks", num_cpu_blocks, 0)):
             if not integer(value) or value < least:
                 raise ValueError(f"BlockAllocator: {name} must be an int >= {least}, "
                                  f"got {value!r}")
-        self.block_size, self.num_blocks = block_size, num_blocks
-        self.blocks = [PhysicalBlock(i, freed_at=-i) for i in range(num_blocks)]  # 0 goes first
-        self.clock = itertools.count(1)  # stamps freed_at
-        self.prefix_cache = PrefixCache(self.blocks, block_size, enable_prefix_caching,
-                                        eviction_policy, touch=self.touch)
+        super().__init__(num_blocks, block_size, Journal(), enable_prefix_caching,
+                         eviction_policy, prefix_cache_cls)
         self.swap_pool = SwapPool(num_cpu_blocks, self)
-        self.begin()
-        self._rebuild_free_lists()
-
-    @property
-    def num_free_blocks(self):  # blocks that hold nothing, and cached blocks nobody holds
-        return len(self.free_block_ids) + self.prefix_cache.num_evictable
-
-    # -- one physical block at a time ---------------------------------------------------
-
-    def _take(self):
-        """A free block for one owner: the last freed of those that hold nothing, or, when none
-        is left, the cached block the eviction policy gives up."""
-        if self.free_block_ids:
-            block_id = self.free_block_ids.pop()
-        elif self.prefix_cache.num_evictable:
-            block_id = self.prefix_cache.evict()
-        else:
-            raise OutOfBlocksError(f"all {self.num_blocks} KV blocks are in use")
-        block = self.touch(block_id)
-        block.ref_count, block.num_hits = 1, 0
-        self.taken.add(block_id)
-        return block_id
-
-    def _share(self, block_id):
-        block = self.touch(block_id)
-        if block.ref_count == 0:  # a cached free block comes back to life
-            self.prefix_cache.revive(block)
-        block.ref_count += 1
-
-    def _release(self, block_id):
-        if self.blocks[block_id].ref_count < 1:  # a double free would hand one block to two
-            raise RuntimeError(f"block {block_id} released more times than it was taken")
-        block = self.touch(block_id)
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            block.freed_at = next(self.clock)
-            if block.hash is None:
-                self.free_block_ids.append(block_id)
-            else:  # it keeps its prefix until the cache gives it up
-                self.prefix_cache.retire(block)
-
-    # -- whole sequences ------------------------------------------------------------------
 
     def num_blocks_to_allocate(self, seq):
         """Free blocks allocate(seq) would take: cache misses, and cache hits now free."""
-        hits, _ = self.prefix_cache.lookup(seq)
+        hits = self.prefix_cache.lookup(seq)
         return (cdiv(len(seq), self.block_size) - len(hits)
                 + sum(self.blocks[b].ref_count == 0 for b in hits))
 
@@ -454,46 +534,52 @@ class BlockAllocator:
         """Give a new (or recomputing) sequence a block table covering all its tokens, reusing
         cached prefix blocks. Sets seq.num_computed_tokens to the tokens found in the cache."""
         assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
-        num_taken = self.num_blocks_to_allocate(seq)  # what a fork's override says, too
+        num_taken = self.num_blocks_to_allocate(seq)  # what an override says, too
         if num_taken > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {num_taken} blocks, "
                                    f"{self.num_free_blocks} are free")
-        hits, keys = self.prefix_cache.lookup(seq)
-        for block_id in hits:  # share before taking, so _take cannot evict a hit
-            self._share(block_id)
-        num_needed = cdiv(len(seq), self.block_size)
-        seq.block_table = hits + [self._take() for _ in range(num_needed - len(hits))]
-        seq.block_hashes, seq.num_computed_tokens = keys, len(hits) * self.block_size
+        hits, table = self.prefix_cache.lookup(seq), seq.block_table
+        table.journal = self.journal
+        for block_id in hits:  # share before taking, so take() cannot evict a hit
+            self.share(block_id)
+            table.append(block_id)
+        for _ in range(cdiv(len(seq), self.block_size) - len(hits)):
+            table.append(self.take())
+        self.journal.set(seq, "num_computed_tokens", len(hits) * self.block_size)
+        self.journal.set(seq, "num_cached_blocks", len(hits))
         self.prefix_cache.count(seq, hits)
-        notify(self, "allocate", seq=seq.seq_id, request=seq.request_id,
-               table=list(seq.block_table), hits=len(hits))
+        notify(self, "allocate", seq=seq.seq_id, request=seq.request_id, table=table.tolist(),
+               hits=len(hits))
 
     def num_blocks_to_append(self, seqs):
         """Free blocks append_slot needs to give each of seqs a slot for its newest token."""
-        num_new, writers = 0, Counter()
+        num_new, writers = 0, {}  # writers: shared last block -> the sequences writing into it
         for seq in seqs:
             if len(seq.block_table) * self.block_size < len(seq):
                 num_new += 1
-            elif self.blocks[seq.block_table[-1]].ref_count > 1:
-                writers[seq.block_table[-1]] += 1
+                continue
+            last = seq.block_table[-1]
+            if self.blocks[last].ref_count > 1:
+                writers[last] = writers.get(last, 0) + 1
         # c writers into a block of count r copy it min(c, r - 1) times: the last writes in place
         return num_new + sum(min(c, self.blocks[b].ref_count - 1) for b, c in writers.items())
 
     def append_slot(self, seq):
         """Make room for seq's newest token. Returns the (src, dst) block copy that copy-on-write
         needs, for the engine to perform on the KV tensors before the step, or None."""
-        if len(seq.block_table) * self.block_size < len(seq):  # last block is full
-            seq.block_table.append(self._take())
-            notify(self, "append", seq=seq.seq_id, block=seq.block_table[-1])
+        table = seq.block_table
+        if len(table) * self.block_size < len(seq):  # last block is full
+            table.append(self.take())
+            notify(self, "append", seq=seq.seq_id, block=table[-1])
             return None
-        last = seq.block_table[-1]
+        last = table[-1]
         if self.blocks[last].ref_count == 1:
             return None
         # Copy-on-write: the block is shared (after a fork), so this writer moves to a private
         # copy and the other owners keep the original (paper, section 4.4).
-        new = self._take()
-        self._release(last)
-        seq.block_table[-1] = new
+        new = self.take()
+        self.release(last)
+        table[-1] = new
         notify(self, "cow", seq=seq.seq_id, src=last, dst=new)
         return last, new
 
@@ -501,81 +587,79 @@ class BlockAllocator:
         """Speculative decoding: room for num_slots proposed tokens after seq's newest, in fresh
         blocks (append_slot already made the newest token's block seq's own, copied on write)."""
         while len(seq.block_table) * self.block_size < len(seq) + num_slots:
-            seq.block_table.append(self._take())
+            seq.block_table.append(self.take())
             notify(self, "append", seq=seq.seq_id, block=seq.block_table[-1])
 
-    def free_lookahead_slots(self, seq):
-        """After verification: give back the blocks past seq's computed tokens, which only
-        rejected proposals wrote. Its table covers its computed tokens again, as after any step."""
+    def trim(self, seq):
+        """Give back the blocks past seq's computed tokens (after a step that verified proposed
+        tokens, those only rejected proposals wrote): its table covers them again, as after
+        any step."""
         keep = cdiv(seq.num_computed_tokens, self.block_size)
         for block_id in reversed(seq.block_table[keep:]):
-            self._release(block_id)
-        del seq.block_table[keep:]
+            self.release(block_id)
+        seq.block_table.truncate(keep)
         notify(self, "trim", seq=seq.seq_id, keep=keep)
 
     def fork(self, parent, child):
         """The child shares every block of the parent: parallel samples and beams start this way."""
-        child.block_table = list(parent.block_table)
-        for block_id in child.block_table:
-            self._share(block_id)
+        child.block_table.journal = self.journal
+        for block_id in parent.block_table:
+            self.share(block_id)
+            child.block_table.append(block_id)
         notify(self, "fork", seq=child.seq_id, parent=parent.seq_id)
 
     def free(self, seq):
-        """Return every block of a finished, aborted or preempted sequence."""
+        """Return every block of a finished, aborted or preempted sequence: none of its tokens
+        has K/V in the cache any more."""
         # Tail first: the head of a prompt is the likeliest to be shared, so it is evicted last.
         for block_id in reversed(seq.block_table):
-            self._release(block_id)
-        seq.block_table = []
+            self.release(block_id)
+        seq.block_table.truncate(0)
+        self.journal.set(seq, "num_computed_tokens", 0)
+        self.journal.set(seq, "num_cached_blocks", 0)
         notify(self, "free", seq=seq.seq_id)
 
-    def cache_full_blocks(self, seq, start=0):
-        """After a step computed seq's tokens from start on: publish its full blocks the schedule
-        could not (kept speculative proposals, or a block whose prefix a twin was caching then,
-        evicted since), and give back each block it filled whose prefix another block caches,
-        to share that one: every computed full block is cached, one block per prefix."""
+    def cache_full_blocks(self, seq, num_tokens=None):
+        """Publish seq's full blocks among its first num_tokens (by default its computed ones)
+        to the prefix cache. The engine's one call is in the plan of the step that computes
+        their last tokens, so a request admitted later in that step shares them (section 3). A
+        block whose prefix another block holds already (the same tokens computed at once by two
+        samples, or two prompts in flight) stays its sequence's own: as in vLLM, each full block
+        is offered to the cache once, and the first to hold a prefix is the one cached."""
         cache = self.prefix_cache
-        cache.publish(seq, seq.num_computed_tokens)
-        for i in range(start // self.block_size, len(seq.block_hashes)):
-            key, block_id = seq.block_hashes[i], seq.block_table[i]
-            if key not in cache.hash_to_block:
-                cache.publish_block(seq, i)
-            elif (twin := cache.find(key, seq, i)) is not None and twin != block_id:
-                self._share(twin)
-                self._release(block_id)
-                seq.block_table[i] = twin
-                notify(self, "twin", seq=seq.seq_id, index=i, block=twin)
+        num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
+        num_full = num_tokens // self.block_size
+        if not cache.enabled or num_full <= seq.num_cached_blocks:
+            return
+        cache.key_blocks(seq)  # the engine keyed them already; a caller of its own may not have
+        for i in range(seq.num_cached_blocks, num_full):
+            if cache.find(seq.block_hashes[i], seq, i) is None:
+                cache.publish(seq, i, seq.block_table[i])
+        self.journal.set(seq, "num_cached_blocks", num_full)
 
-    # -- a step as a transaction: undo every change since begin() --------------------------
+    # -- a step's plan, undone -----------------------------------------------------------
 
     def begin(self):
-        """Start journaling: each block is saved before its first change, the hit counts and
-        the swap pool too (the engine calls this at the start of every step, and rollback() if
-        the step fails)."""
-        self.txn = Transaction()
-        self.txn.save(self.prefix_cache.counts)
-        self.taken = set()  # blocks handed out since: their slots may be written
+        """A step starts planning: from here every change is journaled (the engine calls this
+        at the start of every step, rollback() if the step fails, end() once it stands)."""
+        self.journal.open()
+        self.taken, self.swap_pool.taken = set(), set()
 
-    def touch(self, block_id):
-        """The block, saved first if this is its first change since begin()."""
-        return self.txn.save(self.blocks[block_id])
+    def end(self):
+        self.journal.close()
 
     def rollback(self):
-        """Put every block back as begin() found it, but keep no prefix in a block handed out
-        since: its slots may hold writes of the failed step. Returns the blocks handed out."""
+        """Put every block, block table, sequence's paging state and queue back as begin() found
+        them, but keep no prefix in a block handed out since: its slots may hold writes of the
+        failed step. Returns the device blocks handed out."""
         taken = self.taken
-        self.txn.rollback()
-        for block_id in taken:
-            self.blocks[block_id].hash, self.blocks[block_id].token_ids = None, ()
-        self._rebuild_free_lists()
-        self.begin()
+        self.journal.rollback()
+        for pool in (self, self.swap_pool):
+            for block_id in pool.taken:
+                pool.blocks[block_id].hash, pool.blocks[block_id].token_ids = None, ()
+            pool.taken = set()
+            pool.rebuild_free_list()
         return taken
-
-    def _rebuild_free_lists(self):  # from the blocks alone
-        free = sorted((b for b in self.blocks if b.ref_count == 0), key=lambda b: b.freed_at)
-        self.free_block_ids = [b.block_id for b in free if b.hash is None]  # last freed on top
-        self.prefix_cache.rebuild()
-
-
 # -----------------------------------------------------------------------------
 # 3. The prefix cache. Later vLLM: automatic prefix caching; its v1 publishes a block in the
 #    step that computes it.
@@ -609,14 +693,14 @@ class HitCounts:  # the hit rate is hit_tokens / queried_tokens
 
 
 class PrefixCache:
-    """Published blocks by key, the free ones among them by eviction order, and hit counts.
-    touch(block_id) returns a block about to change (the allocator's journal)."""
+    """Published blocks by key, the free ones among them in eviction order, and hit counts. Its
+    blocks journal their own changes; its index (hash_to_block, evictable, heap) is rebuilt
+    from them after an undo."""
     observer = None  # see notify
 
-    def __init__(self, blocks, block_size, enabled=True, eviction_policy="lru", touch=None):
-        self.blocks, self.block_size, self.enabled = blocks, block_size, enabled
-        self.score = EVICTION_POLICIES[eviction_policy]
-        self.touch = touch or blocks.__getitem__
+    def __init__(self, blocks, block_size, journal, enabled=True, eviction_policy="lru"):
+        self.blocks, self.block_size, self.journal = blocks, block_size, journal
+        self.enabled, self.score = enabled, EVICTION_POLICIES[eviction_policy]
         self.hash_to_block = {}
         self.evictable = {}  # cached free block -> its entry in heap (other entries are stale)
         self.heap = []  # (score, freed_at, block_id), smallest first
@@ -626,32 +710,42 @@ class PrefixCache:
     def num_evictable(self):
         return len(self.evictable)
 
+    def key_blocks(self, seq):
+        """Key seq's full blocks that have no key yet. Their tokens are known, so their keys
+        are, computed or not: the engine keys a prompt when it arrives and each block as its
+        last token is drawn (as vLLM v1 hashes a request's blocks)."""
+        if not self.enabled:
+            return
+        keys, bs = seq.block_hashes, self.block_size
+        for i in range(len(keys), len(seq) // bs):
+            keys.append(chain_hash(keys[-1] if i else None, seq.token_ids[i * bs:(i + 1) * bs]))
+
     def lookup(self, seq):
-        """The blocks holding the longest cached run of seq's full leading blocks, and their
-        keys."""
-        hits, keys, bs = [], [], self.block_size
+        """The blocks holding the longest cached run of seq's full leading blocks."""
+        hits = []
         # A cached block has no logits: a sequence still owed prompt logprobs computes its whole
         # prompt (as vLLM does), and publishes its blocks for others as usual.
         if not self.enabled or seq.prompt_logprob_positions(0, len(seq)):
-            return hits, keys
+            return hits
+        self.key_blocks(seq)  # the engine keyed them already; a caller of its own may not have
         # The last token is always computed again, because sampling needs its logits; so its
         # block is never taken from the cache and never written while shared.
-        for i in range((len(seq) - 1) // bs):
-            key = chain_hash(keys[-1] if keys else None, seq.token_ids[i * bs:(i + 1) * bs])
-            if (block_id := self.find(key, seq, i)) is None:
+        for i in range((len(seq) - 1) // self.block_size):
+            block_id = self.find(seq.block_hashes[i], seq, i)
+            if block_id is None:
                 break
             hits.append(block_id)
-            keys.append(key)
-        return hits, keys
+        return hits
 
     def count(self, seq, hits):
         """A sequence was allocated on these hits: count them for the hit rate and the policy."""
         if not self.enabled:
             return
         for block_id in hits:
-            self.touch(block_id).num_hits += 1
-        self.counts.queried_tokens += len(seq)
-        self.counts.hit_tokens += len(hits) * self.block_size
+            self.blocks[block_id].num_hits += 1
+        c = self.counts
+        self.journal.set(c, "queried_tokens", c.queried_tokens + len(seq))
+        self.journal.set(c, "hit_tokens", c.hit_tokens + len(hits) * self.block_size)
 
     def find(self, key, seq, i):
         """The cached block that holds seq's block i under key, or None. Under SHA-256 keys the
@@ -664,27 +758,13 @@ class PrefixCache:
         held = block.token_ids == tuple(seq.token_ids[i * bs:(i + 1) * bs])
         return block_id if held and block.logical_index == i else None
 
-    def publish(self, seq, num_tokens, again=False):
-        """Key seq's full blocks among its first num_tokens and publish each whose key no
-        block holds yet (a twin computed alongside stays private to its sequence). again: its
-        keyed blocks too, which are fresh copies (swapped in)."""
-        if not self.enabled:
-            return
-        bs = self.block_size
-        for i in range(0 if again else len(seq.block_hashes), num_tokens // bs):
-            if i == len(seq.block_hashes):
-                seq.block_hashes.append(chain_hash(seq.block_hashes[-1] if i else None,
-                                                   seq.token_ids[i * bs:(i + 1) * bs]))
-            if seq.block_hashes[i] not in self.hash_to_block:
-                self.publish_block(seq, i)
-
-    def publish_block(self, seq, i):
-        """Cache seq's block i under its key."""
-        block, bs = self.touch(seq.block_table[i]), self.block_size
+    def publish(self, seq, i, block_id):
+        """Cache block_id as the holder of seq's block i, under its key."""
+        block, bs = self.blocks[block_id], self.block_size
         block.hash, block.logical_index = seq.block_hashes[i], i
         block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-        self.hash_to_block[block.hash] = block.block_id
-        notify(self, "publish", block=block.block_id, index=i, tokens=list(block.token_ids))
+        self.hash_to_block[block.hash] = block_id
+        notify(self, "publish", block=block_id, index=i, tokens=list(block.token_ids))
 
     def revive(self, block):  # a hit on a cached block nobody held
         del self.evictable[block.block_id]
@@ -698,9 +778,10 @@ class PrefixCache:
 
     def evict(self):
         """The cached free block the policy gives up, its prefix forgotten."""
-        while self.evictable.get((entry := heappop(self.heap))[-1]) != entry:
-            pass  # stale: that block was hit since it was freed
-        block = self.touch(entry[-1])
+        entry = heappop(self.heap)
+        while self.evictable.get(entry[-1]) != entry:  # stale: that block was hit since freed
+            entry = heappop(self.heap)
+        block = self.blocks[entry[-1]]
         del self.evictable[block.block_id], self.hash_to_block[block.hash]
         block.hash, block.token_ids = None, ()
         notify(self, "evict", block=block.block_id)
@@ -712,52 +793,44 @@ class PrefixCache:
         self.evictable = {b.block_id: (b.score, b.freed_at, b.block_id) for b in cached
                           if b.ref_count == 0}
         self.heap = sorted(self.evictable.values())
-
-
 # -----------------------------------------------------------------------------
 # 4. The swap pool (paper, section 4.5): CPU blocks for sequences preempted by swap, and
 #    the moves between the pools
 
 
-class SwapPool:
-    """A second pool of blocks, in CPU memory, with a free list and ref counts as the device pool
-    has and no cache; and the moves of whole sequences between the two pools. A block the
-    sequences share maps to one block on the other side, so sharing survives a swap."""
+class SwapPool(BlockPool):
+    """A second pool of blocks, in CPU memory, with ref counts and a free list as the device pool
+    has (no cache); and the moves of whole sequences between the two pools, through the device
+    allocator's take, share and release. A block the sequences share maps to one block on the
+    other side, so sharing survives a swap."""
     observer = None  # see notify
 
     def __init__(self, num_blocks, allocator):
+        super().__init__(num_blocks, allocator.block_size, allocator.journal)
         self.allocator = allocator  # the device pool's
-        self.ref_count = [0] * num_blocks
-        self.free_block_ids = deque(range(num_blocks))
-
-    @property
-    def num_blocks(self):
-        return len(self.ref_count)
-
-    @property
-    def num_free_blocks(self):
-        return len(self.free_block_ids)
 
     def can_swap_out(self, seqs):
         return len(blocks_held(seqs)) <= self.num_free_blocks
 
     def swap_out(self, seqs):
-        """Move seqs' blocks to this pool; returns the (device, cpu block) copies to make."""
+        """Move seqs' blocks to this pool; returns the (device, cpu block) copies to make. Their
+        blocks left the device's prefix cache's hands: swap_in publishes its copies again."""
         if not self.can_swap_out(seqs):
             raise OutOfBlocksError("the CPU swap space cannot hold these sequences")
-        self.allocator.txn.save(self)
-        copies = self._move(seqs, lambda _: self._take(), self._share, self.allocator._release)
+        copies = self._move(seqs, lambda _: self.take(), self.share, self.allocator.release)
         for seq in seqs:
-            notify(self, "swap_out", seq=seq.seq_id, table=list(seq.block_table))
+            self.journal.set(seq, "num_cached_blocks", 0)
+            notify(self, "swap_out", seq=seq.seq_id, table=seq.block_table.tolist())
         return copies
 
     def _still_cached(self, seqs):
         """CPU block -> the device block that still holds its prefix in the cache: swapping in
-        shares it instead of copying."""
-        kept = {}
+        shares it instead of copying. Only computed blocks: the rest will be written."""
+        kept, find = {}, self.allocator.prefix_cache.find
         for seq in seqs:
-            for i, key in enumerate(seq.block_hashes):  # its full computed blocks
-                if (block_id := self.allocator.prefix_cache.find(key, seq, i)) is not None:
+            for i in range(min(len(seq.block_hashes), seq.num_computed_tokens // self.block_size)):
+                block_id = find(seq.block_hashes[i], seq, i)
+                if block_id is not None:
                     kept.setdefault(seq.block_table[i], block_id)
         return kept
 
@@ -773,65 +846,48 @@ class SwapPool:
 
     def swap_in(self, seqs):
         """Bring swapped-out seqs back; returns the (cpu block, device block) copies to perform,
-        which land before the step runs. Their fresh blocks are published again."""
+        which land before the step runs (the fresh blocks are published again as they are
+        scheduled)."""
         a, kept = self.allocator, self._still_cached(seqs)
         if not self.can_swap_in(seqs, kept):
             raise OutOfBlocksError("not enough free device blocks to swap these sequences in")
-        a.txn.save(self)
 
         def take(cpu_block):
             if cpu_block in kept:
-                a._share(kept[cpu_block])
+                a.share(kept[cpu_block])
                 return kept[cpu_block]
-            return a._take()
+            return a.take()
         pinned = set(kept.values())
         for block_id in pinned:  # held while fresh blocks are taken, so none of them is evicted
-            a._share(block_id)
-        copies = self._move(seqs, take, a._share, self._release)
+            a.share(block_id)
+        copies = self._move(seqs, take, a.share, self.release)
         for block_id in pinned:
-            a._release(block_id)
+            a.release(block_id)
         for seq in seqs:
-            notify(self, "swap_in", seq=seq.seq_id, table=list(seq.block_table))
-            a.prefix_cache.publish(seq, len(seq.block_hashes) * a.block_size, again=True)
+            notify(self, "swap_in", seq=seq.seq_id, table=seq.block_table.tolist())
         return [(src, dst) for src, dst in copies if src not in kept]
 
     @staticmethod
     def _move(seqs, take, share, release):
         mapping = {}  # block on this side -> block on the other
         for seq in seqs:
-            for i, src in enumerate(seq.block_table):
+            table = seq.block_table
+            for i, src in enumerate(table):
                 if src in mapping:
                     share(mapping[src])
                 else:
                     mapping[src] = take(src)
                 release(src)
-                seq.block_table[i] = mapping[src]
+                table[i] = mapping[src]
         return list(mapping.items())
 
     def free(self, seq):
         """Return the CPU blocks of a swapped-out sequence (aborted, or to be recomputed)."""
-        self.allocator.txn.save(self)
         for block_id in seq.block_table:
-            self._release(block_id)
-        seq.block_table = []
+            self.release(block_id)
+        seq.block_table.truncate(0)
+        self.journal.set(seq, "num_computed_tokens", 0)
         notify(self, "free", seq=seq.seq_id)
-
-    def _take(self):
-        block_id = self.free_block_ids.popleft()
-        self.ref_count[block_id] = 1
-        return block_id
-
-    def _share(self, block_id):
-        self.ref_count[block_id] += 1
-
-    def _release(self, block_id):
-        if self.ref_count[block_id] < 1:
-            raise RuntimeError(f"cpu block {block_id} released more times than it was taken")
-        self.ref_count[block_id] -= 1
-        if self.ref_count[block_id] == 0:
-            self.free_block_ids.append(block_id)
-
-
 # -----------------------------------------------------------------------------
 # 5. The scheduler: continuous batching in a policy's order, one step at a time. Orca:
 #    iteration-level scheduling. Paper: preemption by recompute or swap (section 4.5).
@@ -842,6 +898,11 @@ class SwapPool:
 # by decodes (one token per sequence) and prefill chunks (many tokens of one prompt), so a
 # long prompt is prefilled over several steps without stalling running decodes. When a
 # decode finds no free block, the running request that comes last is preempted (paper, 4.5).
+#
+# schedule() is a step's plan: it moves groups between queues and takes the blocks their
+# tokens need, every change journaled (section 2), and returns what the step runs. It changes
+# no sequence but its paging state (block table, num_computed_tokens on a hit or a preemption);
+# the tokens, the counters and the times change in the step's commit (section 11).
 
 SCHEDULING_POLICIES = {  # the order: a SequenceGroup's key (fixed while queued), smaller first
     "fcfs": lambda group: group.request_id,  # first come, first served: ids count arrivals
@@ -851,11 +912,13 @@ SCHEDULING_POLICIES = {  # the order: a SequenceGroup's key (fixed while queued)
 
 @dataclass
 class SchedulerOutput:
+    """A step's plan."""
     scheduled: list = field(default_factory=list)  # (seq, num_new_tokens) in batch order
     blocks_to_swap_out: list = field(default_factory=list)  # (device block, cpu block)
     blocks_to_swap_in: list = field(default_factory=list)  # (cpu block, device block)
     blocks_to_copy: list = field(default_factory=list)  # (src, dst) device blocks, copy-on-write
-    preempted: list = field(default_factory=list)  # groups preempted this step
+    admitted: list = field(default_factory=list)  # groups admitted from waiting
+    preempted: list = field(default_factory=list)  # groups preempted
     lookahead: list = field(default_factory=list)  # (seq, slots) for proposals: see speculative
     num_batched_tokens: int = 0
 
@@ -865,8 +928,10 @@ class Scheduler:
 
     def __init__(self, allocator, max_num_seqs, max_num_batched_tokens, preemption_mode="recompute",
                  watermark=0.01, scheduling_policy="fcfs", num_lookahead_slots=0):
-        self.allocator, self.key = allocator, SCHEDULING_POLICIES[scheduling_policy]
-        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.allocator = allocator
+        self.key = SCHEDULING_POLICIES[scheduling_policy]
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.preemption_mode = preemption_mode
         self.num_lookahead_slots = num_lookahead_slots  # proposals per sequence, when speculating
         # Admission keeps a few blocks spare, so a request just let in is not preempted by the
@@ -885,10 +950,10 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self):
-        """This step's tokens and block moves, in four phases: 1. decodes of running groups,
-        first first (preempting when blocks run out); 2. swapped-out groups come back; 3. prefill
-        chunks of running groups; 4. waiting groups are admitted while blocks, sequence slots
-        and the token budget allow. Then, speculating, lookahead slots from what is left."""
+        """This step's plan, in four phases: 1. decodes of running groups, first first
+        (preempting when blocks run out); 2. swapped-out groups come back; 3. prefill chunks of
+        running groups; 4. waiting groups are admitted while blocks, sequence slots and the token
+        budget allow. Then, speculating, lookahead slots from what is left."""
         out = SchedulerOutput()
         self._schedule_decodes(out)
         num_seqs = sum(g.params.num_seqs for g in self.running)  # room held for all samples of each
@@ -901,6 +966,19 @@ class Scheduler:
             self._reserve_lookahead(out)
         return out
 
+    def _move(self, group, source, target):
+        """Move group from one queue to another, in its place by the key; journaled, so a failed
+        step's undo puts it back where it was."""
+        i = source.index(group)
+        del source[i]
+        insort(target, group, key=self.key)
+        self.allocator.journal.record(self._move_back, group, source, i, target)
+
+    @staticmethod
+    def _move_back(group, source, i, target):
+        target.remove(group)
+        source.insert(i, group)
+
     def _schedule_decodes(self, out):
         # A group whose next tokens need blocks that are not free preempts the last running
         # group, possibly itself.
@@ -911,7 +989,7 @@ class Scheduler:
                 i += 1
                 continue
             while self.allocator.num_blocks_to_append(group.seqs) > self.allocator.num_free_blocks:
-                victim = self.running.pop()
+                victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is group:
                     break
@@ -921,20 +999,19 @@ class Scheduler:
 
     def _swap_in(self, out, num_seqs):
         # First first, unless this step had to preempt or a waiting group comes before them.
+        swap_pool = self.allocator.swap_pool
         while self.swapped and not out.preempted and not self._ahead(self.waiting, self.swapped):
             group = self.swapped[0]
             # + one block per next token
-            need = self.allocator.swap_pool.num_blocks_to_swap_in(group.seqs) + len(group.seqs)
+            need = swap_pool.num_blocks_to_swap_in(group.seqs) + len(group.seqs)
             if (not self._fits(need) or num_seqs + group.params.num_seqs > self.max_num_seqs
                     or self._over_budget(out, len(group.seqs))):
                 if not self.running:  # nothing will free blocks for it: recompute, not wait forever
-                    self.swapped.pop(0)
-                    self._recompute(group)
+                    self._recompute(group, self.swapped)
                 break
-            self.swapped.pop(0)
             num_seqs += group.params.num_seqs
-            out.blocks_to_swap_in += self.allocator.swap_pool.swap_in(group.seqs)
-            insort(self.running, group, key=self.key)
+            out.blocks_to_swap_in += swap_pool.swap_in(group.seqs)
+            self._move(group, self.swapped, self.running)
             notify(self, "resume", request=group.request_id)
             if group.is_decoding:
                 self._append_slots(group, out)
@@ -950,12 +1027,11 @@ class Scheduler:
             if not self._fits(need) or num_seqs + group.params.num_seqs > self.max_num_seqs:
                 break  # nobody overtakes the first waiting request
             num_seqs += group.params.num_seqs
-            self.waiting.popleft()
+            self._move(group, self.waiting, self.running)
+            out.admitted.append(group)
             notify(self, "admit", request=group.request_id)
             for seq in group.seqs:
                 self.allocator.allocate(seq)
-            group.admitted()
-            insort(self.running, group, key=self.key)
             if not group.is_decoding:
                 self._schedule_prefill(group, out)
             elif not self._over_budget(out, len(group.seqs)):
@@ -977,7 +1053,7 @@ class Scheduler:
         so a request admitted after it in this step can hit them (section 3)."""
         out.scheduled.append((seq, num_new))
         out.num_batched_tokens += num_new
-        self.allocator.prefix_cache.publish(seq, seq.num_computed_tokens + num_new)
+        self.allocator.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
 
     def _append_slots(self, group, out):
         for seq in group.seqs:
@@ -1022,46 +1098,44 @@ class Scheduler:
         out.preempted.append(group)
         if self.preemption_mode == "swap" and self.allocator.swap_pool.can_swap_out(group.seqs):
             out.blocks_to_swap_out += self.allocator.swap_pool.swap_out(group.seqs)
-            insort(self.swapped, group, key=self.key)
-            self._count_preemption(group, "swap")
+            self._move(group, self.running, self.swapped)
+            notify(self, "preempt", request=group.request_id, mode="swap")
         else:
-            self.preempt_by_recompute(group)
+            self._recompute(group, self.running)
+            notify(self, "preempt", request=group.request_id, mode="recompute")
 
     def preempt_by_recompute(self, group):
-        """Free a running group's blocks and send it back to the waiting queue."""
-        for seq in group.seqs:
-            self.allocator.free(seq)
-        self._recompute(group)
-        self._count_preemption(group, "recompute")
+        """Outside a step (the undo of a failed one): free a running group's blocks and send it
+        back to the waiting queue."""
+        self._recompute(group, self.running)
+        self.count_preemption(group)
+        notify(self, "preempt", request=group.request_id, mode="recompute")
 
-    def _count_preemption(self, group, mode):  # the one place preemptions are counted
+    def count_preemption(self, group):  # the one place preemptions are counted
         group.num_preemptions += 1
         self.num_preemptions += 1
-        notify(self, "preempt", request=group.request_id, mode=mode)
 
-    def _recompute(self, group):
+    def _recompute(self, group, queue):
+        """Free the blocks of a group in queue (running, or swapped: CPU blocks) and send it to
+        the waiting queue, under FCFS to its front: it arrived before everything still waiting.
+        What the prefix cache still holds of it, it finds again when readmitted."""
+        pool = self.allocator.swap_pool if queue is self.swapped else self.allocator
         for seq in group.seqs:
-            if seq.block_table:  # still in the CPU pool
-                self.allocator.swap_pool.free(seq)
-            seq.num_computed_tokens, seq.block_hashes = 0, []  # published again once computed
-        self.add(group)  # under FCFS to the front: it arrived before everything still waiting
+            pool.free(seq)
+        self._move(group, queue, self.waiting)
 
     def abort(self, group):
-        """Drop a group wherever it is and return all its blocks."""
-        if group in self.swapped:
-            self.swapped.remove(group)
-            for seq in group.seqs:
-                self.allocator.swap_pool.free(seq)
-        else:  # a waiting group holds no blocks: freeing its sequences returns nothing
-            (self.running if group in self.running else self.waiting).remove(group)
-            for seq in group.seqs:
-                self.allocator.free(seq)
+        """Drop a group wherever it is and return all its blocks (between steps)."""
+        queue = next(q for q in (self.waiting, self.running, self.swapped) if group in q)
+        queue.remove(group)
+        pool = self.allocator.swap_pool if queue is self.swapped else self.allocator
+        for seq in group.seqs:
+            if seq.block_table:  # a waiting group holds none
+                pool.free(seq)
         group.seqs = []
 
     def remove_finished(self):
         self.running = [g for g in self.running if not g.is_finished]
-
-
 # -----------------------------------------------------------------------------
 # 6. Tensor parallelism: Megatron-LM's split of each layer across ranks (paper, section 4.6)
 #
@@ -1274,8 +1348,8 @@ class CausalSelfAttention(nn.Module):
         # to its sequence's whole context, gathered block by block through the block table, by
         # the attention backend the engine chose (kernel.ATTENTION_BACKENDS)
         k_cache, v_cache, scales = kv_cache                   # (num_blocks, block_size, nkv, hs)
-        batch.attention.store(k, v, k_cache, v_cache, batch.slot_mapping, **scales)
-        y = batch.attention.attend(q, k_cache, v_cache, batch, self.scale, **scales)  # (T, nh, hs)
+        batch.backend.store(k, v, k_cache, v_cache, batch.slot_mapping, **scales)
+        y = batch.backend.attend(q, k_cache, v_cache, batch, self.scale, **scales)  # (T, nh, hs)
         return all_reduce(self.c_proj(y.flatten(1)))
 
 
@@ -1430,16 +1504,25 @@ class Batch:
     cu_seqlens_q: torch.Tensor    # (S+1,) int32, sequence i's new tokens are [cu[i], cu[i+1])
     max_q_len: int                # longest run of new tokens, so the kernel needs no host sync
     logits_indices: torch.Tensor  # (R,) int64, rows whose next-token logits we need
-    attention: kernel.AttentionBackend  # how every layer stores and reads K/V
+    backend: kernel.AttentionBackend  # how every layer stores and reads K/V
     kv_scales: list               # per layer: {} or an 8-bit cache's {k_scale, v_scale} (kernel.py)
     scratch: dict = field(default_factory=dict)  # the backend's, shared by the step's layers
 
 
+class Chunk(NamedTuple):
+    """One sequence's part of a batch: its tokens at positions [start, start + len(tokens)),
+    and the rows of logits wanted after its last num_logits of them."""
+    seq: Sequence
+    start: int
+    tokens: list
+    num_logits: int
+
+
 class ModelRunner:
 
-    def __init__(self, model, num_blocks, num_cpu_blocks, block_size, attention, device, dtype):
+    def __init__(self, model, num_blocks, num_cpu_blocks, block_size, backend, device, dtype):
         self.model, self.block_size, self.device = model, block_size, device
-        self.attention = attention  # a kernel.AttentionBackend
+        self.backend = backend  # a kernel.AttentionBackend
         shape = kv_block_shape(model.config, block_size)  # (2, n_layer, block_size, nkv, hs)
         # The KV cache is one tensor, so a block copy (copy-on-write, swap) is one indexing op
         # for all layers.
@@ -1452,66 +1535,70 @@ class ModelRunner:
         # per layer, an 8-bit cache's scales, fixed here once (kernel.py says how and why)
         self.kv_scales = calibrate_kv_scales(model, shape, dtype)  # [{k_scale, v_scale}]
 
-    def execute(self, out, proposals={}):
-        """Copy the blocks out orders, then run its scheduled tokens, each sequence's proposals
-        after them (speculative decoding). Returns the logits (R, V) after each sequence whose
-        last token is now computed, and after each of its proposals; or None if nothing runs."""
-        self.copy_blocks(out)
-        if not out.scheduled:
+    def execute(self, plan, proposals):
+        """Copy the blocks the plan orders, then run its scheduled tokens, each sequence's
+        proposals after them (speculative decoding). Returns the logits (R, V) after each
+        sequence whose last token is now computed, and after each of its proposals, then the
+        rows prompt logprobs need; or None if nothing runs."""
+        self.copy_blocks(plan)
+        if not plan.scheduled:
             return None
-        return self.forward(step_chunks(out.scheduled, proposals))
+        return self.forward(step_chunks(plan.scheduled, proposals))
 
     def forward(self, chunks, prompt_logprobs=True):
         batch = self.prepare(chunks, prompt_logprobs)
         with torch.inference_mode():
             return self.model(batch.input_ids, batch, self.kv_cache)  # (R, V)
 
-    def copy_blocks(self, out):
+    def copy_blocks(self, plan):
         # Order matters: blocks swapped out may be handed to others this very step, and
         # copy-on-write may copy a block that was just swapped in.
-        if out.blocks_to_swap_out:
-            src, dst = zip(*out.blocks_to_swap_out)
+        if plan.blocks_to_swap_out:
+            src, dst = zip(*plan.blocks_to_swap_out)
             staged = self.kv_cache[:, :, list(src)].movedim(2, 0).contiguous()  # (n, 2, L, ...)
             for block, cpu_block in zip(staged, dst):
                 self.cpu_kv_cache[cpu_block].copy_(block, non_blocking=True)
-        if out.blocks_to_swap_in:
-            src, dst = zip(*out.blocks_to_swap_in)
+        if plan.blocks_to_swap_in:
+            src, dst = zip(*plan.blocks_to_swap_in)
             staged = torch.stack([self.cpu_kv_cache[b].to(self.device, non_blocking=True)
                                   for b in src])                              # (n, 2, L, ...)
             self.kv_cache[:, :, list(dst)] = staged.movedim(0, 2)
-        if out.blocks_to_copy:  # copy-on-write, every block of the step in one batched copy
-            src, dst = zip(*out.blocks_to_copy)
+        if plan.blocks_to_copy:  # copy-on-write, every block of the step in one batched copy
+            src, dst = zip(*plan.blocks_to_copy)
             self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
 
     def prepare(self, chunks, prompt_logprobs=True):
-        """Pack chunks (seq, start, tokens, num_logits) into one varlen batch: each puts tokens
-        at positions [start, start + len(tokens)) of its sequence and wants the logits after its
-        last num_logits of them; then the rows that prompt logprobs need, if asked for."""
+        """Pack chunks into one varlen batch; after the rows of logits each chunk wants, the rows
+        that prompt logprobs need, if asked for. The work is per token scheduled and per block
+        table row copied, in numpy, never per token a sequence holds."""
         bs, chunks = self.block_size, list(chunks)
-        max_blocks = max(len(seq.block_table) for seq, *_ in chunks)
-        input_ids, positions, slot_mapping, block_tables, seq_lens = [], [], [], [], []
-        cu_seqlens_q, logits_indices, prompt_rows = [0], [], []
-        for seq, start, tokens, num_logits in chunks:
-            table, end = seq.block_table, start + len(tokens)
-            input_ids += tokens
-            positions += range(start, end)
-            slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            block_tables += table
-            block_tables += [-1] * (max_blocks - len(table))  # rows end in -1s
-            seq_lens.append(end)
-            cu_seqlens_q.append(cu_seqlens_q[-1] + len(tokens))
-            logits_indices += range(cu_seqlens_q[-1] - num_logits, cu_seqlens_q[-1])
-            if prompt_logprobs:  # rows after the sampling rows
-                prompt_rows += [cu_seqlens_q[-1] - end + p
-                                for p in seq.prompt_logprob_positions(start, end)]
+        q_lens = np.array([len(c.tokens) for c in chunks])                            # (S,)
+        starts = np.array([c.start for c in chunks])                                   # (S,)
+        cu_seqlens_q = np.concatenate([[0], np.cumsum(q_lens)])                       # (S+1,)
+        owner = np.repeat(np.arange(len(chunks)), q_lens)        # (T,) each token's chunk
+        positions = np.arange(cu_seqlens_q[-1]) - cu_seqlens_q[owner] + starts[owner]  # (T,)
+        block_tables = np.full((len(chunks), max(len(c.seq.block_table) for c in chunks)), -1,
+                               dtype=np.int32)                             # (S, max_blocks)
+        for row, c in zip(block_tables, chunks):  # rows end in -1s
+            row[:len(c.seq.block_table)] = c.seq.block_table.ids[:len(c.seq.block_table)]
+        slot_mapping = block_tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+        logits_indices = [r for c, end in zip(chunks, cu_seqlens_q[1:].tolist())
+                          for r in range(end - c.num_logits, end)]
+        if prompt_logprobs:  # rows after the sampling rows
+            logits_indices += [end - c.start - len(c.tokens) + p
+                               for c, end in zip(chunks, cu_seqlens_q[1:].tolist())
+                               for p in c.seq.prompt_logprob_positions(c.start,
+                                                                      c.start + len(c.tokens))]
 
         def tensor(x, dtype=torch.int64):
-            return torch.tensor(x, dtype=dtype, device=self.device)
-        block_tables = tensor(block_tables, torch.int32).view(len(chunks), max_blocks)
-        return Batch(tensor(input_ids), tensor(positions), tensor(slot_mapping), block_tables,
-                     tensor(seq_lens, torch.int32), tensor(cu_seqlens_q, torch.int32),
-                     max(len(tokens) for _, _, tokens, _ in chunks),
-                     tensor(logits_indices + prompt_rows), self.attention, self.kv_scales)
+            return torch.as_tensor(x, dtype=dtype).to(self.device)
+        return Batch(input_ids=tensor([t for c in chunks for t in c.tokens]),
+                     positions=tensor(positions), slot_mapping=tensor(slot_mapping),
+                     block_tables=tensor(block_tables, torch.int32),
+                     seq_lens=tensor(starts + q_lens, torch.int32),
+                     cu_seqlens_q=tensor(cu_seqlens_q, torch.int32), max_q_len=int(q_lens.max()),
+                     logits_indices=tensor(logits_indices), backend=self.backend,
+                     kv_scales=self.kv_scales)
 
 
 def step_chunks(scheduled, proposals):
@@ -1521,8 +1608,8 @@ def step_chunks(scheduled, proposals):
     for seq, num_new in scheduled:
         start, proposal = seq.num_computed_tokens, proposals.get(seq.seq_id, [])
         complete = start + num_new == len(seq)
-        yield seq, start, seq.token_ids[start:start + num_new] + proposal, \
-            complete * (1 + len(proposal))
+        yield Chunk(seq=seq, start=start, tokens=seq.token_ids[start:start + num_new] + proposal,
+                    num_logits=complete * (1 + len(proposal)))
 
 
 @torch.no_grad()
@@ -1545,11 +1632,13 @@ def calibrate_kv_scales(model, block_shape, dtype, num_tokens=256):
                         device=device)  # (2, n_layer, num_seqs, seq_len, nkv, hs): a block each
     int32 = dict(dtype=torch.int32, device=device)
     batch = Batch(  # one block per sequence, the whole of it new
-        ids, torch.arange(seq_len, device=device).repeat(num_seqs),
-        torch.arange(len(ids), device=device), torch.arange(num_seqs, **int32)[:, None],
-        torch.full((num_seqs,), seq_len, **int32), torch.arange(0, len(ids) + 1, seq_len, **int32),
-        seq_len, torch.zeros(0, dtype=torch.long, device=device),
-        kernel.ATTENTION_BACKENDS["torch"], [{}] * config.n_layer)
+        input_ids=ids, positions=torch.arange(seq_len, device=device).repeat(num_seqs),
+        slot_mapping=torch.arange(len(ids), device=device),
+        block_tables=torch.arange(num_seqs, **int32)[:, None],
+        seq_lens=torch.full((num_seqs,), seq_len, **int32),
+        cu_seqlens_q=torch.arange(0, len(ids) + 1, seq_len, **int32), max_q_len=seq_len,
+        logits_indices=torch.zeros(0, dtype=torch.long, device=device),
+        backend=kernel.ATTENTION_BACKENDS["torch"], kv_scales=[{}] * config.n_layer)
     with torch.inference_mode():
         model(ids, batch, cache)
     s = kernel.kv_scales(cache.abs().amax(dim=(2, 3, 4, 5)), dtype)  # (2, n_layer)
@@ -1581,16 +1670,21 @@ class SamplingMetadata:
     columns: dict = field(default_factory=dict)  # made once per step, on first use
 
     def default(self, name):
-        """A parameter's default, read from the class of a row that has it: a fork may add a
+        """A parameter's default, read from the class of a row that has it: your copy may add a
         parameter in a subclass of SamplingParams, and give it to some requests only (MISSING:
         to none)."""
         return next((type(p).__dataclass_fields__[name].default for p in self.params
                      if name in type(p).__dataclass_fields__), MISSING)
 
+    def rows_using(self, *names):
+        """The rows whose params set any of these parameters away from its default."""
+        defaults = [self.default(name) for name in names]
+        return [r for r, p in enumerate(self.params)
+                if any(getattr(p, n, d) not in (d, []) for n, d in zip(names, defaults))]
+
     def uses(self, name):
         """Whether any row sets the parameter away from its default."""
-        default = self.default(name)
-        return any(getattr(p, name, default) not in (default, []) for p in self.params)
+        return bool(self.rows_using(name))
 
     def column(self, name, dtype=torch.float64):
         """(R,) every row's parameter (the default where its params lack it), on the logits'
@@ -1607,14 +1701,15 @@ class SamplingMetadata:
     def output_ids(self, r):
         return self.seqs[r].output_token_ids + self.proposed[r]
 
-    def counts(self, ids_of_row, V):
-        """(R, V) how many times each token id is in each row's ids_of_row(r)."""
-        ids = [ids_of_row(r) for r in range(len(self.params))]
-        rows = torch.tensor([r for r, row in enumerate(ids) for _ in row], dtype=torch.long)
-        cols = torch.tensor([t for row in ids for t in row], dtype=torch.long)
-        return torch.zeros(len(ids), V, device=self.device).index_put_(
-            (rows.to(self.device), cols.to(self.device)),
-            torch.ones(len(rows), device=self.device), accumulate=True)
+    def counts(self, ids_of_row, V, rows):
+        """(R, V) how many times each token id is in ids_of_row(r), for each of rows (zeros in
+        the others: only the rows that ask for it read their tokens)."""
+        ids = [ids_of_row(r) for r in rows]
+        index = torch.tensor([(r, t) for r, row in zip(rows, ids) for t in row],
+                             dtype=torch.long).reshape(-1, 2).to(self.device)
+        return torch.zeros(len(self.params), V, device=self.device).index_put_(
+            (index[:, 0], index[:, 1]), torch.ones(len(index), device=self.device),
+            accumulate=True)
 
 
 def apply_logits_processors(scores, meta):
@@ -1631,11 +1726,11 @@ def apply_penalties(scores, meta):
     RepetitionPenaltyLogitsProcessor and vLLM divide a positive score by it and multiply a
     negative one; then, over the output, minus presence_penalty once for each token present and
     minus frequency_penalty times its count (vLLM's and the OpenAI API's rule)."""
-    if not (meta.uses("repetition_penalty") or meta.uses("presence_penalty")
-            or meta.uses("frequency_penalty")):
+    rows = meta.rows_using("repetition_penalty", "presence_penalty", "frequency_penalty")
+    if not rows:
         return scores
-    counts = meta.counts(meta.output_ids, scores.shape[-1]).to(scores.dtype)           # (R, V)
-    seen = (meta.counts(meta.prompt_ids, scores.shape[-1]) > 0) | (counts > 0)
+    counts = meta.counts(meta.output_ids, scores.shape[-1], rows).to(scores.dtype)     # (R, V)
+    seen = (meta.counts(meta.prompt_ids, scores.shape[-1], rows) > 0) | (counts > 0)
     penalty = meta.column("repetition_penalty").to(scores.dtype)[:, None]
     scores = torch.where(seen, torch.where(scores > 0, scores / penalty, scores * penalty), scores)
     presence = meta.column("presence_penalty").to(scores.dtype)[:, None]
@@ -1753,115 +1848,185 @@ def logprob_entry(token, logprob, top, r, k):
 # -----------------------------------------------------------------------------
 # 10. Output processing: parallel samples, beam search (paper, section 4.4), stops, outputs
 #
-# Each group whose sequences got logits this step moves on by one token: sampled, or chosen
-# by beam search. Parallel samples fork from the prompt here, sharing its blocks; a finished
-# sequence frees its blocks at once.
+# In a step's run, the output processor turns the logits into what each request gains: each
+# sample's next token (speculating, the guesses its draws confirm too), each beam search's
+# next beams, why each sample stops, and its text: the tokenizer's and the logits
+# processors' code runs here, and nothing changes. In the step's commit it applies them:
+# parallel samples fork from the prompt and share its blocks, beams fork and free, a finished
+# sequence frees its blocks at once. Nothing in the commit can fail halfway.
+
+
+class SampleUpdate(NamedTuple):
+    """What one sample gains in a step: decided in its run, applied in its commit."""
+    group: SequenceGroup
+    seq: Sequence  # the sample, or the prompt's sequence that a new sample forks from
+    index: int  # the sample's index: a new one's differs from seq's
+    tokens: list  # drawn and kept, in order (more than one when proposed tokens are kept)
+    logprobs: list  # each token's log-probability under the model
+    entries: list | None  # each token's logprobs entry, when asked for
+    text: tuple | None  # with a tokenizer: (text, text_offsets) after the tokens
+    finish_reason: str | None  # None: it goes on
+    stop_reason: int | str | None = None
+
+
+class BeamHypothesis(NamedTuple):
+    """A finished beam: its output tokens, their cumulative log-probability, why it ended."""
+    token_ids: list
+    cumulative_logprob: float
+    finish_reason: str
+    text: str | None = None  # with a tokenizer
+
+
+class BeamStep(NamedTuple):
+    """What one beam search does in a step: decided in its run, applied in its commit."""
+    survivors: list  # (parent beam's index, token, cumulative logprob) of each next beam
+    hypotheses: list  # BeamHypothesis that ended this step
+    done: bool  # enough hypotheses, or no beam goes on
+    texts: list | None = None  # with a tokenizer, each survivor's text
+
+
+@dataclass
+class StepResult:
+    """What a step's run computed, for its commit to apply."""
+    ready: list = field(default_factory=list)  # groups whose sequences got logits
+    samples: list = field(default_factory=list)  # SampleUpdate for each sample of those
+    beams: dict = field(default_factory=dict)  # request_id -> BeamStep
+    prompt_logprobs: list = field(default_factory=list)  # (seq, entry) computed this step
+    proposals: dict = field(default_factory=dict)  # seq_id -> the tokens proposed after it
 
 
 class OutputProcessor:
 
-    def __init__(self, config, scheduler, seq_ids, device, detokenizer=None):
+    def __init__(self, config, scheduler, seq_ids, device, detokenizer=None, proposer=None):
         self.config, self.scheduler, self.device = config, scheduler, device
         self.seq_ids = seq_ids  # the engine's counter of sequence ids, shared with forks
         self.detokenizer = detokenizer  # text and stop strings, with a tokenizer
+        self.proposer = proposer  # speculative decoding's: it verifies and counts proposals
         self.num_generated_tokens = 0
-        self.num_proposed_tokens = self.num_accepted_tokens = 0  # speculative decoding
 
     @property
     def allocator(self):
         return self.scheduler.allocator
 
-    def process(self, scheduled, logits, proposals={}):
-        """Advance the scheduled sequences past their new tokens, then give each group whose
-        sequences got logits its next token, or, speculating, the tokens its proposals earn.
-        Returns those groups, for the engine to report."""
-        row_of = {}  # seq_id -> its first row of logits, for sequences whose last token is now in
+    # -- run: decide, changing nothing ---------------------------------------------------
+
+    def decide(self, plan, logits, proposals):
+        """What the step's logits (R, V) give each request whose sequences reached their last
+        token: the rows after those tokens (and after each proposal), then prompt logprobs'."""
+        result = StepResult(proposals=proposals)
+        if logits is None:
+            return result
+        row_of = {}  # seq_id -> its first row of logits, for sequences whose last token is in
         num_rows, owed = 0, []  # owed: (seq, position p), prompt logprobs from the rows after
-        for seq, num_new in scheduled:
+        for seq, num_new in plan.scheduled:
             start = seq.num_computed_tokens
             owed += [(seq, p) for p in seq.prompt_logprob_positions(start, start + num_new)]
-            seq.num_computed_tokens += num_new
-            self.allocator.cache_full_blocks(seq, start)
-            if seq.num_computed_tokens == len(seq):
+            if start + num_new == len(seq):
                 row_of[seq.seq_id] = num_rows  # then a row after each of its proposals
                 num_rows += 1 + len(proposals.get(seq.seq_id, ()))
         running = {g.request_id: g for g in self.scheduler.running}
         if owed:
-            self.record_prompt_logprobs(owed, logits[num_rows:], running)
+            result.prompt_logprobs = self.prompt_logprob_entries(owed, logits[num_rows:], running)
         # The scheduler completes all sequences of a group in the same step.
-        ready = list({seq.request_id: running[seq.request_id] for seq, _ in scheduled
-                      if seq.seq_id in row_of}.values())
-        to_sample = []  # (group, seq, row)
-        for group in ready:
-            if group.metrics.first_token_time is None:
-                group.metrics.first_token_time = time.perf_counter()
+        result.ready = list({seq.request_id: running[seq.request_id] for seq, _ in plan.scheduled
+                             if seq.seq_id in row_of}.values())
+        to_sample = []  # (group, seq, sample index, row)
+        for group in result.ready:
+            rows = [row_of[seq.seq_id] for seq in group.seqs]
+            prompt_only = len(group.seqs) == 1 and not group.seqs[0].num_output_tokens
             if group.params.beam_width is not None:
-                self.num_generated_tokens += beam_search_step(
-                    group, logits[[row_of[seq.seq_id] for seq in group.seqs]],
-                    self.stop_ids(group.params), self.fork, self.allocator.free,
-                    self.config.eos_token_ids)
-                continue
-            prompt_row = row_of.get(group.seqs[0].seq_id)
-            if group.params.n > 1 and len(group.seqs) == 1 and group.seqs[0].num_output_tokens == 0:
-                self.fork_samples(group)  # they draw their first tokens from the prompt's logits
-            to_sample += [(group, seq, row_of.get(seq.seq_id, prompt_row)) for seq in group.seqs]
+                result.beams[group.request_id] = self.beam_step(group, logits[rows])
+            elif group.params.n > 1 and prompt_only:
+                # parallel samples draw their first tokens from the prompt's logits
+                to_sample += [(group, group.seqs[0], i, rows[0]) for i in range(group.params.n)]
+            else:
+                to_sample += [(group, seq, seq.index, row) for seq, row in zip(group.seqs, rows)]
         if to_sample:
-            self.sample_tokens(to_sample, logits, proposals)
-        for group in ready:
-            if group.is_finished:
-                group.metrics.finished_time = time.perf_counter()
-        self.scheduler.remove_finished()
-        return ready
+            result.samples = self.draw(to_sample, logits, proposals)
+        return result
 
-    def sample_tokens(self, to_sample, logits, proposals):
-        """Draw the next token of each (group, seq, row of logits); finish the seqs that stop.
-        A sequence with proposals has a row after each of them too: it draws token j from row j
-        as if nothing were proposed, and goes on to row j + 1 while token j is proposal j, whose
-        K/V the step computed (speculative.py: this is rejection sampling). The blocks past the
-        tokens it keeps go back to the pool."""
-        draws = [(g, seq, row + j, j) for g, seq, row in to_sample
-                 for j in range(1 + len(proposals.get(seq.seq_id, ())))]
-        rows = [r for _, _, r, _ in draws]
+    def draw(self, to_sample, logits, proposals):
+        """Each sample's next token; speculating, one after each of its proposals too, from the
+        row after it, as if nothing were proposed (speculative.py keeps the draws that confirm
+        the proposals). Then where each stops. A SampleUpdate each."""
+        draws = []  # (group, seq, sample index, row, the proposals before this draw)
+        for group, seq, index, row in to_sample:
+            proposal = proposals.get(seq.seq_id, [])
+            draws += [(group, seq, index, row + j, proposal[:j]) for j in range(1 + len(proposal))]
+        rows = [row for _, _, _, row, _ in draws]
         logits = logits if rows == list(range(len(logits))) else logits[rows]           # (D, V)
         meta = SamplingMetadata(
-            [g.params for g, *_ in draws], [seq for _, seq, *_ in draws],
-            [list(proposals.get(seq.seq_id, ())[:j]) for _, seq, _, j in draws],
-            [None if g.seed is None else sample_generator(
-                g.seed, seq.index, seq.num_output_tokens + j, self.device)
-             for g, seq, _, j in draws], self.config.eos_token_ids, logits.device)
+            params=[group.params for group, *_ in draws], seqs=[seq for _, seq, *_ in draws],
+            proposed=[before for *_, before in draws],
+            generators=[None if group.seed is None else sample_generator(
+                group.seed, index, seq.num_output_tokens + len(before), self.device)
+                for group, seq, index, _, before in draws],
+            eos_token_ids=self.config.eos_token_ids, device=logits.device)
         # Tensor parallel ranks run this same scheduler on bit-identical logits (the all-reduce
         # gives each the same sum), so greedy picks, beams and stops agree; a random draw may
         # not (unseeded, each rank has its own seed), so all take rank 0's tokens.
-        tokens = broadcast(sample(logits, meta))
+        tokens = broadcast(sample(logits, meta))                                        # (D,)
+        eos = self.config.eos_token_ids
         logprobs = log_probs(logits)                                                   # (D, V)
         chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
         top = logprobs.topk(max(p.logprobs or 0 for p in meta.params))  # for those who asked
-        done = set()  # sequences that stopped, or drew a token other than their proposal
-        kept_from = {seq.seq_id: seq.num_computed_tokens for _, seq, _ in to_sample}
-        for r, ((group, seq, _, j), token) in enumerate(zip(draws, tokens.tolist())):
-            if seq.seq_id in done:
-                continue
-            seq.token_ids.append(token)
-            seq.cumulative_logprob += chosen[r]
-            if (k := group.params.logprobs) is not None:
-                seq.logprobs.append(logprob_entry(token, chosen[r], top, r, k))
-            proposal = proposals.get(seq.seq_id, ())
-            accepted = j < len(proposal) and token == proposal[j]
-            seq.num_computed_tokens += accepted
-            self.num_accepted_tokens += accepted
-            self.num_generated_tokens += 1
-            if reason := self.stop_reason(seq, group.params):
-                self.finish(group, seq, reason)
-            if reason or not accepted:
-                done.add(seq.seq_id)
-        for _, seq, _ in to_sample:
-            if seq.seq_id in proposals:
-                self.num_proposed_tokens += len(proposals[seq.seq_id])
-                if seq.finish_reason is None:  # a finished one gave back every block
-                    self.allocator.free_lookahead_slots(seq)
-                    self.allocator.cache_full_blocks(seq, kept_from[seq.seq_id])
+        tokens, updates, d = tokens.tolist(), [], 0
+        for group, seq, index, _ in to_sample:
+            proposal = proposals.get(seq.seq_id)
+            drawn = tokens[d:d + 1 + len(proposal or ())]
+            kept = self.proposer.verify(drawn, proposal) if proposal else drawn
+            kept, reason, stop, text = self.stop_check(seq, group.params, kept, eos)
+            k = group.params.logprobs
+            entries = None if k is None else [logprob_entry(t, chosen[d + j], top, d + j, k)
+                                              for j, t in enumerate(kept)]
+            updates.append(SampleUpdate(group=group, seq=seq, index=index, tokens=kept,
+                                        logprobs=chosen[d:d + len(kept)], entries=entries,
+                                        text=text, finish_reason=reason, stop_reason=stop))
+            d += len(drawn)
+        return updates
 
-    def record_prompt_logprobs(self, owed, logits, groups):
+    def stop_check(self, seq, params, tokens, eos):
+        """Of the tokens a sample drew this step, those it keeps, why it ends after them (None,
+        "stop" or "length"), the stop token id or string that ended it, and its (text,
+        text_offsets) then, with a tokenizer. vLLM's rules: an end token (one of stop_token_ids,
+        or of eos unless ignore_eos) counts from min_tokens on, and its own text is left out of
+        the output unless include_stop_str_in_output; a stop string counts once the output is
+        longer than min_tokens, and cuts the text."""
+        detokenizer = self.detokenizer
+        texts = detokenizer.texts(seq, tokens) if detokenizer else None
+        state = (seq.text, seq.text_offsets) if detokenizer else None
+        for j, token in enumerate(tokens):
+            num_output = seq.num_output_tokens + j + 1
+            ends = token in params.stop_token_ids or (not params.ignore_eos and token in eos)
+            if ends and num_output >= params.min_tokens:
+                if detokenizer and params.include_stop_str_in_output:
+                    state = texts[j][:2]
+                stop = token if token in params.stop_token_ids else None
+                return tokens[:j + 1], "stop", stop, state
+            if detokenizer:
+                text, offsets, new = texts[j]
+                state = (text, offsets)
+                found = detokenizer.stop_string(text, new, params, num_output)
+                if found:
+                    stop, text = found
+                    return tokens[:j + 1], "stop", stop, (text, offsets)
+            if num_output >= params.max_tokens:
+                return tokens[:j + 1], "length", None, state
+        return tokens, None, None, state
+
+    def beam_step(self, group, logits):
+        """beam_search_step, and with a tokenizer the text of each next beam and hypothesis."""
+        step = beam_search_step(group, logits, self.stop_ids(group.params),
+                                self.config.eos_token_ids)
+        if self.detokenizer is None:
+            return step
+        decode, beams = self.detokenizer.decode, group.seqs
+        return step._replace(
+            hypotheses=[h._replace(text=decode(h.token_ids)) for h in step.hypotheses],
+            texts=[decode(beams[parent].output_token_ids + [token])
+                   for parent, token, _ in step.survivors])
+
+    def prompt_logprob_entries(self, owed, logits, groups):
         """Prompt token p + 1's logprob and the k likeliest, from the logits after position p."""
         logprobs = log_probs(logits)                                                   # (P, V)
         ks = [groups[seq.request_id].params.prompt_logprobs for seq, _ in owed]
@@ -1869,8 +2034,8 @@ class OutputProcessor:
         index = torch.tensor(tokens, device=logprobs.device)[:, None]
         chosen = logprobs.gather(-1, index).squeeze(-1).tolist()
         top = logprobs.topk(max(ks))
-        for r, ((seq, _), token, k) in enumerate(zip(owed, tokens, ks)):
-            seq.prompt_logprobs.append(logprob_entry(token, chosen[r], top, r, k))
+        return [(seq, logprob_entry(token, chosen[r], top, r, k))
+                for r, ((seq, _), token, k) in enumerate(zip(owed, tokens, ks))]
 
     def stop_ids(self, params):
         """The tokens that end a sequence: the request's, and every end-of-text id unless
@@ -1878,54 +2043,106 @@ class OutputProcessor:
         eos = set() if params.ignore_eos else self.config.eos_token_ids
         return set(params.stop_token_ids) | eos
 
-    def stop_reason(self, seq, params):
-        """Why seq ends at its newest token, as vLLM decides: "stop" for an end token (none
-        before min_tokens), or for a stop string its text now holds (with a tokenizer: the end
-        token's own text is left out unless include_stop_str_in_output); "length" at max_tokens;
-        else None. Sets seq.stop_reason to the stop token id or string."""
-        token, detokenizer = seq.token_ids[-1], self.detokenizer
-        if seq.num_output_tokens >= params.min_tokens and token in self.stop_ids(params):
-            if detokenizer is not None and params.include_stop_str_in_output:
-                detokenizer.update(seq, params)
-            seq.stop_reason = token if token in params.stop_token_ids else None
-            return "stop"
-        if detokenizer is not None and (stop := detokenizer.update(seq, params)) is not None:
-            seq.stop_reason = stop
-            return "stop"
-        return "length" if seq.num_output_tokens >= params.max_tokens else None
+    # -- commit: apply, nothing can fail halfway ------------------------------------------
 
-    def finish(self, group, seq, reason):
-        seq.finish_reason = reason
-        self.allocator.free(seq)
-        group.seqs.remove(seq)
-        group.finished.append(seq)
+    def commit(self, plan, result):
+        """Advance the scheduled sequences past their new tokens, give each ready group what
+        the run decided, retire finished sequences. Returns the ready groups, to report."""
+        for group in plan.admitted:  # before num_computed_tokens moves on: the prefix hits
+            group.admitted()
+        for group in plan.preempted:
+            self.scheduler.count_preemption(group)
+        for seq, num_new in plan.scheduled:
+            seq.num_computed_tokens += num_new
+        for seq, entry in result.prompt_logprobs:
+            seq.prompt_logprobs.append(entry)
+        now = time.perf_counter()
+        for group in result.ready:
+            if group.metrics.first_token_time is None:
+                group.metrics.first_token_time = now
+            if group.request_id in result.beams:
+                self.apply_beam_step(group, result.beams[group.request_id])
+        # New samples fork from the prompt before it gains its own first token.
+        samples = [u.seq if u.index == u.seq.index else self.fork(u.group, u.seq, u.index)
+                   for u in result.samples]
+        for seq, update in zip(samples, result.samples):
+            self.apply_sample(seq, update, result.proposals.get(seq.seq_id))
+        for group in result.ready:
+            if group.is_finished:
+                group.metrics.finished_time = time.perf_counter()
+        self.scheduler.remove_finished()
+        return result.ready
 
-    def fork(self, seq, index=0):
+    def apply_sample(self, seq, update, proposal):
+        seq.token_ids += update.tokens
+        for logprob in update.logprobs:
+            seq.cumulative_logprob += logprob
+        if update.entries is not None:
+            seq.logprobs += update.entries
+        if update.text is not None:
+            seq.text, seq.text_offsets = update.text
+        seq.num_computed_tokens += len(update.tokens) - 1  # the proposed tokens it kept
+        self.allocator.prefix_cache.key_blocks(seq)
+        self.num_generated_tokens += len(update.tokens)
+        if proposal is not None:
+            self.proposer.count(proposal, update.tokens)
+        if update.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = update.finish_reason, update.stop_reason
+            self.allocator.free(seq)
+            update.group.seqs.remove(seq)
+            update.group.finished.append(seq)
+        elif proposal is not None:
+            self.allocator.trim(seq)  # the blocks only rejected proposals wrote go back
+
+    def apply_beam_step(self, group, step):
+        """The next beams: a beam chosen twice forks, so both continuations share its blocks; a
+        beam not chosen is freed, and what it shared lives on in the survivors."""
+        self.num_generated_tokens += len(step.survivors) + len(step.hypotheses)
+        group.hypotheses += step.hypotheses
+        if step.done:
+            for seq in group.seqs:
+                self.allocator.free(seq)
+            group.seqs = []
+            return
+        beams, chosen, survivors = group.seqs, set(), []
+        for parent, _, _ in step.survivors:
+            seq = beams[parent]
+            if parent in chosen:
+                seq = self.fork(group, seq, 0, join=False)
+            chosen.add(parent)
+            survivors.append(seq)
+        for i, seq in enumerate(beams):
+            if i not in chosen:
+                self.allocator.free(seq)
+        for i, (seq, (_, token, score)) in enumerate(zip(survivors, step.survivors)):
+            seq.token_ids.append(token)  # after every fork, so no child copies a new token
+            seq.cumulative_logprob = score
+            if step.texts is not None:
+                seq.text = step.texts[i]
+            self.allocator.prefix_cache.key_blocks(seq)
+        group.seqs = survivors
+
+    def fork(self, group, seq, index, join=True):
         child = seq.fork(next(self.seq_ids), index)
         self.allocator.fork(seq, child)
+        if join:
+            group.seqs.append(child)
         return child
 
-    def fork_samples(self, group):
-        """Parallel sampling: the prompt was prefilled once; n - 1 forks share all its blocks,
-        and the shared partial last block is copied on the first write (paper, section 4.4)."""
-        parent = group.seqs[0]
-        for i in range(1, group.params.n):
-            group.seqs.append(self.fork(parent, index=i))
 
-
-def beam_search_step(group, logits, stops, fork, free, eos_token_ids=frozenset()):
-    """Keep the beam_width best one-token extensions of the live beams, by cumulative
+def beam_search_step(group, logits, stops, eos_token_ids=frozenset()):
+    """The beam_width best one-token extensions of the live beams, by cumulative
     log-probability, as transformers' beam search with early_stopping=True: a candidate that
     ends (a stop token, or the last token max_tokens allows) is a finished hypothesis only if
     it ranks among the step's beam_width best; the search ends with beam_width hypotheses.
-    A beam chosen twice forks, so both continuations share its blocks; a beam not chosen is
-    freed, and what it shared lives on in the survivors. repetition_penalty and min_tokens apply
-    to the log-probabilities, as transformers' processors do. Returns the tokens it generated."""
+    repetition_penalty and min_tokens apply to the log-probabilities, as transformers'
+    processors do. Decides; changes nothing."""
     params, beams = group.params, group.seqs
     width = params.beam_width
     logprobs = logits.double().log_softmax(-1)                                           # (k, V)
-    meta = SamplingMetadata([params] * len(beams), beams, [[]] * len(beams),
-                            [None] * len(beams), set(eos_token_ids), logprobs.device)
+    meta = SamplingMetadata(params=[params] * len(beams), seqs=beams, proposed=[[]] * len(beams),
+                            generators=[None] * len(beams), eos_token_ids=set(eos_token_ids),
+                            device=logprobs.device)
     for step in LOGITS_STEPS:
         logprobs = step(logprobs, meta)
     cumulative = torch.tensor([seq.cumulative_logprob for seq in beams],
@@ -1940,56 +2157,46 @@ def beam_search_step(group, logits, stops, fork, free, eos_token_ids=frozenset()
     flat = (scores >= scores.topk(num_candidates).values[-1]).nonzero().squeeze(1)
     candidates = sorted(zip(scores[flat].tolist(), flat.tolist()), key=lambda c: (-c[0], c[1]))
     last = beams[0].num_output_tokens + 1 >= params.max_tokens  # beams move in lockstep
-    picks, num_finished = [], len(group.finished)
+    picks, hypotheses = [], []
     for rank, (score, flat) in enumerate(candidates):
         parent, token = divmod(flat, V)
         if (token in stops or last) and rank < width:
-            hypothesis = beams[parent].output_token_ids + [token]
-            group.finished.append((hypothesis, score, "stop" if token in stops else "length"))
+            hypotheses.append(BeamHypothesis(beams[parent].output_token_ids + [token], score,
+                                             "stop" if token in stops else "length"))
         elif token not in stops and not last:
             picks.append((parent, token, score))
         if rank + 1 >= width and (last or len(picks) == width):
             break
-    survivors, chosen = [], set()
-    for parent, token, score in picks:
-        seq = fork(beams[parent]) if parent in chosen else beams[parent]
-        chosen.add(parent)
-        survivors.append((seq, token, score))
-    for i, seq in enumerate(beams):
-        if i not in chosen:
-            free(seq)
-    for seq, token, score in survivors:  # after every fork, so no child copies a new token
-        seq.token_ids.append(token)
-        seq.cumulative_logprob = score
-    group.seqs = [seq for seq, _, _ in survivors]
-    if len(group.finished) >= width:  # done (or no survivor: every candidate ended)
-        for seq in group.seqs:
-            free(seq)
-        group.seqs = []
-    return len(survivors) + len(group.finished) - num_finished
+    done = not picks or len(group.hypotheses) + len(hypotheses) >= width
+    return BeamStep(survivors=picks, hypotheses=hypotheses, done=done)
 
 
 def request_output(group, detokenizer=None):
-    """The request as it stands: finished, or still running with the tokens it has so far;
-    with a detokenizer, the text too (a streamed one without what may begin a stop string)."""
+    """A snapshot of the request as it stands: finished, or still running with the tokens it
+    has so far; with a detokenizer, the text too (a streamed one without what may begin a stop
+    string). Built in a step's commit from what the run computed: no tokenizer code runs."""
     params = group.params
     if params.beam_width is not None and group.is_finished:
         # rank by length-normalised log-probability, so short hypotheses are not favoured
-        best = sorted(group.finished, key=lambda h: -h[1] / len(h[0]) ** params.length_penalty)
-        outputs = [CompletionOutput(i, tokens, reason, logprob)
-                   for i, (tokens, logprob, reason) in enumerate(best[:params.beam_width])]
+        best = sorted(group.hypotheses, key=lambda h: -h.cumulative_logprob
+                      / len(h.token_ids) ** params.length_penalty)
+        outputs = [CompletionOutput(index=i, token_ids=list(h.token_ids),
+                                    finish_reason=h.finish_reason,
+                                    cumulative_logprob=h.cumulative_logprob, text=h.text)
+                   for i, h in enumerate(best[:params.beam_width])]
     elif params.beam_width is not None:  # the live beams, best first
-        outputs = [CompletionOutput(i, seq.output_token_ids, None, seq.cumulative_logprob)
+        outputs = [CompletionOutput(index=i, token_ids=seq.output_token_ids, finish_reason=None,
+                                    cumulative_logprob=seq.cumulative_logprob, text=seq.text)
                    for i, seq in enumerate(group.seqs)]
     else:
         outputs = [CompletionOutput(
-            seq.index, seq.output_token_ids, seq.finish_reason, seq.cumulative_logprob,
-            None if params.logprobs is None else list(seq.logprobs),
-            None if detokenizer is None else detokenizer.visible(seq, params, seq.finish_reason),
-            seq.stop_reason) for seq in sorted(group.finished + group.seqs, key=lambda s: s.index)]
-    if detokenizer is not None and params.beam_width is not None:
-        for c in outputs:
-            c.text = detokenizer.decode(c.token_ids)
+            index=seq.index, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=None if params.logprobs is None else list(seq.logprobs),
+            text=None if detokenizer is None else detokenizer.visible(seq, params,
+                                                                      seq.finish_reason),
+            stop_reason=seq.stop_reason)
+            for seq in sorted(group.finished + group.seqs, key=lambda s: s.index)]
     m = RequestMetrics(**vars(group.metrics))  # a copy; the times derive from it alone
     return RequestOutput(
         request_id=group.request_id, prompt_token_ids=group.prompt_token_ids, outputs=outputs,
@@ -1998,14 +2205,20 @@ def request_output(group, detokenizer=None):
         num_preemptions=group.num_preemptions, finished=group.is_finished,
         num_cached_tokens=group.num_cached_tokens,
         prompt_logprobs=list(group.prompt_logprobs) or None)
-
-
 # -----------------------------------------------------------------------------
 # 11. The engine: the step loop and the public API (Orca's iteration-level scheduling)
 #
-# One step: the scheduler decides which tokens run and which blocks move; the model runner
-# copies the blocks and runs one packed batch; the output processor samples the next tokens
-# and retires finished requests. The same three calls, in this order, are Engine.step.
+# A step has three phases, and only the last changes a request:
+#   1. plan    the scheduler decides what runs and takes the blocks it needs (section 5):
+#              every change it makes is journaled (section 2), and is the whole undo
+#   2. run     the model runner copies blocks and runs one packed batch (section 8), the
+#              proposer guesses (speculative.py), the output processor draws and finds the
+#              stops and the text (section 10): all the user's code runs here, and nothing
+#              here changes a request, a sequence or a block table
+#   3. commit  the output processor appends the tokens, advances what is computed, stops and
+#              frees; the engine reports: nothing in it can fail halfway
+# A failure in plan or run undoes the plan and propagates: the step leaves every request,
+# queue and block as it found them, and the next step computes the same tokens again.
 
 
 class Engine:
@@ -2016,8 +2229,8 @@ class Engine:
                  max_num_seqs=256, max_num_batched_tokens=2048, device=None,
                  attention_backend=None, swap_space=4, allocator_cls=None, scheduler_cls=None,
                  scheduling_policy="fcfs", eviction_policy="lru", kv_cache_dtype="auto",
-                 speculative_config=None, tokenizer=None, observer=None):
-        device, attention, dtype = check_engine_settings(
+                 speculative_config=None, tokenizer=None, observer=None, prefix_cache_cls=None):
+        device, backend, dtype = check_engine_settings(
             model, device, attention_backend, preemption_mode, enable_prefix_caching, swap_space,
             kv_cache_dtype, scheduling_policy, eviction_policy,
             block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
@@ -2035,15 +2248,17 @@ class Engine:
         num_blocks, num_cpu_blocks = pool_sizes(
             self.config, device, block_size, bytes_per_block, num_blocks, kv_cache_bytes,
             max_num_seqs, num_cpu_blocks, swap_space if preemption_mode == "swap" else 0)
-        # Replaceable parts (vLLM's scheduler_cls): a fork passes its subclass, edits nothing else
-        allocator = (allocator_cls or BlockAllocator)(num_blocks, block_size, num_cpu_blocks,
-                                                      enable_prefix_caching, eviction_policy)
+        # Replaceable parts (vLLM's scheduler_cls): your copy passes its subclass, edits nothing
+        # else
+        allocator = (allocator_cls or BlockAllocator)(
+            num_blocks, block_size, num_cpu_blocks, enable_prefix_caching, eviction_policy,
+            prefix_cache_cls=prefix_cache_cls)
         self.scheduler = (scheduler_cls or Scheduler)(
             allocator, max_num_seqs, max_num_batched_tokens, preemption_mode,
             scheduling_policy=scheduling_policy,
             num_lookahead_slots=proposer.num_speculative_tokens if proposer else 0)
         self.model_runner = ModelRunner(self.model, num_blocks, num_cpu_blocks, block_size,
-                                        attention, device, dtype)
+                                        backend, device, dtype)
         self.proposer = proposer and proposer.allocate_cache(num_blocks, num_cpu_blocks,
                                                              block_size, self.model_runner)
         self.kv_cache = self.model_runner.kv_cache  # (2, n_layer, num_blocks, block_size, nkv, hs)
@@ -2054,8 +2269,9 @@ class Engine:
             import detokenizer
             self.detokenizer = detokenizer.Detokenizer(tokenizer)
         self.output_processor = OutputProcessor(self.config, self.scheduler, self.seq_ids, device,
-                                                self.detokenizer)
+                                                self.detokenizer, self.proposer)
         self.num_steps = 0
+        self.observer_error = None  # what an observer raised in the last commit: see commit()
         self.set_observer(observer)
 
     def set_observer(self, observer):
@@ -2069,77 +2285,83 @@ class Engine:
         return self.scheduler.allocator
 
     def step(self):
-        """Run one scheduling step; returns a RequestOutput for each request that gained tokens
-        in it (.finished says which are done: outputs stream). A step is all or nothing: if
-        anything in it raises (the model, sampling, a stop rule), rollback() puts every request,
-        queue and block back as the step found them and the error propagates; the next step
-        computes the same tokens again."""
+        """Run one step: plan, run, commit. Returns a RequestOutput for each request that gained
+        tokens in it (.finished says which are done: outputs stream). If anything in plan or run
+        raises (the model, sampling, a logits processor, a tokenizer, an observer), rollback()
+        undoes the plan and the error propagates; the next step computes the same tokens."""
         if tp.failed:
             raise RuntimeError(f"tensor parallelism was shut down after {tp.failed}; the ranks "
                                "cannot agree on the state any more: start them again")
-        txn = self.begin_step()
+        if self.observer_error is not None:
+            error, self.observer_error = self.observer_error, None
+            raise error
+        self.allocator.begin()
         try:
-            notify(self, "step", step=self.num_steps)
-            out = self.scheduler.schedule()
-            if self.observer is not None:
-                notify(self, "schedule", **schedule_summary(out))
-            if not (out.scheduled or out.preempted) and self.scheduler.has_unfinished():
-                raise RuntimeError(stall_message(self))  # nothing outside could unblock it
-            proposals = self.proposer.propose(out) if self.proposer else {}  # seq_id -> tokens
-            logits = self.model_runner.execute(out, proposals)
-            groups = [] if logits is None else \
-                self.output_processor.process(out.scheduled, logits, proposals)
+            plan = self.plan()
+            result = self.run(plan)
+        except BaseException as e:
+            self.rollback()
+            if tp.world_size > 1:  # every rank learns of it: see tp_shut_down
+                tp_shut_down(e)
+            raise
+        self.allocator.end()
+        return self.commit(plan, result)
+
+    def plan(self):
+        notify(self, "step", step=self.num_steps)
+        plan = self.scheduler.schedule()
+        if not (plan.scheduled or plan.preempted) and self.scheduler.has_unfinished():
+            raise RuntimeError(stall_message(self))  # nothing outside could unblock it
+        return plan
+
+    def run(self, plan):
+        if self.observer is not None:
+            notify(self, "schedule", **schedule_summary(plan))
+        proposals = self.proposer.propose(plan) if self.proposer else {}  # seq_id -> tokens
+        logits = self.model_runner.execute(plan, proposals)
+        return self.output_processor.decide(plan, logits, proposals)
+
+    def commit(self, plan, result):
+        """Apply the run's result and report. An observer that raises here cannot stop the
+        commit halfway: its error is raised by the next step(), before that step changes
+        anything."""
+        observer = self.observer
+        if observer is not None:
+            self.set_observer(self.deferred(observer))
+        try:
+            groups = self.output_processor.commit(plan, result)
             outputs = [request_output(group, self.detokenizer) for group in groups]
             for group in groups:
                 if group.is_finished:
                     notify(self, "finished", request=group.request_id)
-        except BaseException as e:
-            self.rollback(txn)
-            if tp.world_size > 1:  # every rank learns of it: see tp_shut_down
-                tp_shut_down(e)
-            raise
-        for group in groups:  # the step is done: nothing after this can fail
-            if group.is_finished:
-                del self.requests[group.request_id]
+                    del self.requests[group.request_id]
+        finally:
+            self.set_observer(observer)
         self.num_steps += 1
         return outputs
 
-    # -- a step as a transaction ----------------------------------------------------------
+    def deferred(self, observer):  # the observer, its first error kept for the next step
+        def call(event):
+            try:
+                observer(event)
+            except Exception as e:
+                self.observer_error = self.observer_error or e
+        return call
 
-    def begin_step(self):
-        """A Transaction holding what a step may change, before it does: the scheduler and its
-        queues, the counters, and every group the step can reach, with its metrics and
-        sequences. Those are the running and swapped ones, and the waiting ones admission can
-        reach: each admitted group takes a free block and a sequence slot, and nothing is
-        admitted in a step that frees blocks by preemption. The allocator journals itself."""
-        s = self.scheduler
-        self.allocator.begin()
-        txn = Transaction()
-        for obj in (self.requests, s, self.output_processor):
-            txn.save(obj)
-        reachable = itertools.islice(s.waiting, min(s.max_num_seqs, self.allocator.num_free_blocks))
-        for group in itertools.chain(s.running, s.swapped, reachable):
-            for obj in (group, group.metrics, *group.seqs):
-                txn.save(obj)
-        return txn
-
-    def rollback(self, txn):
-        """Undo a failed step. Its writes into the KV cache cannot be undone, and they land only
-        in blocks it handed out: a request that held such a block before the step (its blocks
-        were taken from it by a preemption in the step) is left preempted by recompute. An
-        observer hears of the undo, but cannot stop it by raising."""
+    def rollback(self):
+        """Undo a failed step's plan (the allocator's journal). Its writes into the KV cache
+        cannot be undone, and they land only in blocks it handed out: a request that held such a
+        block before the step (its blocks were taken from it by a preemption in the step) is
+        left preempted by recompute. An observer hears of the undo, but cannot stop it."""
         observer = self.observer
         self.set_observer(observer and quiet(observer))
         try:
             taken = self.allocator.rollback()
-            txn.rollback()
             notify(self, "rollback", step=self.num_steps, uncached=sorted(taken))
             s = self.scheduler
             for group in list(s.running):  # a copy: groups leave s.running
                 if any(taken.intersection(seq.block_table) for seq in group.seqs):
-                    s.running.remove(group)
                     s.preempt_by_recompute(group)
-            self.allocator.begin()  # those preemptions are the state the next step starts from
         finally:
             self.set_observer(observer)
 
@@ -2159,6 +2381,7 @@ class Engine:
             seq.prompt_logprobs.append(None)  # the first prompt token has nothing before it
         if self.detokenizer is not None:
             self.detokenizer.start(seq)
+        self.allocator.prefix_cache.key_blocks(seq)
         notify(self, "add", request=request_id, seq=seq.seq_id, prompt=prompt_token_ids)
         group = SequenceGroup(request_id, prompt_token_ids, params, seq, priority)
         if params.beam_width is None and params.temperature > 0:
@@ -2351,7 +2574,7 @@ def engine_stats(engine):
             in_block = min(bs, seq.num_computed_tokens - i * bs)
             filled[block_id] = max(filled.get(block_id, 0), in_block)
     num_used = a.num_blocks - a.num_free_blocks
-    hits, o = a.prefix_cache.counts, engine.output_processor
+    hits, proposer = a.prefix_cache.counts, engine.proposer
     return dict(
         num_blocks=a.num_blocks, num_free_blocks=a.num_free_blocks,
         kv_cache_dtype=str(engine.kv_cache.dtype).removeprefix("torch."),
@@ -2362,9 +2585,10 @@ def engine_stats(engine):
         kv_utilization=sum(filled.values()) / (num_used * bs) if num_used else 0.0,
         # minus the blocks in use: the blocks that sharing saved
         num_logical_blocks=sum(len(seq.block_table) for seq in running),
-        num_generated_tokens=o.num_generated_tokens,
+        num_generated_tokens=engine.output_processor.num_generated_tokens,
         # speculative decoding: tokens proposed, and those the target model drew too
-        num_proposed_tokens=o.num_proposed_tokens, num_accepted_tokens=o.num_accepted_tokens,
+        num_proposed_tokens=proposer.num_proposed_tokens if proposer else 0,
+        num_accepted_tokens=proposer.num_accepted_tokens if proposer else 0,
         prefix_cache_hit_tokens=hits.hit_tokens, prefix_cache_queried_tokens=hits.queried_tokens,
     )
 
@@ -2384,3 +2608,4 @@ if __name__ == "__main__":
     sys.modules.setdefault("nanopaged", sys.modules[__name__])
     import demo
     demo.main()
+

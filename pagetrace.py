@@ -141,9 +141,6 @@ class Pool:
         self.request_of[e["seq"]] = self.request_of[e["parent"]]
         self.tokens[e["seq"]] = list(self.tokens[e["parent"]])
 
-    def on_twin(self, e):
-        self.tables[e["seq"]][e["index"]] = e["block"]
-
     def on_free(self, e):  # from the device pool, or the CPU pool
         self.tables.pop(e["seq"], None) or self.cpu_tables.pop(e["seq"], None)
 
@@ -262,8 +259,6 @@ WORDS = {
     "trim": lambda e, seq: f"{seq(e['seq'])} cut its table to {e['keep']} blocks, giving back "
                            "any that held only rejected proposals",
     "fork": lambda e, seq: f"{seq(e['seq'])} forked from {seq(e['parent'])}, sharing its blocks",
-    "twin": lambda e, seq: f"{seq(e['seq'])} shares cached block {e['block']} as its block "
-                           f"{e['index']} instead of its own copy",
     "free": lambda e, seq: f"{seq(e['seq'])} freed its blocks",
     "swap_out": lambda e, seq: f"{seq(e['seq'])} swapped out to CPU blocks {_ids(e['table'])}",
     "swap_in": lambda e, seq: f"{seq(e['seq'])} swapped in to blocks {_ids(e['table'])}",

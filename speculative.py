@@ -16,10 +16,13 @@ kept: up to k + 1 tokens for one step of the target.
 The rest is paging, and lives in nanopaged.py: the scheduler reserves lookahead slots for the
 guesses from what plain scheduling left (Scheduler._reserve_lookahead), the verification
 writes their K/V there, and the blocks past the kept tokens go back to the pool
-(BlockAllocator.free_lookahead_slots). A guess's block enters the prefix cache only once the
-guess is kept, because only the tokens a step computes are published.
+(BlockAllocator.trim). A guess's block enters the prefix cache only once the guess is kept:
+the next step's plan publishes it with the sequence's other computed blocks.
 
-Acceptance (OutputProcessor.sample_tokens) is rejection sampling. Leviathan et al. accept a
+The engine calls a proposer three times a step: propose() in the step's run, before the
+forward; verify() in the run, on the target's draws (the rule below); count() in the commit.
+
+Acceptance (Proposer.verify) is rejection sampling. Leviathan et al. accept a
 guess d with probability min(1, p(d) / q(d)), p the target's distribution and q the
 proposer's, and on a rejection draw from max(0, p - q), renormalised; the tokens that come out
 are distributed as p exactly. Both proposers here guess deterministically (q is all on d), and
@@ -33,7 +36,7 @@ greedy or seeded, with or without speculation, and whatever the batch-mates.
 
 import math
 
-from nanopaged import GPT, ModelRunner, integer, kv_block_shape, step_chunks, tp
+from nanopaged import GPT, Chunk, ModelRunner, integer, kv_block_shape, step_chunks, tp
 
 METHODS = ("ngram", "draft")
 
@@ -90,12 +93,38 @@ def ngram_proposal(tokens, max_n, min_n, k):
     return []
 
 
-class NgramProposer:
+class Proposer:
+    """What both proposers share: the acceptance rule, and the counts of proposed tokens and of
+    those the target drew too."""
+
+    def __init__(self, num_speculative_tokens):
+        self.num_speculative_tokens = num_speculative_tokens
+        self.num_proposed_tokens = self.num_accepted_tokens = 0
+
+    @staticmethod
+    def verify(draws, proposal):
+        """Of the target's draws after a sequence's last token and after each proposed token,
+        those it keeps: each draw while it equals the token proposed there, then the first that
+        does not (or the one after the last proposal). Its K/V are computed but the last's."""
+        kept = []
+        for token, guess in zip(draws, proposal + [None]):
+            kept.append(token)
+            if token != guess:
+                break
+        return kept
+
+    def count(self, proposal, tokens):
+        """The commit of a step that kept tokens out of a proposal."""
+        self.num_proposed_tokens += len(proposal)
+        self.num_accepted_tokens += sum(t == g for t, g in zip(tokens, proposal))
+
+
+class NgramProposer(Proposer):
     """Guesses that a sequence repeats itself: continuations of its own earlier text (quoting,
     code, a list). No model, no cache, and nearly free to ask."""
 
     def __init__(self, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min):
-        self.num_speculative_tokens = num_speculative_tokens
+        super().__init__(num_speculative_tokens)
         self.max_n, self.min_n = prompt_lookup_max, prompt_lookup_min
 
     def bytes_per_block(self, block_size, kv_cache_dtype):
@@ -110,7 +139,7 @@ class NgramProposer:
                 for seq, slots in out.lookahead}
 
 
-class DraftProposer:
+class DraftProposer(Proposer):
     """A smaller model with the target's vocabulary guesses greedily, one token per forward.
     Its KV cache is paged by the same block tables (one allocator, one set of block ids, two
     caches), so it follows every block copy the scheduler orders: preemption, swap,
@@ -118,11 +147,13 @@ class DraftProposer:
     the target runs, so a block that holds the target's K/V holds the draft's as well."""
 
     def __init__(self, draft, num_speculative_tokens):
-        self.draft, self.num_speculative_tokens = draft, num_speculative_tokens
+        super().__init__(num_speculative_tokens)
+        self.draft = draft
 
     def cache_dtype(self, kv_cache_dtype):  # 8-bit like the target's, else the draft's own
-        return kv_cache_dtype if kv_cache_dtype.itemsize == 1 else \
-            next(self.draft.parameters()).dtype
+        if kv_cache_dtype.itemsize == 1:
+            return kv_cache_dtype
+        return next(self.draft.parameters()).dtype
 
     def bytes_per_block(self, block_size, kv_cache_dtype):  # the budget pays for both caches
         return (math.prod(kv_block_shape(self.draft.config, block_size))
@@ -130,7 +161,7 @@ class DraftProposer:
 
     def allocate_cache(self, num_blocks, num_cpu_blocks, block_size, target_runner):
         self.runner = ModelRunner(self.draft, num_blocks, num_cpu_blocks, block_size,
-                                  target_runner.attention, target_runner.device,
+                                  target_runner.backend, target_runner.device,
                                   self.cache_dtype(target_runner.kv_cache.dtype))
         return self
 
@@ -145,7 +176,7 @@ class DraftProposer:
             return {}
         chunks = list(step_chunks(out.scheduled, {}))
         logits = self.runner.forward(chunks, prompt_logprobs=False)                 # (R, V)
-        rows = {seq.seq_id: i for i, seq in enumerate(seq for seq, *_, n in chunks if n)}
+        rows = {c.seq.seq_id: i for i, c in enumerate(c for c in chunks if c.num_logits)}
         live = list(out.lookahead)  # (seq, slots) still guessing
         guesses = logits[[rows[seq.seq_id] for seq, _ in live]].argmax(-1).tolist()
         proposals = {seq.seq_id: [] for seq, _ in live}
@@ -154,7 +185,8 @@ class DraftProposer:
             for (seq, _), token in zip(live, guesses):
                 proposal = proposals[seq.seq_id]
                 proposal.append(token)
-                chunks.append((seq, len(seq) + len(proposal) - 1, [token], 1))
+                chunks.append(Chunk(seq=seq, start=len(seq) + len(proposal) - 1, tokens=[token],
+                                    num_logits=1))
             logits = self.runner.forward(chunks, prompt_logprobs=False)             # (S, V)
             more = [i for i, (seq, slots) in enumerate(live)
                     if len(proposals[seq.seq_id]) < slots]

@@ -38,11 +38,6 @@ from fractions import Fraction
 from types import SimpleNamespace
 
 import torch
-
-if not torch.cuda.is_available():
-    # read when kernel.py's @triton.jit runs: import it after
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -76,7 +71,7 @@ def some(cases, n):
     return list(cases)[::-(-len(cases) // n)] if FAST and len(cases) > n else cases
 
 
-# Policies a fork would add, one entry each, so that every test that holds for any policy runs
+# Policies your copy would add, one entry each, so that every test that holds for any policy runs
 # under one nobody built in: shortest prompt first, and the most recently freed block first.
 # The machines and the naive equality tests run under every registered policy; what belongs to
 # one policy alone is stated in its part's section.
@@ -95,27 +90,31 @@ def make_seq(seq_id, tokens):
 
 
 # What a state comparison leaves out: the model and its tensors, the journal of the step in
-# progress, the clocks and id counters a failed step may have advanced, and the eviction heap,
-# whose stale entries are a detail of its laziness (the evictable set it indexes is compared).
-NOT_STATE = {"model", "model_runner", "proposer", "kv_cache", "txn", "taken", "clock", "heap",
-             "seq_ids", "request_ids"}
+# progress, the clocks and id counters a failed step may have advanced, an observer's error
+# waiting for the next step, and the eviction heap, whose stale entries are a detail of its
+# laziness (the evictable set it indexes is compared).
+NOT_STATE = {"model", "model_runner", "proposer", "kv_cache", "journal", "taken", "clock", "heap",
+             "seq_ids", "request_ids", "observer_error"}
 
 
-def state_of(x, path=()):
-    """x as plain data, recursively: every field of every object (vars()), every element of
-    every container. Two equal results mean equal states, whatever fields a fork adds. An object
-    met again below itself (the swap pool's allocator) is named, not walked."""
+def state_of(x, path=(), skip=NOT_STATE):
+    """x as plain data, recursively: every field of every object (vars()) but those named in
+    skip, every element of every container. Two equal results mean equal states, whatever fields
+    your copy adds. An object met again below itself (the swap pool's allocator) is named, not
+    walked."""
+    if isinstance(x, nanopaged.BlockTable):  # its entries, whatever room its array keeps
+        return x.tolist()
     if isinstance(x, dict):
-        return {k: state_of(v, path) for k, v in x.items()}
+        return {k: state_of(v, path, skip) for k, v in x.items()}
     if isinstance(x, (list, tuple, deque)):
-        return [state_of(v, path) for v in x]
+        return [state_of(v, path, skip) for v in x]
     if isinstance(x, (set, frozenset)):
         return frozenset(x)
     if hasattr(x, "__dict__") and not callable(x) and not isinstance(x, torch.nn.Module):
         if id(x) in path:
             return f"<the {type(x).__name__} above>"
-        return type(x).__name__, {k: state_of(v, path + (id(x),)) for k, v in vars(x).items()
-                                  if k not in NOT_STATE}
+        return type(x).__name__, {k: state_of(v, path + (id(x),), skip)
+                                  for k, v in vars(x).items() if k not in skip}
     return x
 
 
@@ -251,11 +250,9 @@ def no_writes_into_shared_blocks(monkeypatch):
                             dataclasses.replace(backend, store=checked(backend.store)))
     real_publish, real_step = nanopaged.PrefixCache.publish, nanopaged.Engine.step
 
-    def publish(self, seq, num_tokens, **kwargs):  # the blocks a step's schedule fills
-        before = [self.blocks[b].hash for b in seq.block_table]
-        real_publish(self, seq, num_tokens, **kwargs)
-        filling.update((id(self.blocks), b) for b, h in zip(seq.block_table, before)
-                       if self.blocks[b].hash not in (None, h))
+    def publish(self, seq, i, block_id):  # the blocks a step's plan fills
+        real_publish(self, seq, i, block_id)
+        filling.add((id(self.blocks), block_id))
 
     def step(engine):
         filling.clear()
@@ -1101,7 +1098,7 @@ class Cache:
                 f"write into shared block {block_id}"
             self.device[block_id][p % self.bs] = seq.token_ids[p]
         seq.num_computed_tokens = len(seq)
-        self.allocator.cache_full_blocks(seq)
+        self.allocator.cache_full_blocks(seq, len(seq))
 
     def copy(self, pairs, src_pool, dst_pool):
         for src, dst in pairs:
@@ -1114,7 +1111,7 @@ class Cache:
 def free_order(a):
     """The free blocks in the order the allocator hands them out (the allocate rule checks it)."""
     cached = a.prefix_cache.evictable
-    return a.free_block_ids[::-1] + sorted(cached, key=cached.get)
+    return a.empty_block_ids[::-1] + sorted(cached, key=cached.get)
 
 
 def allocator_state(a):
@@ -1158,17 +1155,18 @@ class AllocatorMachine(RuleBasedStateMachine):
             keys.append(key := chain_hash(key, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
         return keys
 
-    def compute(self, seq, fresh, again=False):
-        """The blocks handed out fresh lose what they held; then seq's newly computed full blocks
-        (again: all of them, fresh copies swapped in) are offered to the cache, which keeps the
-        first block of each prefix: a twin computed later stays private, even after the cached
-        one is evicted (as in vLLM, a block is offered once, when it fills)."""
+    def compute(self, seq, fresh):
+        """The blocks handed out fresh lose what they held; then seq's full blocks from
+        num_cached_blocks on (after a swap, all of them: fresh copies) are offered to the cache,
+        which keeps the first block of each prefix: a twin computed later stays private, even
+        after the cached one is evicted (as in vLLM, a block is offered once, when it fills)."""
         self.published = {k: b for k, b in self.published.items() if b not in fresh}
-        offered = 0 if again else len(self.keys(seq))
+        offered = seq.num_cached_blocks
         self.cache.compute(seq)
         keys = self.keys(seq)
         for key, block_id in zip(keys[offered:], seq.block_table[offered:]):
             self.published.setdefault(key, block_id)
+        assert seq.num_cached_blocks == len(keys)
         for key, block_id in zip(keys, seq.block_table):
             assert (self.a.blocks[block_id].hash == key) == (self.published.get(key) == block_id)
 
@@ -1244,7 +1242,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         # a group at once (a parent and its forks, say), so blocks they share stay shared
         seqs = data.draw(st.lists(st.sampled_from(source), min_size=1, unique=True))
         swap_in = move == self.a.swap_pool.swap_in
-        num_free = self.a.num_free_blocks if swap_in else len(self.a.swap_pool.free_block_ids)
+        num_free = self.a.num_free_blocks if swap_in else self.a.swap_pool.num_free_blocks
         # Swapping in, a block whose prefix the model says is cached comes back as that block,
         # which takes a free block only if it is free itself; every other block takes one.
         kept = {seq.block_table[i]: self.published[key] for seq in seqs if swap_in
@@ -1260,7 +1258,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             return
         copies = move(seqs)
         assert num_free - (self.a.num_free_blocks if swap_in else
-                           len(self.a.swap_pool.free_block_ids)) == num_blocks
+                           self.a.swap_pool.num_free_blocks) == num_blocks
         assert not {src for src, _ in copies} & kept.keys(), "a block still cached is copied"
         self.cache.copy(copies, src_pool, dst_pool)
         for seq in seqs:
@@ -1270,7 +1268,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             self.published = {k: b for k, b in self.published.items()
                               if self.a.blocks[b].hash == k}
             for seq in seqs:
-                self.compute(seq, [], again=True)
+                self.compute(seq, [])
 
     @precondition(lambda self: self.on_device)
     @rule(data=st.data())
@@ -1292,8 +1290,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert set(free) == {b.block_id for b in self.a.blocks if b.ref_count == 0}
         assert self.a.num_free_blocks == len(free) and \
             len(free) + sum(b.ref_count > 0 for b in self.a.blocks) == self.a.num_blocks
-        assert set(self.a.swap_pool.free_block_ids) == \
-            {i for i, c in enumerate(self.a.swap_pool.ref_count) if c == 0}
+        assert set(self.a.swap_pool.empty_block_ids) == \
+            {b.block_id for b in self.a.swap_pool.blocks if b.ref_count == 0}
 
     @invariant()
     def ref_counts_equal_block_table_entries(self):
@@ -1302,11 +1300,11 @@ class AllocatorMachine(RuleBasedStateMachine):
             for b in seq.block_table:
                 device[b] += 1
         assert device == [b.ref_count for b in self.a.blocks]
-        cpu = [0] * len(self.a.swap_pool.ref_count)
+        cpu = [0] * self.a.swap_pool.num_blocks
         for seq in self.on_cpu:
             for b in seq.block_table:
                 cpu[b] += 1
-        assert cpu == self.a.swap_pool.ref_count
+        assert cpu == [b.ref_count for b in self.a.swap_pool.blocks]
 
     @invariant()
     def every_sequence_reads_back_what_was_appended(self):
@@ -1347,7 +1345,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         for seq in self.on_cpu:
             self.a.swap_pool.free(seq)
         assert self.a.num_free_blocks == self.a.num_blocks
-        assert len(self.a.swap_pool.free_block_ids) == len(self.a.swap_pool.ref_count)
+        assert self.a.swap_pool.num_free_blocks == self.a.swap_pool.num_blocks
 
 
 AllocatorMachine.TestCase.settings = settings(max_examples=examples(300), stateful_step_count=40,
@@ -1413,7 +1411,8 @@ def test_double_free_raises():
     a = BlockAllocator(num_blocks=2, block_size=2)
     seq = make_seq(0, [1, 2, 3])
     a.allocate(seq)
-    table = list(seq.block_table)
+    table = nanopaged.BlockTable()
+    table.extend(seq.block_table)
     a.free(seq)
     seq.block_table = table  # a buggy caller frees the same blocks again
     with pytest.raises(RuntimeError, match="released more times than it was taken"):
@@ -1602,7 +1601,6 @@ def test_a_recomputed_sequence_publishes_its_blocks_to_the_prefix_cache_again():
     keys.append(chain_hash(keys[-1], prompt[4:6]))
     assert all(k in a.prefix_cache.hash_to_block for k in keys)
     group = engine.requests[request_id]
-    engine.scheduler.running.remove(group)
     engine.scheduler._preempt(group, nanopaged.SchedulerOutput())  # recompute: freed, still cached
     filler = make_seq(99, [0] * (a.num_free_blocks * 2))
     a.allocate(filler)  # takes every free block: the cached ones are evicted
@@ -1844,7 +1842,7 @@ def test_after_a_failed_step_the_prefix_cache_holds_only_what_its_tokens_produce
             return result
         return failing
     targets = {"last layer": (MODEL.transformer.h[-1], "forward"), "sample": (nanopaged, "sample"),
-               "stop check": (nanopaged.OutputProcessor, "stop_reason")}
+               "stop check": (nanopaged.OutputProcessor, "stop_check")}
     owner, name = targets[where]
     ids = [engine.add_request(p, params) for p in prompts]
     outputs = {}
@@ -1891,9 +1889,9 @@ def test_the_swap_space_is_sized_in_bytes(swap_space):
                     swap_space=swap_space)
     bytes_per_block = engine.kv_cache[:, :, 0].numel() * engine.kv_cache.itemsize
     assert engine.allocator.num_blocks == 64  # at most the device pool's count
-    assert len(engine.allocator.swap_pool.ref_count) == \
+    assert engine.allocator.swap_pool.num_blocks == \
         min(64, int(swap_space * 2**30) // bytes_per_block)
-    assert engine.model_runner.cpu_kv_cache.shape[0] == len(engine.allocator.swap_pool.ref_count)
+    assert engine.model_runner.cpu_kv_cache.shape[0] == engine.allocator.swap_pool.num_blocks
     # recompute
     assert Engine(MODEL, block_size=4, num_blocks=64).model_runner.cpu_kv_cache.shape[0] == 0
 
@@ -1996,7 +1994,7 @@ def test_a_preempted_request_comes_back_by_its_key_and_the_last_by_the_key_is_th
 class SchedulerMachine(RuleBasedStateMachine):
     """The scheduler and the allocator without a model. Each SchedulerOutput is checked against
     the policies, given the state before the step; then a fake model computes the scheduled
-    tokens and samples as OutputProcessor.process does (forks the samples, appends a token, stops,
+    tokens and samples as an engine step's commit does (forks the samples, appends a token, stops,
     frees), with tokens from a 4-letter alphabet so that prefixes repeat."""
 
     @initialize(block_size=st.integers(1, 3), num_blocks=st.integers(4, 12),
@@ -2072,6 +2070,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         hashes = [b.hash for b in a.blocks]
         a.begin()  # as the engine does each step: a.taken, the blocks the step hands out
         out = s.schedule()
+        a.end()
         self.check_step(pre, out)
         self.runner.copy_blocks(out)
         self.fake_model(out, rng, hashes)
@@ -2175,7 +2174,6 @@ class SchedulerMachine(RuleBasedStateMachine):
                     "a write into a shared block"
                 kv[0, 0, block_id, p % bs] = seq.token_ids[p] + 4 * p
             seq.num_computed_tokens += n
-            a.cache_full_blocks(seq)
         ready = {seq.request_id: self.groups[seq.request_id] for seq, _ in out.scheduled
                  if seq.num_computed_tokens == len(seq)}
         for group in ready.values():
@@ -2187,6 +2185,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     group.seqs.append(child)
             for seq in list(group.seqs):
                 seq.token_ids.append(rng.randrange(4))
+                a.prefix_cache.key_blocks(seq)
                 p = group.params
                 if seq.token_ids[-1] in p.stop_token_ids or seq.num_output_tokens == p.max_tokens:
                     a.free(seq)
@@ -2207,7 +2206,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             cpu.update(b for seq in g.seqs for b in seq.block_table)
         assert all(not seq.block_table for g in s.waiting for seq in g.seqs)
         assert [b.ref_count for b in a.blocks] == [device[i] for i in range(a.num_blocks)]
-        assert a.swap_pool.ref_count == [cpu[i] for i in range(len(a.swap_pool.ref_count))]
+        assert [b.ref_count for b in a.swap_pool.blocks] == \
+            [cpu[i] for i in range(a.swap_pool.num_blocks)]
         assert sum(len(g.seqs) for g in s.running) <= s.max_num_seqs  # sequences, samples included
 
     @invariant()
@@ -2266,7 +2266,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.a_block_is_cached_iff_full_and_computed()
         assert not self.groups and not self.s.has_unfinished()
         assert self.a.num_free_blocks == self.a.num_blocks
-        assert len(self.a.swap_pool.free_block_ids) == len(self.a.swap_pool.ref_count)
+        assert self.a.swap_pool.num_free_blocks == self.a.swap_pool.num_blocks
 
 
 SchedulerMachine.TestCase.settings = settings(max_examples=examples(600), stateful_step_count=50,
@@ -2480,7 +2480,6 @@ def test_a_decoding_group_runs_whole_within_the_budget_or_waits(recomputed):
     if recomputed:  # its prompt's block stays cached for it: it comes back decoding
         for seq in second.seqs:
             allocator.cache_full_blocks(seq)
-        scheduler.running = [first]
         scheduler.preempt_by_recompute(second)
     out = scheduler.schedule()
     assert [seq.request_id for seq, _ in out.scheduled] == [0, 0]
@@ -2828,16 +2827,16 @@ class RecordingEngine(Engine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.logits = {}  # token ids -> next-token logits
-        process = self.output_processor.process
+        decide = self.output_processor.decide
 
-        def record(scheduled, logits, proposals):
+        def record(plan, logits, proposals):
             assert not proposals, "one row per sequence"
-            done = [seq for seq, num_new in scheduled
+            done = [seq for seq, num_new in plan.scheduled
                     if seq.num_computed_tokens + num_new == len(seq)]
             self.logits.update({tuple(s.token_ids): row
                                 for s, row in zip(done, logits, strict=True)})
-            return process(scheduled, logits, proposals)
-        self.output_processor.process = record
+            return decide(plan, logits, proposals)
+        self.output_processor.decide = record
 
 
 @pytest.mark.model
@@ -3738,7 +3737,7 @@ def test_step_streams_every_request_that_gained_tokens(requests, mode):
 
 @pytest.mark.engine
 def test_an_engine_takes_its_parts_by_class():
-    """A fork subclasses a part and passes the class: here bench.py's allocator that reserves
+    """Your copy subclasses a part and passes the class: here bench.py's allocator that reserves
     max_seq_len at admission (its contiguous mode) and a scheduler that counts its steps.
     Every part sees the same allocator: none keeps a reference to another one."""
     from bench import ReservingAllocator
@@ -3762,9 +3761,9 @@ def test_an_engine_takes_its_parts_by_class():
 
 
 @pytest.mark.engine
-def test_forking_recipes_in_the_readme_run_as_written():
+def test_the_recipes_in_the_readme_run_as_written():
     readme = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read()
-    section = readme.split("\n## Forking\n", 1)[1].split("\n## ", 1)[0]
+    section = readme.split("\n## Making it yours\n", 1)[1].split("\n## ", 1)[0]
     recipes = re.findall(r"```python\n(.*?)```", section, re.S)
     assert len(recipes) == 3
     registries = (SCHEDULING_POLICIES, EVICTION_POLICIES, kernel.ATTENTION_BACKENDS)
@@ -3874,14 +3873,14 @@ def test_a_failing_request_does_not_strand_its_batch_mates(monkeypatch):
     engine = Engine(MODEL, block_size=4, num_blocks=24)
     good = engine.add_request([1, 2, 3], SamplingParams(max_tokens=6, temperature=0))
     bad = engine.add_request([4, 5], SamplingParams(max_tokens=6, temperature=0))
-    real_stop_reason = nanopaged.OutputProcessor.stop_reason
+    real_stop_check = nanopaged.OutputProcessor.stop_check
 
-    def stop_reason(self, seq, params):
+    def stop_check(self, seq, params, tokens, eos):
         if seq.request_id == bad:
             raise TypeError("a stop rule that fails (simulated)")
-        return real_stop_reason(self, seq, params)
+        return real_stop_check(self, seq, params, tokens, eos)
 
-    monkeypatch.setattr(nanopaged.OutputProcessor, "stop_reason", stop_reason)
+    monkeypatch.setattr(nanopaged.OutputProcessor, "stop_check", stop_check)
     before = engine_state(engine)
     with pytest.raises(TypeError, match="simulated"):
         engine.step()
@@ -3892,16 +3891,37 @@ def test_a_failing_request_does_not_strand_its_batch_mates(monkeypatch):
     assert outputs[0].request_id == good and assert_all_blocks_free(engine) is None
 
 
-# Where a step can fail: (owner, function name). The failure is raised before or after the call.
+class UserProcessor:  # a logits processor that changes nothing: user code a failure can be in
+    def __call__(self, prompt, output, logits):
+        return logits
+
+
+class UserTokenizer:  # a tokenizer of its own: one letter a token
+    def decode(self, ids):
+        return "".join("abcdefgh"[t % 8] for t in ids)
+
+
+class UserObserver:  # an observer that listens and does nothing
+    def __call__(self, event):
+        pass
+
+
+# Where a step can fail: (owner, function name), in its plan (the scheduler and the allocator)
+# or its run (the block copies, the model, sampling, stops; the user's logits processor,
+# tokenizer and observer). The failure is raised before or after the call. The commit calls
+# none of these but the observer, which cannot stop it: its error waits for the next step.
 FAILURE_POINTS = [(nanopaged.Scheduler, "schedule"), (BlockAllocator, "allocate"),
                   (BlockAllocator, "append_slot"), (nanopaged.SwapPool, "swap_out"),
-                  (nanopaged.SwapPool, "swap_in"), (nanopaged.ModelRunner, "copy_blocks"),
-                  (GPT, "forward"), (BlockAllocator, "cache_full_blocks"),
-                  (nanopaged, "sample"), (nanopaged.OutputProcessor, "stop_reason"),
-                  (nanopaged.OutputProcessor, "fork"), (nanopaged, "beam_search_step"),
-                  (BlockAllocator, "free"), (nanopaged, "request_output"),
+                  (nanopaged.SwapPool, "swap_in"), (BlockAllocator, "cache_full_blocks"),
                   (nanopaged.PrefixCache, "publish"), (nanopaged.PrefixCache, "evict"),
-                  (nanopaged.Scheduler, "_admit"), (nanopaged.Scheduler, "_preempt")]
+                  (nanopaged.Scheduler, "_admit"), (nanopaged.Scheduler, "_preempt"),
+                  (nanopaged.Scheduler, "_recompute"),
+                  (nanopaged.ModelRunner, "copy_blocks"), (nanopaged.ModelRunner, "prepare"),
+                  (GPT, "forward"), (nanopaged, "sample"),
+                  (nanopaged.OutputProcessor, "stop_check"),
+                  (nanopaged.OutputProcessor, "prompt_logprob_entries"),
+                  (nanopaged, "beam_search_step"), (UserProcessor, "__call__"),
+                  (UserTokenizer, "decode"), (UserObserver, "__call__")]
 
 
 @pytest.mark.engine
@@ -3916,15 +3936,18 @@ FAILURE_POINTS = [(nanopaged.Scheduler, "schedule"), (BlockAllocator, "allocate"
        scheduling=st.sampled_from(SCHEDULING), eviction=st.sampled_from(EVICTION))
 def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, after, block_size,
                                                       spare, mode, caching, scheduling, eviction):
-    """Raise once, at a random call of a random function inside a step: the step leaves every
-    request, queue and block as it found them (but for K/V the failed step may have overwritten:
-    blocks it handed out leave the prefix cache, and a request that held one is recomputed);
-    the next steps serve every request to the same output as a run without the failure."""
+    """Raise once, at a random call of a random function inside a step's plan or run, the user's
+    code included: the step leaves every request, queue and block as it found them (but for K/V
+    the failed step may have overwritten: blocks it handed out leave the prefix cache, and a
+    request that held one is recomputed); the next steps serve every request to the same output
+    as a run without the failure."""
     params = [SamplingParams(max_tokens=m, temperature=0 if kind == "greedy" else 1.0, seed=i,
                              n=2 if kind == "n=2" else 1,
                              beam_width=2 if kind == "beam=2" else None,
                              stop_token_ids=[7], logprobs=2 if kind == "seeded" else None,
-                             prompt_logprobs=1 if kind in ("greedy", "n=2") else None)
+                             prompt_logprobs=1 if kind in ("greedy", "n=2") else None,
+                             stop=["ba"] if kind == "seeded" else None,
+                             logits_processors=None if kind == "beam=2" else [UserProcessor()])
               for i, (_, m, kind) in enumerate(requests)]
     worst = max(p.num_seqs * -(-(len(r[0]) + p.max_tokens) // block_size)
                 for r, p in zip(requests, params))
@@ -3932,6 +3955,7 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
     def run(engine, inject):
         ids = [engine.add_request(r[0], p, priority=i % 3)
                for i, (r, p) in enumerate(zip(requests, params))]
+        engine.set_observer(UserObserver())
         outputs, failures = {}, 0
         for _ in range(300):  # a bound, so a stalled engine fails instead of hanging
             if not engine.requests:
@@ -3956,7 +3980,8 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
 
     settings_ = dict(block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
                      enable_prefix_caching=caching, max_num_batched_tokens=6, max_num_seqs=4,
-                     scheduling_policy=scheduling, eviction_policy=eviction)
+                     scheduling_policy=scheduling, eviction_policy=eviction,
+                     tokenizer=UserTokenizer())
     held_or_cached = set()  # before each step: the blocks held or cached
     expected = run(Engine(MODEL, **settings_), inject=False)
     owner, name = point
@@ -3980,8 +4005,8 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
         taken.update(self.taken & held_or_cached)
         return real_rollback(self)
 
-    def engine_rollback(self, saved):  # no queued request keeps a block the failed step handed out
-        real_engine_rollback(self, saved)
+    def engine_rollback(self):  # no queued request keeps a block the failed step handed out
+        real_engine_rollback(self)
         held = {b for g in self.scheduler.running for q in g.seqs for b in q.block_table}
         assert not held & rolled_back_taken, "a request kept a block written over"
 
@@ -4033,6 +4058,131 @@ def test_a_failed_step_recomputes_every_request_whose_blocks_it_handed_out():
     outputs = drain(engine)
     assert [outputs[i].outputs[0].token_ids for i in ids] == \
         [naive_greedy(MODEL, p, 6) for p in prompts]
+
+
+# What a step's plan may change of a sequence: its paging state, through the allocator
+PAGING_STATE = {"block_table", "num_computed_tokens", "num_cached_blocks"}
+
+
+@pytest.mark.engine
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 31), min_size=1, max_size=10),
+                                   st.integers(1, 6),
+                                   st.sampled_from(["greedy", "seeded", "n=2", "beam=2"])),
+                         min_size=1, max_size=6),
+       block_size=st.sampled_from([1, 2, 4]), spare=st.integers(0, 6),
+       mode=st.sampled_from(["recompute", "swap"]), speculate=st.booleans())
+def test_only_a_steps_commit_changes_a_request(requests, block_size, spare, mode, speculate):
+    """Over random workloads (samples, beams, logprobs, prompt logprobs, stop strings through a
+    tokenizer, logits processors, speculation, preemption in both modes): the run changes no
+    request, sequence, queue or block, and the plan changes no request or sequence but the
+    sequences' paging state (so a field your copy adds needs no undo), nor any counter."""
+    def kind_of(kind):
+        return "n=2" if kind == "beam=2" and speculate else kind
+    params = [SamplingParams(max_tokens=m, temperature=0 if kind_of(k) == "greedy" else 1.0,
+                             seed=i, n=2 if kind_of(k) == "n=2" else 1,
+                             beam_width=2 if kind_of(k) == "beam=2" else None,
+                             logprobs=2 if kind_of(k) == "seeded" else None,
+                             prompt_logprobs=1 if kind_of(k) == "greedy" else None,
+                             stop=["ba"] if kind_of(k) == "seeded" else None,
+                             logits_processors=None if kind_of(k) == "beam=2" else
+                             [UserProcessor()])
+              for i, (_, m, k) in enumerate(requests)]
+    worst = max(p.num_seqs * -(-(len(r[0]) + p.max_tokens) // block_size)
+                for r, p in zip(requests, params))
+    engine = Engine(MODEL, block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
+                    max_num_batched_tokens=6, max_num_seqs=4, tokenizer=UserTokenizer(),
+                    speculative_config=speculative_config("ngram", 2, MODEL) if speculate
+                    else None)
+    real_plan, real_run = engine.plan, engine.run
+    leave_out = NOT_STATE | PAGING_STATE
+
+    def counters():
+        s = engine.stats()
+        return [s[k] for k in ("num_preemptions", "num_generated_tokens", "num_proposed_tokens",
+                               "num_accepted_tokens")]
+
+    def plan():
+        before = state_of(engine.requests, skip=leave_out), counters()
+        out = real_plan()
+        assert (state_of(engine.requests, skip=leave_out), counters()) == before
+        return out
+
+    def run(out):
+        before = engine_state(engine)
+        result = real_run(out)
+        assert engine_state(engine) == before
+        return result
+
+    engine.plan, engine.run = plan, run
+    for prompt, p in zip([r[0] for r in requests], params):
+        engine.add_request(prompt, p)
+    drain(engine)
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.engine
+def test_a_field_your_copy_adds_to_a_sequence_needs_no_undo(monkeypatch):
+    """Your copy counts each sample's draws in a field of its own, set in the commit (here by a
+    wrapper of apply_sample) and named by no undo: steps that fail after the forward leave it as
+    they found it, and it ends equal to the tokens each sample drew."""
+    real_apply, real_forward, calls = nanopaged.OutputProcessor.apply_sample, GPT.forward, [0]
+
+    def apply_sample(self, seq, update, proposal):
+        seq.num_draws = getattr(seq, "num_draws", 0) + 1
+        real_apply(self, seq, update, proposal)
+
+    def forward(self, *args, **kwargs):
+        calls[0] += 1
+        logits = real_forward(self, *args, **kwargs)
+        if calls[0] % 3 == 0:
+            raise RuntimeError("injected after the forward")
+        return logits
+
+    monkeypatch.setattr(nanopaged.OutputProcessor, "apply_sample", apply_sample)
+    monkeypatch.setattr(GPT, "forward", forward)
+    # room for all (no request is preempted, so none is recomputed after a failure either)
+    engine = Engine(MODEL, block_size=2, num_blocks=40, max_num_batched_tokens=8,
+                    enable_prefix_caching=False)
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=6, n=2, seed=i))
+           for i, p in enumerate(prompts)]
+    groups = [engine.requests[i] for i in ids]
+    for _ in range(200):  # bounded: see drain
+        if not engine.requests:
+            break
+        before = engine_state(engine)
+        try:
+            engine.step()
+        except RuntimeError:
+            assert engine_state(engine) == before
+    assert not engine.requests and calls[0] >= 3
+    assert [[(s.num_draws, s.num_output_tokens) for s in g.finished] for g in groups] == \
+        [[(6, 6)] * 2] * 3
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_undo_costs_what_the_plan_changed(mode):
+    """The journal a decode step's plan writes is as long for sequences of 200 tokens as for
+    sequences of 8: it records the blocks and queue moves the plan makes, never what the
+    sequences hold (snapshots of token lists and block tables would grow 25 times)."""
+    def journal_length(prompt_len):
+        engine = Engine(tiny_model(max_seq_len=256), block_size=4, num_blocks=300,
+                        max_num_seqs=4, max_num_batched_tokens=900, preemption_mode=mode)
+        for i in range(4):
+            engine.add_request([i] * prompt_len, SamplingParams(max_tokens=12, temperature=0))
+        engine.step()  # the prefills
+        lengths, real_run = [], engine.run
+
+        def run(plan):
+            lengths.append(len(engine.allocator.journal.undo))
+            return real_run(plan)
+        engine.run = run
+        for _ in range(8):  # decodes, some filling a block and taking the next
+            engine.step()
+        return lengths
+    assert journal_length(8) == journal_length(200)
 
 
 class EngineMachine(RuleBasedStateMachine):
@@ -4113,7 +4263,7 @@ class EngineMachine(RuleBasedStateMachine):
         for group in s.waiting:
             assert all(not seq.block_table for seq in group.seqs)
         assert all(a.blocks[b].ref_count == device[b] for b in range(a.num_blocks))
-        assert all(a.swap_pool.ref_count[b] == cpu[b] for b in range(len(a.swap_pool.ref_count)))
+        assert all(a.swap_pool.blocks[b].ref_count == cpu[b] for b in range(a.swap_pool.num_blocks))
         assert a.num_free_blocks == sum(1 for b in a.blocks if b.ref_count == 0)
         assert set(self.engine.requests) == self.unfinished
         assert sum(len(g.seqs) for g in s.running) <= s.max_num_seqs  # samples and beams count
@@ -4187,7 +4337,7 @@ def test_a_priority_must_be_an_int(priority):
     (dict(num_blocks=None, kv_cache_bytes=1000),
      r"kv_cache_bytes=1000 is smaller than one KV block \(4096 bytes"),
     (dict(preemption_mode="evict"), r"preemption_mode must be one of \['recompute', 'swap'\]"),
-    # the built-in names, wherever a fork's own ones sort among them
+    # the built-in names, wherever your own ones sort among them
     (dict(scheduling_policy="sjf"),
      r"scheduling_policy must be one of \[.*'fcfs'.*'priority'.*\], got 'sjf'"),
     (dict(eviction_policy=None), r"eviction_policy must be one of \[.*'lfu'.*'lru'.*\], got None"),
@@ -4809,7 +4959,7 @@ def test_lookahead_slots_are_reserved_from_what_plain_scheduling_left_and_given_
     a.append_lookahead_slots(seq, 4)
     assert len(seq.block_table) == 3 and a.num_free_blocks == 1
     seq.num_computed_tokens = 5  # the target kept no guess: only token 5 was computed
-    a.free_lookahead_slots(seq)
+    a.trim(seq)
     assert len(seq.block_table) == 2 and a.num_free_blocks == 2
     # the watermark keeps blocks from admission, not from guesses; max_tokens bounds them
     engine = Engine(MODEL, block_size=4, num_blocks=4, speculative_config=speculative_config(
@@ -4962,9 +5112,12 @@ def test_incremental_decoding_never_shows_a_broken_character(text, junk, data):
     decoder, seq = detokenizer.Detokenizer(tokenizer), Sequence(0, [], 0)
     decoder.start(seq)
     full, texts = tokenizer.decode(range(len(chunks))), []
+    at_once = decoder.texts(seq, list(range(len(chunks))))  # as a step that keeps them all
     for i in range(len(chunks)):
+        (text, offsets, new), = decoder.texts(seq, [i])  # a step's run decodes; its commit keeps
+        assert (text, offsets, new) == at_once[i] and text == seq.text + new
         seq.token_ids.append(i)
-        decoder.update(seq, SamplingParams())
+        seq.text, seq.text_offsets = text, offsets
         texts.append(seq.text)
         assert full.startswith(seq.text) and ("\ufffd" in full or "\ufffd" not in seq.text)
     assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))

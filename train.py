@@ -7,7 +7,7 @@ Python install ships: the interpreter's own help topics, `pydoc_data.topics.topi
 its vocabulary is 256. At the end it writes a Hugging Face GPT-2 folder (config.json +
 fp16 model.safetensors) that `GPT.from_pretrained` and transformers both load.
 
-    python train.py                                      # ~11 min on 2 idle CPU cores -> models/pydoc-gpt
+    python train.py                                      # models/pydoc-gpt: ~11 min, 2 cores
     python train.py --max_iters 20 --out_dir /tmp/smoke  # a smoke test, under a minute
 
 The topics differ a little between Python versions, and float sums between machines, so
@@ -30,31 +30,43 @@ from nanopaged import GPT, GPTConfig
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].strip(),
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-parser.add_argument("--out_dir", default="models/pydoc-gpt", help="where the Hugging Face GPT-2 folder is written")
+parser.add_argument("--out_dir", default="models/pydoc-gpt",
+                    help="where the Hugging Face GPT-2 folder is written")
 # The CPU sets the size. On 2 shared cores the loss falls with the number of windows and
 # bytes seen more than with the width: 8 windows a step sat near bigram loss (~2.5 nats/byte)
 # for 400+ steps at width 128 and 256 alike, 32 windows broke through by step 500, and
 # width 256 (3.3M parameters) costs ~4x the time of width 128 per step.
 parser.add_argument("--n_layer", type=int, default=4, help="transformer blocks")
-parser.add_argument("--n_head", type=int, default=4, help="attention heads (head_dim = n_embd / n_head = 32)")
-parser.add_argument("--n_embd", type=int, default=128, help="model width; 4/4/128 is ~0.86M parameters")
+parser.add_argument("--n_head", type=int, default=4,
+                    help="attention heads (head_dim = n_embd / n_head = 32)")
+parser.add_argument("--n_embd", type=int, default=128,
+                    help="model width; 4/4/128 is ~0.86M parameters")
 parser.add_argument("--max_seq_len", type=int, default=256,
-                    help="context length in bytes; every window is this long, so every position is trained")
+                    help="context length in bytes; every window is this long, so every position "
+                    "is trained")
 parser.add_argument("--batch_size", type=int, default=32,
                     help="windows per step; many short windows learn faster than a few long ones")
 parser.add_argument("--max_iters", type=int, default=1500,
-                    help="optimizer steps: 32 x 256 x 1500 = 12M bytes, ~29 passes; val loss levels off by 1250")
+                    help="optimizer steps: 32 x 256 x 1500 = 12M bytes, ~29 passes; val loss "
+                    "levels off by 1250")
 parser.add_argument("--lr", type=float, default=4e-3,
-                    help="peak learning rate; beat 2e-3 at this batch size, while 4e-3 lost at batch 8")
-parser.add_argument("--min_lr", type=float, default=4e-4, help="learning rate at the end of the cosine decay")
+                    help="peak learning rate; beat 2e-3 at this batch size, while 4e-3 lost at "
+                    "batch 8")
+parser.add_argument("--min_lr", type=float, default=4e-4,
+                    help="learning rate at the end of the cosine decay")
 parser.add_argument("--warmup_iters", type=int, default=50,
                     help="linear warm-up steps, so Adam's early noisy moments do no harm")
-parser.add_argument("--weight_decay", type=float, default=0.1, help="AdamW decay on weight matrices only")
-parser.add_argument("--grad_clip", type=float, default=1.0, help="clip the global gradient norm to this")
-parser.add_argument("--eval_interval", type=int, default=250, help="report train/val loss every this many steps")
+parser.add_argument("--weight_decay", type=float, default=0.1,
+                    help="AdamW decay on weight matrices only")
+parser.add_argument("--grad_clip", type=float, default=1.0,
+                    help="clip the global gradient norm to this")
+parser.add_argument("--eval_interval", type=int, default=250,
+                    help="report train/val loss every this many steps")
 parser.add_argument("--eval_iters", type=int, default=4, help="batches per loss estimate")
-parser.add_argument("--val_fraction", type=float, default=0.1, help="the tail of each topic held out for validation")
-parser.add_argument("--seed", type=int, default=1337, help="seeds the weights and the windows, for a reproducible run")
+parser.add_argument("--val_fraction", type=float, default=0.1,
+                    help="the tail of each topic held out for validation")
+parser.add_argument("--seed", type=int, default=1337,
+                    help="seeds the weights and the windows, for a reproducible run")
 
 
 def load_pydoc_bytes(val_fraction):
@@ -62,13 +74,15 @@ def load_pydoc_bytes(val_fraction):
     from pydoc_data.topics import topics
     train, val = [], []
     for name in sorted(topics):  # dict order is an accident of how the file was generated
-        text = (topics[name] + "\n").encode("utf-8")  # each topic ends in "\n": a blank line between topics
+        # each topic ends in "\n": a blank line between topics
+        text = (topics[name] + "\n").encode("utf-8")
         # hold out the tail of every topic, not the tail of the whole: sorted by name, the
         # last 10% would be only the types* topics through yield
         cut = int(len(text) * (1 - val_fraction))
         train.append(text[:cut])
         val.append(text[cut:])
-    return [torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8) for parts in (train, val)]
+    return [torch.frombuffer(bytearray(b"".join(parts)), dtype=torch.uint8)
+            for parts in (train, val)]
 
 
 def get_batch(data, batch_size, seq_len, generator):
@@ -105,23 +119,26 @@ def estimate_loss(model, splits, args):
 
 
 def configure_optimizer(model, args):
-    """AdamW that decays the weight matrices (and the tied embedding) but not biases or LayerNorms."""
+    """AdamW that decays the weight matrices (and the tied embedding), not biases or LayerNorms."""
     params = [p for p in model.parameters() if p.requires_grad]  # the tied lm_head appears once
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": args.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.99))  # beta2 0.99: few steps, small batches
+    # beta2 0.99: few steps, small batches
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.99))
 
 
 @torch.no_grad()
 def sample(model, prompt, max_new_tokens, temperature=1.0, generator=None):
-    """The plain contiguous loop: rerun the whole context for every new byte. temperature 0 is greedy."""
+    """The plain contiguous loop: rerun the whole context for every new byte. temperature 0 is
+    greedy."""
     idx = torch.tensor([list(prompt)], dtype=torch.long)  # (1, T)
     for _ in range(max_new_tokens):
         logits = model(idx[:, -model.config.max_seq_len:])[:, -1, :]  # (1, V)
         if temperature == 0:
             next_byte = logits.argmax(-1, keepdim=True)
         else:
-            next_byte = torch.multinomial(F.softmax(logits / temperature, dim=-1), 1, generator=generator)
+            probs = F.softmax(logits / temperature, dim=-1)                       # (1, V)
+            next_byte = torch.multinomial(probs, 1, generator=generator)
         idx = torch.cat([idx, next_byte], dim=1)
     return bytes(idx[0].tolist())
 
@@ -131,7 +148,8 @@ def save_hf_checkpoint(model, path, extra):
     with GPT-2's tensor names and layout. `extra` goes into config.json under "nanopaged"."""
     from safetensors.torch import save_file
     cfg = model.config
-    assert cfg.n_kv_head == cfg.n_head, "GPT-2 has no GQA: its c_attn packs n_head query, key and value heads"
+    assert cfg.n_kv_head == cfg.n_head, (
+        "GPT-2 has no GQA: its c_attn packs n_head query, key and value heads")
     config = {
         "model_type": "gpt2",
         "architectures": ["GPT2LMHeadModel"],
@@ -149,10 +167,11 @@ def save_hf_checkpoint(model, path, extra):
         "eos_token_id": None,
         "nanopaged": extra,
     }
-    # GPT-2 keeps its linear layers as Conv1D, whose weight is (in, out): the transpose of nn.Linear's
+    # GPT-2 keeps its linear layers as Conv1D, whose weight is (in, out): nn.Linear's transposed
     conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
     tensors = {}
-    for name, param in model.named_parameters():  # lm_head.weight is wte.weight, so it is skipped as a duplicate
+    # lm_head.weight is wte.weight, so it is skipped as a duplicate
+    for name, param in model.named_parameters():
         tensor = param.detach().t() if name.endswith(conv1d) else param.detach()
         tensors[name] = tensor.to(torch.float16).contiguous()
     assert "lm_head.weight" not in tensors and "transformer.wte.weight" in tensors
@@ -174,7 +193,8 @@ def main():
     model = GPT(config)
     print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
     optimizer = configure_optimizer(model, args)
-    generator = torch.Generator().manual_seed(args.seed)  # the training windows, separate from eval's
+    # the training windows, separate from eval's
+    generator = torch.Generator().manual_seed(args.seed)
     splits = {"train": train_data, "val": val_data}
 
     t0 = time.time()
@@ -197,7 +217,8 @@ def main():
 
     model.eval()
     extra = {"train_loss": round(losses["train"], 4), "val_loss": round(losses["val"], 4),
-             "loss_unit": "nats per byte", "data": "pydoc_data.topics.topics, sorted by name, bytes of UTF-8",
+             "loss_unit": "nats per byte",
+             "data": "pydoc_data.topics.topics, sorted by name, bytes of UTF-8",
              "command": "python " + shlex.join(sys.argv), "train_seconds": round(wall_s),
              "python": sys.version.split()[0], "torch": torch.__version__}
     save_hf_checkpoint(model, args.out_dir, extra)
@@ -207,11 +228,14 @@ def main():
     with torch.no_grad():
         reference = model(x)
         diff = (reference - reloaded(x)).abs().max().item()
-    assert diff < 0.01 * reference.abs().max().item(), f"reloaded checkpoint differs from the trained model by {diff}"
-    print(f"wrote {args.out_dir} ({os.path.getsize(os.path.join(args.out_dir, 'model.safetensors')) / 1e6:.1f} MB), "
-          f"{wall_s / 60:.1f} min; reloaded logits within {diff:.4f}")
+    assert diff < 0.01 * reference.abs().max().item(), (
+        f"reloaded checkpoint differs from the trained model by {diff}")
+    size = os.path.getsize(os.path.join(args.out_dir, "model.safetensors"))
+    print(f"wrote {args.out_dir} ({size / 1e6:.1f} MB), {wall_s / 60:.1f} min; reloaded logits "
+          f"within {diff:.4f}")
     for prompt in (b"The ", b"def "):
-        text = sample(reloaded, prompt, 200, temperature=0.8, generator=torch.Generator().manual_seed(0))
+        text = sample(reloaded, prompt, 200, temperature=0.8,
+                      generator=torch.Generator().manual_seed(0))
         print(f"--- sample, temperature 0.8, prompt {prompt!r}\n{text.decode('utf-8', 'replace')}")
 
 
