@@ -622,10 +622,10 @@ class BlockAllocator(BlockPool):
     def cache_full_blocks(self, seq, num_tokens=None):
         """Publish seq's full blocks among its first num_tokens (by default its computed ones)
         to the prefix cache. The engine's one call is in the plan of the step that computes
-        their last tokens, so a request admitted later in that step shares them (section 3). A
-        block whose prefix another block holds already (the same tokens computed at once by two
-        samples, or two prompts in flight) stays its sequence's own: as in vLLM, each full block
-        is offered to the cache once, and the first to hold a prefix is the one cached."""
+        their last tokens, so a request admitted later in that step shares them (section 3).
+        A block whose prefix another block holds already (the same tokens computed at once by
+        two samples, or two prompts in flight) is cached beside it, as in vLLM: each stays its
+        sequence's own, and either serves a hit while the other is evicted."""
         cache = self.prefix_cache
         num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
         num_full = num_tokens // self.block_size
@@ -633,8 +633,7 @@ class BlockAllocator(BlockPool):
             return
         cache.key_blocks(seq)  # the engine keyed them already; a caller of its own may not have
         for i in range(seq.num_cached_blocks, num_full):
-            if cache.find(seq.block_hashes[i], seq, i) is None:
-                cache.publish(seq, i, seq.block_table[i])
+            cache.publish(seq, i, seq.block_table[i])
         self.journal.set(seq, "num_cached_blocks", num_full)
 
     # -- a step's plan, undone -----------------------------------------------------------
@@ -694,14 +693,14 @@ class HitCounts:  # the hit rate is hit_tokens / queried_tokens
 
 class PrefixCache:
     """Published blocks by key, the free ones among them in eviction order, and hit counts. Its
-    blocks journal their own changes; its index (hash_to_block, evictable, heap) is rebuilt
+    blocks journal their own changes; its index (blocks_by_key, evictable, heap) is rebuilt
     from them after an undo."""
     observer = None  # see notify
 
     def __init__(self, blocks, block_size, journal, enabled=True, eviction_policy="lru"):
         self.blocks, self.block_size, self.journal = blocks, block_size, journal
         self.enabled, self.score = enabled, EVICTION_POLICIES[eviction_policy]
-        self.hash_to_block = {}
+        self.blocks_by_key = {}  # key -> the blocks that hold it (a dict: first published first)
         self.evictable = {}  # cached free block -> its entry in heap (other entries are stale)
         self.heap = []  # (score, freed_at, block_id), smallest first
         self.counts = HitCounts()
@@ -748,12 +747,14 @@ class PrefixCache:
         self.journal.set(c, "hit_tokens", c.hit_tokens + len(hits) * self.block_size)
 
     def find(self, key, seq, i):
-        """The cached block that holds seq's block i under key, or None. Under SHA-256 keys the
-        key would do; its tokens and place are compared too, so that were every key to collide,
-        no block would be shared at another place (other prefixes are SHA-256's to tell apart)."""
-        block_id, bs = self.hash_to_block.get(key), self.block_size
-        if block_id is None:
+        """The cached block that holds seq's block i under key, or None: the first published of
+        its holders (the others, twins, wait to take its place). Under SHA-256 keys the key would
+        do; its tokens and place are compared too, so that were every key to collide, no block
+        would be shared at another place (other prefixes are SHA-256's to tell apart)."""
+        holders = self.blocks_by_key.get(key)
+        if not holders:
             return None
+        block_id, bs = next(iter(holders)), self.block_size
         block = self.blocks[block_id]
         held = block.token_ids == tuple(seq.token_ids[i * bs:(i + 1) * bs])
         return block_id if held and block.logical_index == i else None
@@ -763,7 +764,7 @@ class PrefixCache:
         block, bs = self.blocks[block_id], self.block_size
         block.hash, block.logical_index = seq.block_hashes[i], i
         block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-        self.hash_to_block[block.hash] = block_id
+        self.blocks_by_key.setdefault(block.hash, {})[block_id] = None
         notify(self, "publish", block=block_id, index=i, tokens=list(block.token_ids))
 
     def revive(self, block):  # a hit on a cached block nobody held
@@ -782,14 +783,19 @@ class PrefixCache:
         while self.evictable.get(entry[-1]) != entry:  # stale: that block was hit since freed
             entry = heappop(self.heap)
         block = self.blocks[entry[-1]]
-        del self.evictable[block.block_id], self.hash_to_block[block.hash]
+        holders = self.blocks_by_key[block.hash]
+        del self.evictable[block.block_id], holders[block.block_id]
+        if not holders:
+            del self.blocks_by_key[block.hash]
         block.hash, block.token_ids = None, ()
         notify(self, "evict", block=block.block_id)
         return block.block_id
 
     def rebuild(self):  # the index and the eviction order, from the blocks alone
         cached = [b for b in self.blocks if b.hash is not None]
-        self.hash_to_block = {b.hash: b.block_id for b in cached}
+        self.blocks_by_key = {}
+        for b in cached:
+            self.blocks_by_key.setdefault(b.hash, {})[b.block_id] = None
         self.evictable = {b.block_id: (b.score, b.freed_at, b.block_id) for b in cached
                           if b.ref_count == 0}
         self.heap = sorted(self.evictable.values())

@@ -1130,7 +1130,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.cache = Cache(self.a, num_blocks, num_cpu_blocks, block_size)
         self.on_device, self.on_cpu = [], []  # live sequences, by where their blocks are
         self.next_id = 0
-        # A plain model of the prefix cache: key -> block, from what was computed and handed out
+        # A plain model of the prefix cache: key -> the blocks that hold it, in publishing order,
+        # from what was computed and handed out
         self.published = {}
         self.freed_at, self.clock = {}, 0  # when each free block joined the free list
 
@@ -1155,20 +1156,26 @@ class AllocatorMachine(RuleBasedStateMachine):
             keys.append(key := chain_hash(key, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
         return keys
 
+    def forget(self, lost):
+        """The model's published blocks, but those in lost (handed out fresh: evicted)."""
+        holders = {k: [b for b in blocks if b not in lost] for k, blocks in self.published.items()}
+        self.published = {k: blocks for k, blocks in holders.items() if blocks}
+
     def compute(self, seq, fresh):
         """The blocks handed out fresh lose what they held; then seq's full blocks from
-        num_cached_blocks on (after a swap, all of them: fresh copies) are offered to the cache,
-        which keeps the first block of each prefix: a twin computed later stays private, even
-        after the cached one is evicted (as in vLLM, a block is offered once, when it fills)."""
-        self.published = {k: b for k, b in self.published.items() if b not in fresh}
+        num_cached_blocks on (after a swap, all of them: fresh copies) are published, each
+        beside any other block that holds its prefix (a twin, cached too, as in vLLM): every
+        computed full block is cached."""
+        self.forget(set(fresh))
         offered = seq.num_cached_blocks
         self.cache.compute(seq)
         keys = self.keys(seq)
         for key, block_id in zip(keys[offered:], seq.block_table[offered:]):
-            self.published.setdefault(key, block_id)
+            holders = self.published.setdefault(key, [])
+            holders += [] if block_id in holders else [block_id]
         assert seq.num_cached_blocks == len(keys)
         for key, block_id in zip(keys, seq.block_table):
-            assert (self.a.blocks[block_id].hash == key) == (self.published.get(key) == block_id)
+            assert self.a.blocks[block_id].hash == key and block_id in self.published[key]
 
     @rule(data=st.data(), suffix=st.lists(st.integers(0, 2), min_size=0, max_size=9))
     def allocate(self, data, suffix):
@@ -1245,7 +1252,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         num_free = self.a.num_free_blocks if swap_in else self.a.swap_pool.num_free_blocks
         # Swapping in, a block whose prefix the model says is cached comes back as that block,
         # which takes a free block only if it is free itself; every other block takes one.
-        kept = {seq.block_table[i]: self.published[key] for seq in seqs if swap_in
+        kept = {seq.block_table[i]: self.published[key][0] for seq in seqs if swap_in
                 for i, key in enumerate(self.keys(seq)) if key in self.published}
         revived = {b for b in kept.values() if self.a.blocks[b].ref_count == 0}
         num_blocks = len({b for seq in seqs for b in seq.block_table} - kept.keys()) + len(revived)
@@ -1265,8 +1272,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             source.remove(seq)
             target.append(seq)
         if swap_in:  # blocks taken fresh forgot their prefix; they are published again
-            self.published = {k: b for k, b in self.published.items()
-                              if self.a.blocks[b].hash == k}
+            self.forget({b.block_id for b in self.a.blocks if b.hash is None})
             for seq in seqs:
                 self.compute(seq, [])
 
@@ -1319,7 +1325,8 @@ class AllocatorMachine(RuleBasedStateMachine):
     def the_cache_is_the_plain_model_and_evicts_uncached_then_by_score(self):
         if not hasattr(self, "a"):
             return
-        assert self.a.prefix_cache.hash_to_block == self.published
+        assert {k: list(blocks) for k, blocks in self.a.prefix_cache.blocks_by_key.items()} == \
+            self.published
         free, blocks = free_order(self.a), self.a.blocks
         for b in free:
             self.freed_at.setdefault(b, self.clock)
@@ -1333,9 +1340,10 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def cached_blocks_hold_their_tokens(self):
-        for h, block_id in self.a.prefix_cache.hash_to_block.items():
-            block = self.a.blocks[block_id]
-            assert block.hash == h and list(block.token_ids) == self.cache.device[block_id]
+        for h, holders in self.a.prefix_cache.blocks_by_key.items():
+            for block_id in holders:
+                block = self.a.blocks[block_id]
+                assert block.hash == h and list(block.token_ids) == self.cache.device[block_id]
 
     def teardown(self):
         if not hasattr(self, "a"):
@@ -1464,9 +1472,9 @@ def test_hash_collision_is_caught_by_comparing_tokens():
     a.allocate(seq)
     seq.num_computed_tokens = 3
     a.cache_full_blocks(seq)
-    (h, block_id), = a.prefix_cache.hash_to_block.items()
+    (h, holders), = a.prefix_cache.blocks_by_key.items()
+    block_id, = holders
     a.blocks[block_id].token_ids = (5, 6)  # pretend [5, 6] hashed to the same key
-    a.prefix_cache.hash_to_block = {h: block_id}
     assert a.allocate(make_seq(1, [1, 2, 3])) is None and a.blocks[block_id].ref_count == 1
 
 
@@ -1535,8 +1543,8 @@ def test_least_recently_freed_cached_block_is_evicted_first():
     a.free(new)
     # 4 blocks: the three holding nothing worth keeping go first, then the oldest cached prefix
     a.allocate(make_seq(2, [5, 6, 7, 8, 5, 6, 7]))
-    assert chain_hash(None, (3, 4)) in a.prefix_cache.hash_to_block
-    assert chain_hash(None, (1, 2)) not in a.prefix_cache.hash_to_block
+    assert chain_hash(None, (3, 4)) in a.prefix_cache.blocks_by_key
+    assert chain_hash(None, (1, 2)) not in a.prefix_cache.blocks_by_key
 
 
 @pytest.mark.prefix_cache
@@ -1554,12 +1562,13 @@ def test_lfu_keeps_the_prefix_hit_more_often_where_lru_loses_it(policy):
 
     popular = [serve([1, 2, 9]) for _ in range(3)][0]  # hit twice
     rare = serve([3, 4, 9])  # freed last, never hit
-    assert [a.blocks[a.prefix_cache.hash_to_block[h]].num_hits for h in (popular, rare)] == [2, 0]
+    assert [a.blocks[b].num_hits for h in (popular, rare)
+            for b in a.prefix_cache.blocks_by_key[h]] == [2, 0]
     # 4 blocks: the 3 uncached free ones first, then one cached prefix is evicted
     new = make_seq(next(ids), [5, 6, 7, 8, 5, 6, 7])
     a.allocate(new)
     survivor = popular if policy == "lfu" else rare
-    assert list(a.prefix_cache.hash_to_block) == [survivor]
+    assert list(a.prefix_cache.blocks_by_key) == [survivor]
     assert all(a.blocks[b].num_hits == 0 for b in new.block_table)  # an evicted block's hits go
 
 
@@ -1599,15 +1608,15 @@ def test_a_recomputed_sequence_publishes_its_blocks_to_the_prefix_cache_again():
     keys = [chain_hash(None, prompt[:2])]
     keys.append(chain_hash(keys[-1], prompt[2:4]))
     keys.append(chain_hash(keys[-1], prompt[4:6]))
-    assert all(k in a.prefix_cache.hash_to_block for k in keys)
+    assert all(k in a.prefix_cache.blocks_by_key for k in keys)
     group = engine.requests[request_id]
     engine.scheduler._preempt(group, nanopaged.SchedulerOutput())  # recompute: freed, still cached
     filler = make_seq(99, [0] * (a.num_free_blocks * 2))
     a.allocate(filler)  # takes every free block: the cached ones are evicted
     a.free(filler)
-    assert not any(k in a.prefix_cache.hash_to_block for k in keys)
+    assert not any(k in a.prefix_cache.blocks_by_key for k in keys)
     drain(engine)
-    assert all(k in a.prefix_cache.hash_to_block for k in keys), \
+    assert all(k in a.prefix_cache.blocks_by_key for k in keys), \
         "the recomputed prompt is shareable again"
 
 
@@ -2239,8 +2248,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "a"):
             return
         a, bs = self.a, self.a.block_size
-        for h, block_id in a.prefix_cache.hash_to_block.items():
-            assert a.blocks[block_id].hash == h and len(a.blocks[block_id].token_ids) == bs
+        for h, holders in a.prefix_cache.blocks_by_key.items():
+            for block_id in holders:
+                assert a.blocks[block_id].hash == h and len(a.blocks[block_id].token_ids) == bs
         for g in self.s.running:
             for seq in g.seqs:
                 key = None
@@ -2251,7 +2261,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     if a.blocks[block_id].hash is not None:
                         assert computed and a.blocks[block_id].token_ids == chunk
                     if computed and a.prefix_cache.enabled:
-                        assert key in a.prefix_cache.hash_to_block, \
+                        assert a.blocks[block_id].hash == key, \
                             f"block {i} of seq {seq.seq_id} is not cached"
 
     def teardown(self):
