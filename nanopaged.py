@@ -2298,9 +2298,7 @@ class Engine:
         if tp.failed:
             raise RuntimeError(f"tensor parallelism was shut down after {tp.failed}; the ranks "
                                "cannot agree on the state any more: start them again")
-        if self.observer_error is not None:
-            error, self.observer_error = self.observer_error, None
-            raise error
+        self.raise_observer_error()
         self.allocator.begin()
         try:
             plan = self.plan()
@@ -2329,8 +2327,8 @@ class Engine:
 
     def commit(self, plan, result):
         """Apply the run's result and report. An observer that raises here cannot stop the
-        commit halfway: its error is raised by the next step(), before that step changes
-        anything."""
+        commit halfway: its error is raised by the next step() before that step changes
+        anything, or by generate() before it returns."""
         observer = self.observer
         if observer is not None:
             self.set_observer(self.deferred(observer))
@@ -2353,6 +2351,12 @@ class Engine:
             except Exception as e:
                 self.observer_error = self.observer_error or e
         return call
+
+    def raise_observer_error(self):
+        """Raise what an observer raised while it heard the last commit, if anything."""
+        if self.observer_error is not None:
+            error, self.observer_error = self.observer_error, None
+            raise error
 
     def rollback(self):
         """Undo a failed step's plan (the allocator's journal). Its writes into the KV cache
@@ -2433,6 +2437,7 @@ class Engine:
         outputs = {}
         while any(i not in outputs for i in ids):
             outputs.update((o.request_id, o) for o in self.step() if o.finished)
+        self.raise_observer_error()
         return [outputs[i] for i in ids]
 
     def stats(self):

@@ -3968,7 +3968,7 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
         engine.set_observer(UserObserver())
         outputs, failures = {}, 0
         for _ in range(300):  # a bound, so a stalled engine fails instead of hanging
-            if not engine.requests:
+            if not engine.requests and engine.observer_error is None:  # (the next step raises it)
                 break
             before = engine_state(engine)
             held_or_cached.clear()
@@ -6025,6 +6025,32 @@ def test_an_observer_that_raises_fails_the_step_and_changes_nothing():
     engine.set_observer(None)
     assert drain(engine)[0].outputs[0].token_ids == naive_greedy(MODEL, prompt, 4)
     assert_all_blocks_free(engine)
+
+
+@pytest.mark.trace
+def test_an_observer_that_raises_in_a_commit_is_heard_at_the_next_step():
+    """A commit cannot stop halfway: an observer that raises on "free" (a finished sequence
+    gives its blocks back in the commit) lets the step stand and return its outputs; the next
+    step raises the error and changes nothing; generate() raises it before it returns."""
+    failed = []
+
+    def fragile(event):
+        if event["event"] == "free" and not failed:
+            failed.append(1)
+            raise RuntimeError("observer failed on free")
+    engine = Engine(MODEL, block_size=2, num_blocks=24, observer=fragile)
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, temperature=0))
+    outputs = [o for _ in range(10) if engine.requests for o in engine.step()]
+    assert failed and outputs[-1].finished
+    assert outputs[-1].outputs[0].token_ids == naive_greedy(MODEL, [1, 2, 3], 2)
+    before = engine_state(engine)
+    with pytest.raises(RuntimeError, match="observer failed on free"):
+        engine.step()
+    assert engine_state(engine) == before and engine.step() == []
+    failed.clear()
+    with pytest.raises(RuntimeError, match="observer failed on free"):
+        engine.generate([[4, 5]], SamplingParams(max_tokens=2, temperature=0))
+    assert engine.step() == [] and assert_all_blocks_free(engine) is None
 
 
 @pytest.mark.trace
