@@ -40,28 +40,28 @@ import urllib.request
 import uuid
 from collections import Counter, deque
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException
 
 import checkpoints
 import demo
-from nanopaged import SamplingParams
+import nanopaged
 
 logger = logging.getLogger("nanopaged.server")
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs; the OpenAI API's top_logprobs allows 0-20
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM sends this for a token the model rules out
-# the server's sampling flags: the default of each request field left out
-DEFAULT_FIELDS = tuple(demo.SAMPLING_DEFAULTS)
 
 # -----------------------------------------------------------------------------
 # Request bodies: the OpenAI API's fields and vLLM's extensions, under their names. Strict:
 # a string is not a number, nor true an int; a field nobody defined is an error, not ignored.
+# The sampling fields are SamplingParams' own (the OpenAI API's names, and vLLM's extensions,
+# are SamplingParams' names), read from its fields when the app is built.
 
 
 class StreamOptions(BaseModel):
@@ -69,35 +69,21 @@ class StreamOptions(BaseModel):
     include_usage: bool = False  # one more chunk before [DONE], with usage and no choices
 
 
-class OpenAIRequest(BaseModel):
+class OpenAIFields(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
     model: str | None = None  # None: the served model (vLLM's); the openai client always sends it
-    max_tokens: int | None = None
-    temperature: float | None = None  # None (left out): the server's sampling flag, and so on
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    n: int = 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end user's id, for abuse monitoring at OpenAI: unused here
-    # vLLM's extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    priority: int = 0  # with --scheduling-policy priority: lower runs first
+    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower runs first
 
 
-class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]  # text or token ids, or several
-    max_tokens: int | None = 16  # the OpenAI API's default for completions
-    logprobs: int | None = None  # the k likeliest tokens at each position, and the drawn one
+def request_fields():
+    """SamplingParams' fields a request may set (all but those its metadata keeps off HTTP), as
+    pydantic field definitions: each takes None too, which (or leaving it out) means the
+    server's sampling flag, or SamplingParams' default."""
+    return {f.name: (f.type | None, None) for f in fields(nanopaged.SamplingParams)
+            if f.metadata.get("http", True)}
 
 
 class ChatMessage(BaseModel):
@@ -106,11 +92,23 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None  # text, or parts [{"type": "text", "text": ...}]
 
 
-class ChatCompletionRequest(OpenAIRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None  # the newer name of max_tokens; wins if both
-    logprobs: bool = False
-    top_logprobs: int | None = None  # with logprobs: this many likeliest tokens at each position
+def request_models():
+    """The bodies of /v1/completions and /v1/chat/completions, over the sampling fields as
+    SamplingParams has them now (a fork's new field is a request field with no edit here)."""
+    sampling = create_model("SamplingFields", __base__=OpenAIFields, **request_fields())
+
+    class CompletionRequest(sampling):
+        prompt: str | list[str] | list[int] | list[list[int]]  # text or token ids, or several
+        max_tokens: int | None = 16  # the OpenAI API's default for completions
+        logprobs: int | None = None  # the k likeliest tokens at each position, and the drawn one
+
+    class ChatCompletionRequest(sampling):
+        messages: list[ChatMessage] = Field(min_length=1)
+        max_completion_tokens: int | None = None  # the newer name of max_tokens; wins if both
+        logprobs: bool = False
+        top_logprobs: int | None = None  # with logprobs: this many likeliest tokens at each
+
+    return CompletionRequest, ChatCompletionRequest
 
 
 class APIError(Exception):
@@ -218,9 +216,11 @@ def check_prompt(ids, served, param):
 
 
 def sampling_params(req, served, prompts, max_tokens, logprobs, names):
-    """The request's SamplingParams. SamplingParams checks each value and names the field, which
-    names renames to the request's own (max_completion_tokens, top_logprobs); the engine's own
-    check comes last (n against max_num_seqs, the pool's size)."""
+    """The request's SamplingParams: the sampling fields it gives, the server's sampling flags
+    for those it leaves out, and the endpoint's own max_tokens and logprobs. SamplingParams
+    checks each value and names the field, which names renames to the request's own
+    (max_completion_tokens, top_logprobs); the engine's own check comes last (n against
+    max_num_seqs, the pool's size)."""
     if logprobs is not None and logprobs > MAX_LOGPROBS:
         raise APIError(f"{names['logprobs']} must be at most {MAX_LOGPROBS}, got {logprobs}",
                        names["logprobs"])
@@ -231,13 +231,11 @@ def sampling_params(req, served, prompts, max_tokens, logprobs, names):
     if req.priority != 0 and not served.priority_scheduling:
         raise APIError("priority needs a server started with --scheduling-policy priority",
                        "priority")
-    fields = {name: getattr(req, name) for name in DEFAULT_FIELDS}
+    given = {name: getattr(req, name) for name in request_fields()
+             if getattr(req, name) is not None}
     try:
-        params = SamplingParams(
-            max_tokens=max_tokens, n=req.n, seed=req.seed, stop=req.stop,
-            stop_token_ids=req.stop_token_ids, logprobs=logprobs, ignore_eos=req.ignore_eos,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            **{k: served.defaults[k] if v is None else v for k, v in fields.items()})
+        params = nanopaged.SamplingParams(**served.defaults | given | dict(
+            max_tokens=max_tokens, logprobs=logprobs))
     except ValueError as e:  # "SamplingParams.<field> must be ..., got ..."
         def rename(m):
             return names.get(m[1], m[1])
@@ -274,7 +272,7 @@ class Submission:
     """One engine request of an HTTP request (a completion may send several prompts): what to
     add, and the queue its outputs go to, shared by the HTTP request's submissions."""
     prompt_token_ids: list
-    params: SamplingParams
+    params: nanopaged.SamplingParams
     priority: int
     outputs: asyncio.Queue  # (submission, RequestOutput or StepFailed), in order
     index: int = 0  # which prompt of the HTTP request
@@ -559,11 +557,15 @@ def usage(finals):
 class Call:
     """One HTTP request on its way: its submissions and how to shape what comes back."""
     chat: bool
-    req: OpenAIRequest
+    req: OpenAIFields
     subs: list
     logprobs: int | None  # k, when logprobs were asked for
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def n(self):  # samples per prompt
+        return self.subs[0].params.n
 
     def envelope(self, model, choices, streaming, **more):
         kind = ("chat.completion.chunk" if streaming else "chat.completion") if self.chat \
@@ -612,7 +614,7 @@ async def serve(call, loop, served, request):
         raise APIError(str(e), status=500) from None
     finally:  # a client that left, or a failed sibling: stop the others too
         loop.abort(call.subs)
-    tokens, cursor = served.tokens, Cursor(call.req.n)
+    tokens, cursor = served.tokens, Cursor(call.n)
     choices = sorted((call.choice(d, tokens, False) for sub, out in finals
                       for d in cursor.deltas(sub, out, tokens)), key=lambda c: c["index"])
     return call.envelope(served.names[0], choices, False, usage=usage([o for _, o in finals]))
@@ -648,12 +650,12 @@ async def wait_for_disconnect(request):
 async def events(call, loop, served):
     """Server-sent events: a chunk per choice as it gains tokens, then usage if asked, then
     [DONE]. Starlette cancels this generator when the client disconnects: finally aborts."""
-    model, tokens, cursor, finals = served.names[0], served.tokens, Cursor(call.req.n), []
+    model, tokens, cursor, finals = served.names[0], served.tokens, Cursor(call.n), []
     try:
         for sub in call.subs:
             loop.submit(sub)
         if call.chat:  # the OpenAI API's first chunk of each choice: the role, no content yet
-            for i in range(call.req.n):
+            for i in range(call.n):
                 yield sse(call.envelope(model, [dict(index=i, delta=dict(
                     role="assistant", content=""), logprobs=None, finish_reason=None)], True))
         async for sub, out in results(call.subs[0].outputs, call.subs):
@@ -721,6 +723,7 @@ def build_app(engine, served):
     """The FastAPI app: the routes over one EngineLoop, started with the app and stopped with
     it."""
     loop = None
+    CompletionRequest, ChatCompletionRequest = request_models()
 
     @asynccontextmanager
     async def lifespan(app):
@@ -793,7 +796,7 @@ def served_model(args, model, engine, tokenizer):
     return ServedModel(
         names=[name, args.model], path=args.model, tokenizer=tokenizer,
         max_seq_len=model.config.max_seq_len, vocab_size=model.config.vocab_size,
-        defaults={k: getattr(args, k) for k in DEFAULT_FIELDS},
+        defaults={f.name: getattr(args, f.name) for f in demo.sampling_fields()},
         priority_scheduling=args.scheduling_policy == "priority",
         check_request=engine.check_request)
 

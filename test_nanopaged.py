@@ -15,6 +15,7 @@ Without a GPU the Triton kernels run in Triton's interpreter.
 """
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -5721,20 +5722,13 @@ def test_engine_loop_fails_the_requests_of_a_failed_step_and_serves_the_rest():
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
-@pytest.mark.server
-def test_server_a_failed_step_is_a_500_or_an_error_event_in_the_openai_shape():
-    pytest.importorskip("fastapi")
-    openai = pytest.importorskip("openai")
+@contextlib.contextmanager
+def served_in_thread(engine, served):
+    """server.build_app(engine, served) under uvicorn in a thread of this process (so a test can
+    hand it an engine of its own); yields its URL, and stops it however the test ends."""
     import uvicorn
 
     import server
-    engine = Engine(served_poisoned_model(), block_size=4, num_blocks=64)
-    served = server.ServedModel(
-        names=["poisoned"], path="", tokenizer=demo.Tokenizer(demo.DEMO_MODEL), max_seq_len=64,
-        vocab_size=32, defaults=dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
-                                     repetition_penalty=1.0, presence_penalty=0.0,
-                                     frequency_penalty=0.0, min_tokens=0),
-        priority_scheduling=False, check_request=engine.check_request)
     port = server.free_port()
     uv = uvicorn.Server(uvicorn.Config(server.build_app(engine, served), host="127.0.0.1",
                                        port=port, log_level="critical"))
@@ -5745,7 +5739,23 @@ def test_server_a_failed_step_is_a_500_or_an_error_event_in_the_openai_shape():
         while not uv.started:
             assert time.monotonic() < deadline and thread.is_alive()
             time.sleep(0.05)
-        url = f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.mark.server
+def test_server_a_failed_step_is_a_500_or_an_error_event_in_the_openai_shape():
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    import server
+    engine = Engine(served_poisoned_model(), block_size=4, num_blocks=64)
+    served = server.ServedModel(
+        names=["poisoned"], path="", tokenizer=demo.Tokenizer(demo.DEMO_MODEL), max_seq_len=64,
+        vocab_size=32, defaults=demo.sampling_defaults() | dict(temperature=0.0),
+        priority_scheduling=False, check_request=engine.check_request)
+    with served_in_thread(engine, served) as url:
         client = served_client(url)
         with pytest.raises(openai.InternalServerError) as e:
             client.completions.create(model="poisoned", prompt=[1, SERVED_POISON], max_tokens=3)
@@ -5759,12 +5769,71 @@ def test_server_a_failed_step_is_a_500_or_an_error_event_in_the_openai_shape():
         m = served_metrics(url)
         assert m['vllm:request_success_total{finished_reason="error"}'] == 2
         assert m["nanopaged:num_blocks_in_use"] == 0
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=10)
 
 
+@dataclasses.dataclass
+class TypicalSamplingParams(SamplingParams):
+    """A fork's new sampling parameter, transformers' typical_p, as its one field: what it allows,
+    its flag's words, its generation_config.json key and transformers' default (a warper)."""
+    typical_p: float = nanopaged.setting(
+        1.0, "a number in (0, 1]", lambda x: nanopaged.number(x) and 0 < x <= 1, hf="typical_p",
+        hf_default=1.0, flag="keep the likeliest tokens of typical information, up to this mass")
 
+
+@pytest.mark.server
+@pytest.mark.demo
+def test_a_new_sampling_field_is_a_flag_a_request_field_and_read_from_generation_config(
+        monkeypatch, tmp_path):
+    """Issue 38's fork: typical_p as a SamplingParams field with its metadata, and a pipeline
+    step that hears it, and nothing else edited: the CLI flag, generation_config.json, the
+    server's flag and its request field all reach the step."""
+    pytest.importorskip("fastapi")
+    import server
+    heard = []
+
+    def apply_typical_p(scores, meta):  # the fork's step: here it only listens
+        heard.extend(p.typical_p for p in meta.params)
+        return scores
+    for module in (nanopaged, demo):  # as if the fork had edited SamplingParams itself
+        monkeypatch.setattr(module, "SamplingParams", TypicalSamplingParams)
+    monkeypatch.setattr(nanopaged, "SAMPLING_STEPS", nanopaged.SAMPLING_STEPS + [apply_typical_p])
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{demo.DEMO_MODEL}/{name}", tmp_path / name)
+    (tmp_path / "generation_config.json").write_text(json.dumps(dict(do_sample=True,
+                                                                     typical_p=0.9)))
+    assert checkpoints.generation_defaults(str(tmp_path))["typical_p"] == 0.9
+    (tmp_path / "generation_config.json").write_text(json.dumps(dict(do_sample=True)))
+    assert checkpoints.generation_defaults(str(tmp_path))["typical_p"] == 1.0  # transformers'
+    (tmp_path / "generation_config.json").write_text(json.dumps(dict(typical_p=0.9)))
+    assert "typical_p" not in checkpoints.generation_defaults(str(tmp_path))  # greedy: no warper
+    # the CLI: a flag with its words, which wins over generation_config.json's value
+    assert "typical information" in demo.argument_parser().format_help()
+    (tmp_path / "generation_config.json").write_text(json.dumps(dict(  # server.py, which has
+        do_sample=True, typical_p=0.9, max_new_tokens=3)))  # no --max-tokens, reads it too
+    flags = ["--model", str(tmp_path), "--prompt", "Lambdas", "--max-tokens", "2"]
+    assert demo.build(demo.argument_parser().parse_args(flags))[4][0].typical_p == 0.9
+    args = demo.argument_parser().parse_args(flags + ["--typical-p", "0.5"])
+    _, engine, _, prompts, params, _ = demo.build(args)
+    assert params[0].typical_p == 0.5
+    engine.generate(prompts, params)
+    assert heard and set(heard) == {0.5}
+    # the server: its flag is the default of a request field under the same name
+    heard.clear()
+    args = server.argument_parser().parse_args(["--model", str(tmp_path), "--typical-p", "0.7"])
+    model, engine, tokenizer = demo.load(args)
+    with served_in_thread(engine, server.served_model(args, model, engine, tokenizer)) as url:
+        client = served_client(url)
+        name = tmp_path.name
+        client.completions.create(model=name, prompt="A", max_tokens=2, temperature=1.0)
+        assert set(heard) == {0.7}
+        heard.clear()
+        client.completions.create(model=name, prompt="A", max_tokens=2, temperature=1.0,
+                                  extra_body=dict(typical_p=0.25))
+        assert set(heard) == {0.25}
+        with pytest.raises(Exception) as e:
+            client.completions.create(model=name, prompt="A", max_tokens=2,
+                                      extra_body=dict(typical_p=2))
+        assert e.value.status_code == 400 and e.value.param == "typical_p"
 
 
 # -----------------------------------------------------------------------------
