@@ -28,14 +28,18 @@ computes. `python bench.py --serve` measures this path against Engine.generate.
 
 import argparse
 import asyncio
+import functools
+import hmac
 import json
 import logging
 import os
+import random
 import re
 import socket
 import subprocess
 import sys
 import time
+import typing
 import urllib.request
 import uuid
 from collections import Counter, deque
@@ -43,7 +47,7 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, fields
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, create_model
@@ -58,24 +62,39 @@ MAX_LOGPROBS = 20  # vLLM's default --max-logprobs; the OpenAI API's top_logprob
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM sends this for a token the model rules out
 
 # -----------------------------------------------------------------------------
-# Request bodies: the OpenAI API's fields and vLLM's extensions, under their names. Strict:
-# a string is not a number, nor true an int; a field nobody defined is an error, not ignored.
-# The sampling fields are SamplingParams' own (the OpenAI API's names, and vLLM's extensions,
-# are SamplingParams' names), read from its fields when the app is built.
+# Request bodies: the OpenAI API's fields and vLLM's extensions, under their names. Strict: a
+# string is not a number, nor true an int. Read as vLLM reads them: a field nobody here knows is
+# ignored, with a log line naming it (clients send fields of newer API versions), and one that
+# names a feature this server lacks is a 400 naming it (ignoring it would answer another
+# question). The sampling fields are SamplingParams' own (the OpenAI API's names and vLLM's
+# extensions are SamplingParams' names), read from its fields when the app is built.
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class RequestBody(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(RequestBody):
     include_usage: bool = False  # one more chunk before [DONE], with usage and no choices
+    continuous_usage_stats: bool = False  # with include_usage: usage so far in every chunk too
 
 
-class OpenAIFields(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+class OpenAIFields(RequestBody):
     model: str | None = None  # None: the served model (vLLM's); the openai client always sends it
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end user's id, for abuse monitoring at OpenAI: unused here
     priority: int = 0  # vLLM's: with --scheduling-policy priority, lower runs first
+
+
+# fields of the OpenAI API and vLLM's extensions that this server cannot honour: any value but
+# null is a 400 naming the field
+UNSUPPORTED = {"best_of", "logit_bias", "tools", "tool_choice", "functions", "function_call",
+               "response_format", "use_beam_search", "length_penalty", "guided_json",
+               "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+               "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "return_token_ids",
+               "return_tokens_as_token_ids", "prompt_embeds", "audio", "modalities",
+               "prediction", "suffix"}
 
 
 def request_fields():
@@ -111,6 +130,28 @@ def request_models():
     return CompletionRequest, ChatCompletionRequest
 
 
+def unknown_fields(body, prefix=""):
+    """The fields of a request (and of the request bodies inside it) that no model here defines,
+    by their full paths (stream_options.foo); a chat message's own extras go to the template."""
+    names = [prefix + name for name in body.model_extra or {}]
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        if isinstance(value, RequestBody):
+            names += unknown_fields(value, f"{prefix}{name}.")
+    return names
+
+
+def check_known(req, route):
+    """A 400 for a field this server cannot honour; one log line for those it ignores."""
+    for name, value in (req.model_extra or {}).items():
+        if name in UNSUPPORTED and value is not None:
+            raise APIError(f"{name} is not supported by this server", name)
+    ignored = unknown_fields(req)
+    if ignored:
+        logger.warning("%s: ignored fields this server does not know: %s", route,
+                       ", ".join(ignored))
+
+
 class APIError(Exception):
     """An error for the client, in the OpenAI API's shape: {"error": {"message", "type", "param",
     "code"}}; param names the request field at fault."""
@@ -128,17 +169,41 @@ def error_body(message, kind, param=None, code=None):
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def validation_error(exc):
-    """FastAPI's 422 for a body that does not parse, as the OpenAI API's 400 naming the field."""
+def validation_error(exc, model):
+    """FastAPI's 422 for a body that does not parse (as the request model), as the OpenAI API's
+    400 naming the field by its full path, written as the OpenAI API writes it
+    (stream_options.include_usage, messages.[0].role)."""
     first = exc.errors()[0]
     if first["type"] == "json_invalid":
         return APIError(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
-    loc = [str(x) for x in first["loc"] if x != "body"]
-    param = loc[0] if loc else None
-    if first["type"] == "extra_forbidden":
-        return APIError(f"unrecognized request argument supplied: {param}", param)
+    param = field_path(model, first["loc"][1:]) if first["loc"][:1] == ("body",) else None
     got = f", got {first['input']!r}"[:80] if "input" in first and param else ""
-    return APIError(f"{'.'.join(loc) or 'body'}: {first['msg']}{got}", param)
+    return APIError(f"{param or 'body'}: {first['msg']}{got}", param)
+
+
+def field_path(model, loc):
+    """The fields an error's loc walks through, from model down: their names, and [i] for an
+    item of a list; it stops where the loc names no field (a union's branch: 'list[int]')."""
+    path = []
+    for part in loc:
+        if isinstance(part, int) and path:
+            path.append(f"[{part}]")
+            continue
+        known = getattr(model, "model_fields", {})
+        if part not in known:
+            break
+        path.append(part)
+        model = nested_model(known[part].annotation)
+    return ".".join(path) or None
+
+
+def nested_model(annotation):
+    """The model class a field holds, alone, in a list or beside None; else None."""
+    for t in (annotation, *typing.get_args(annotation)):
+        for inner in (t, *typing.get_args(t)):
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                return inner
+    return None
 
 
 # -----------------------------------------------------------------------------
@@ -157,10 +222,19 @@ class ServedModel:
     defaults: dict  # the sampling flags' values: a field left out takes these
     priority_scheduling: bool
     check_request: object  # Engine.check_request: it reads only the engine's settings
+    api_key: str | None = None  # --api-key: the key every /v1 request must bear, if set
+    seed: int | None = None  # --seed: requests without a seed take one from this stream
     tokens: object = field(init=False)  # TokenTexts: each token's text and bytes, for logprobs
+    seeds: random.Random | None = field(init=False)
 
     def __post_init__(self):
         self.tokens = TokenTexts(self.tokenizer)
+        self.seeds = None if self.seed is None else random.Random(self.seed)
+
+    def next_seed(self):
+        """A request's seed when it gives none: None (a random one, the engine's) unless the
+        server has a --seed, which makes a run of unseeded requests repeat (vllm serve's)."""
+        return None if self.seeds is None else self.seeds.randrange(2**63)
 
 
 def check_model(req, served):
@@ -192,8 +266,8 @@ def chat_prompt(req, served):
         if isinstance(content, list):  # parts: only text ones can reach a text-only model
             if any(part.get("type") != "text" or not isinstance(part.get("text"), str)
                    for part in content):
-                raise APIError(f"messages[{i}].content: only text parts are supported",
-                               "messages")
+                raise APIError(f"messages.[{i}].content: only text parts are supported",
+                               f"messages.[{i}].content")
             content = "".join(part["text"] for part in content)
         messages.append(m.model_dump(exclude_none=True) | {"content": content or ""})
     try:
@@ -233,6 +307,7 @@ def sampling_params(req, served, prompts, max_tokens, logprobs, names):
                        "priority")
     given = {name: getattr(req, name) for name in request_fields()
              if getattr(req, name) is not None}
+    given.setdefault("seed", served.next_seed())
     try:
         params = nanopaged.SamplingParams(**served.defaults | given | dict(
             max_tokens=max_tokens, logprobs=logprobs))
@@ -447,6 +522,7 @@ class Delta:
     finish_reason: str | None
     stop_reason: int | str | None
     text_offset: int  # the summed lengths of the choice's earlier tokens' texts
+    num_tokens: int  # the choice's tokens so far, these included
 
 
 @dataclass
@@ -463,27 +539,35 @@ class Cursor:
             new = c.token_ids[num_tokens:]
             text = c.text or ""  # a stop string may yet cut what the engine holds back
             yield Delta(index, new, text[num_chars:], c.logprobs and c.logprobs[num_tokens:],
-                        c.finish_reason, c.stop_reason, offset)
+                        c.finish_reason, c.stop_reason, offset, len(c.token_ids))
             offset += sum(len(tokens.text(t)) for t in new)
             self.sent[index] = (len(c.token_ids), len(text), offset, c.finish_reason is not None)
 
 
 class TokenTexts:
-    """Each token's own bytes and text, for logprobs. The built-in model's tokens are bytes; a
-    token that is part of a multi-byte character shows as "bytes:\\xe2" (the OpenAI API's way)."""
+    """Each token's name in logprobs, its bytes, and its share of a completion's text. The
+    built-in model's tokens are bytes; a token that is part of a multi-byte character shows as
+    "bytes:\\xe2" (the OpenAI API's way). A special token's name is its text ("</s>", as vLLM
+    shows it), though the completion's text leaves it out."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.cache = tokenizer, {}
+        self.tokenizer, self.names, self.texts = tokenizer, {}, {}
         self.bytes_level = isinstance(tokenizer, demo.Tokenizer) and tokenizer.hf is None
+        hf = getattr(tokenizer, "hf", None)  # a tokenizers.Tokenizer, which skips specials
+        self.decode_named = (tokenizer.decode if hf is None else
+                             functools.partial(hf.decode, skip_special_tokens=False))
 
     def bytes(self, token_id):
-        if token_id not in self.cache:
-            self.cache[token_id] = (bytes([token_id]) if self.bytes_level else
-                                    self.tokenizer.decode([token_id]).encode("utf-8"))
-        return self.cache[token_id]
+        if token_id not in self.names:
+            self.names[token_id] = (bytes([token_id]) if self.bytes_level else
+                                    self.decode_named([token_id]).encode("utf-8"))
+        return self.names[token_id]
 
     def text(self, token_id):  # its share of the completion's text
-        return self.bytes(token_id).decode("utf-8", errors="replace")
+        if token_id not in self.texts:
+            self.texts[token_id] = (self.bytes(token_id).decode("utf-8", errors="replace")
+                                    if self.bytes_level else self.tokenizer.decode([token_id]))
+        return self.texts[token_id]
 
     def token(self, token_id):  # the name it goes by in logprobs
         raw = self.bytes(token_id)
@@ -544,9 +628,13 @@ def usage(finals):
     """Tokens of the prompts (each once, however many samples) and of every choice."""
     prompt = sum(len(out.prompt_token_ids) for out in finals)
     completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
+    return token_usage(prompt, completion) | dict(
+        prompt_tokens_details=dict(cached_tokens=sum(o.num_cached_tokens for o in finals)))
+
+
+def token_usage(prompt, completion):
     return dict(prompt_tokens=prompt, completion_tokens=completion,
-                total_tokens=prompt + completion,
-                prompt_tokens_details=dict(cached_tokens=sum(o.num_cached_tokens for o in finals)))
+                total_tokens=prompt + completion)
 
 
 # -----------------------------------------------------------------------------
@@ -580,6 +668,7 @@ class Call:
 
 def prepare(req, served, chat):
     """A request, checked in full, as a Call whose submissions are ready for the loop."""
+    check_known(req, "/v1/chat/completions" if chat else "/v1/completions")
     check_model(req, served)
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed with stream=true", "stream_options")
@@ -649,20 +738,29 @@ async def wait_for_disconnect(request):
 
 async def events(call, loop, served):
     """Server-sent events: a chunk per choice as it gains tokens, then usage if asked, then
-    [DONE]. Starlette cancels this generator when the client disconnects: finally aborts."""
+    [DONE]. Starlette cancels this generator when the client disconnects: finally aborts.
+    stream_options.continuous_usage_stats puts the usage so far in every chunk too: the prompt's
+    tokens and the choice's (vLLM's)."""
     model, tokens, cursor, finals = served.names[0], served.tokens, Cursor(call.n), []
+    options = call.req.stream_options or StreamOptions()
+    continuous = options.include_usage and options.continuous_usage_stats
+
+    def chunk(choice, prompt, completion):
+        more = dict(usage=token_usage(prompt, completion)) if continuous else {}
+        return sse(call.envelope(model, [choice], True, **more))
     try:
         for sub in call.subs:
             loop.submit(sub)
         if call.chat:  # the OpenAI API's first chunk of each choice: the role, no content yet
             for i in range(call.n):
-                yield sse(call.envelope(model, [dict(index=i, delta=dict(
-                    role="assistant", content=""), logprobs=None, finish_reason=None)], True))
+                yield chunk(dict(index=i, delta=dict(role="assistant", content=""),
+                                 logprobs=None, finish_reason=None),
+                            len(call.subs[0].prompt_token_ids), 0)
         async for sub, out in results(call.subs[0].outputs, call.subs):
             for d in cursor.deltas(sub, out, tokens):
-                yield sse(call.envelope(model, [call.choice(d, tokens, True)], True))
+                yield chunk(call.choice(d, tokens, True), len(out.prompt_token_ids), d.num_tokens)
             finals += [out] if out.finished else []
-        if call.req.stream_options and call.req.stream_options.include_usage:
+        if options.include_usage:
             yield sse(call.envelope(model, [], True, usage=usage(finals)))
     except (StepFailed, APIError) as e:  # the status line went out already: an error event
         yield sse(error_body(str(e), "server_error"))
@@ -735,20 +833,29 @@ def build_app(engine, served):
 
     app = FastAPI(title="nanopaged", lifespan=lifespan)
     app.add_exception_handler(APIError, lambda request, e: e.response())
-    app.add_exception_handler(RequestValidationError,
-                              lambda request, e: validation_error(e).response())
+    bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+    app.add_exception_handler(RequestValidationError, lambda request, e: validation_error(
+        e, bodies.get(request.url.path)).response())
     app.add_exception_handler(HTTPException, lambda request, e: APIError(
         str(e.detail), status=e.status_code).response())
 
-    @app.post("/v1/completions")
+    def authorized(request: Request):  # --api-key: every /v1 route, as vllm serve
+        if served.api_key is not None and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(),
+                f"Bearer {served.api_key}".encode()):
+            raise APIError("a valid API key is needed: Authorization: Bearer <--api-key>",
+                           status=401, code="invalid_api_key")
+    v1 = dict(dependencies=[Depends(authorized)])
+
+    @app.post("/v1/completions", **v1)
     async def completions(req: CompletionRequest, request: Request):
         return await serve(prepare(req, served, chat=False), loop, served, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **v1)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await serve(prepare(req, served, chat=True), loop, served, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **v1)
     async def models():
         return dict(object="list", data=[dict(
             id=served.names[0], object="model", created=int(time.time()), owned_by="nanopaged",
@@ -785,6 +892,12 @@ def argument_parser():
     p.add_argument("--served-model-name",
                    help="the model name clients send and /v1/models lists (default: the "
                    "folder's name); --model's value is accepted too")
+    p.add_argument("--api-key",
+                   help="if given, every /v1 request must send it (Authorization: Bearer KEY); "
+                   "others get a 401")
+    p.add_argument("--seed", type=int,
+                   help="seeds the requests that give no seed, in the order they come, so that a "
+                   "run repeats (default: each a random seed)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level; info logs a line per request (default info)")
@@ -798,7 +911,7 @@ def served_model(args, model, engine, tokenizer):
         max_seq_len=model.config.max_seq_len, vocab_size=model.config.vocab_size,
         defaults={f.name: getattr(args, f.name) for f in demo.sampling_fields()},
         priority_scheduling=args.scheduling_policy == "priority",
-        check_request=engine.check_request)
+        check_request=engine.check_request, api_key=args.api_key, seed=args.seed)
 
 
 def main(argv=None):

@@ -5383,6 +5383,17 @@ def test_server_completions_and_chat_stream_and_not_as_engine_generate(served):
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage is None
     assert "".join(c.choices[0].delta.content for c in chunks) == ref_chat.outputs[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
+    # continuous_usage_stats (guidellm sends it): the usage so far in every chunk too
+    for create, args in [(client.completions.create, dict(prompt="Lambdas")),
+                         (client.chat.completions.create, dict(messages=messages))]:
+        chunks = list(create(model="pydoc-chat", max_tokens=5, stream=True, **args,
+                             stream_options={"include_usage": True,
+                                             "continuous_usage_stats": True}))
+        prompt = 7 if "prompt" in args else len(chat_ids)
+        assert [(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens)
+                for c in chunks] == [(prompt, i, prompt + i) for i in
+                                     ([0] if "messages" in args else []) + [1, 2, 3, 4, 5, 5]]
+        assert chunks[-1].choices == []
     # on the wire: server-sent events, each "data: {json}", the last "data: [DONE]"
     body = json.dumps(dict(model="pydoc-chat", prompt="Lambdas", max_tokens=3, stream=True))
     request = urllib.request.Request(url + "/v1/completions", body.encode(),
@@ -5564,7 +5575,8 @@ def test_server_answers_health_while_a_long_request_streams(served):
     assert rest[-1].choices[0].finish_reason == "length"
 
 
-SERVED_BAD_FIELDS = [  # (endpoint, field, value); each alone in an otherwise good request
+SERVED_BAD_FIELDS = [  # (endpoint, field, value[, the param the 400 names]); each alone in an
+    # otherwise good request
     ("completions", "temperature", -1), ("completions", "temperature", "hot"),
     ("completions", "top_p", 0), ("completions", "top_p", 1.5), ("completions", "top_k", -1),
     ("completions", "min_p", 2), ("completions", "n", 0), ("completions", "n", 1.5),
@@ -5577,18 +5589,28 @@ SERVED_BAD_FIELDS = [  # (endpoint, field, value); each alone in an otherwise go
     ("completions", "prompt", [[300]]), ("completions", "prompt", ""),
     ("completions", "prompt", "x" * 300), ("completions", "stream", "yes"),
     ("completions", "priority", 1), ("completions", "stream_options", {"include_usage": True}),
-    ("completions", "best_of", 2), ("completions", "echo", True),
-    ("chat", "messages", []), ("chat", "messages", [{"content": "no role"}]),
-    ("chat", "messages", [{"role": "user", "content": [{"type": "image_url"}]}]),
+    ("completions", "stream_options", {"include_usage": "yes"}, "stream_options.include_usage"),
+    ("completions", "stream_options", {"continuous_usage_stats": 1},
+     "stream_options.continuous_usage_stats"),
+    ("completions", "ignore_eos", "yes"), ("completions", "include_stop_str_in_output", 1),
+    # known, but beyond this server: refused, not ignored
+    ("completions", "best_of", 2), ("completions", "suffix", "!"),
+    ("completions", "logit_bias", {"65": 5}), ("chat", "tools", []),
+    ("chat", "response_format", {"type": "json_object"}),
+    ("chat", "messages", []), ("chat", "messages", [{"content": "no role"}], "messages.[0].role"),
+    ("chat", "messages", [{"role": "user", "content": [{"type": "image_url"}]}],
+     "messages.[0].content"),
+    ("chat", "messages", [{"role": "user", "content": 5}], "messages.[0].content"),
     ("chat", "max_completion_tokens", 0), ("chat", "top_logprobs", 2),
-    ("chat", "logprobs", 1), ("chat", "temperature", -0.5), ("chat", "tools", []),
+    ("chat", "logprobs", 1), ("chat", "temperature", -0.5),
 ]
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("endpoint, field, value", SERVED_BAD_FIELDS)
+@pytest.mark.parametrize("endpoint, field, value, param", [
+    case if len(case) == 4 else (*case, case[1]) for case in SERVED_BAD_FIELDS])
 def test_server_bad_field_is_a_400_naming_it_and_reaches_no_engine(served, endpoint, field,
-                                                                    value):
+                                                                    value, param):
     import openai
     url, _, _ = served
     client = served_client(url)
@@ -5599,13 +5621,33 @@ def test_server_bad_field_is_a_400_naming_it_and_reaches_no_engine(served, endpo
         client.chat.completions.create
     with pytest.raises(openai.BadRequestError) as e:
         create(model="pydoc-chat", extra_body={field: value}, **good)
-    assert e.value.status_code == 400 and e.value.param == field
-    assert e.value.type == "invalid_request_error" and field in e.value.message
+    assert e.value.status_code == 400 and e.value.param == param
+    assert e.value.type == "invalid_request_error" and param in e.value.message
     assert served_metrics(url) == before  # nothing of it reached the engine
     with pytest.raises(openai.NotFoundError) as e:  # and an unknown model is a 404
         create(model="gpt-4o", **good)
     assert e.value.param == "model" and e.value.code == "model_not_found"
     assert create(model="pydoc-chat", **good).usage.completion_tokens == 4
+
+
+@pytest.mark.server
+def test_server_ignores_fields_it_does_not_know_and_logs_one_line_naming_them(served):
+    """vLLM's reading: a field nobody here defines (a newer API's, a typo) changes nothing and
+    is named, with its full path, in one line of the server's log."""
+    url, folder, _ = served
+    client = served_client(url)
+    args = dict(model="pydoc-chat", prompt="Lambdas", max_tokens=6, stream=True,
+                stream_options={"include_usage": True})
+    plain = list(client.completions.create(**args))
+    log = os.path.join(folder, "server.log")
+    before = open(log).read()
+    odd = list(client.completions.create(**args | dict(stream_options={
+        "include_usage": True, "zest": 1}), extra_body=dict(frobnicate=[1], n_=2)))
+    assert [c.choices and c.choices[0].text for c in odd] == \
+        [c.choices and c.choices[0].text for c in plain]
+    new = open(log).read()[len(before):].splitlines()
+    named = [line for line in new if "frobnicate" in line]
+    assert len(named) == 1 and "n_" in named[0] and "stream_options.zest" in named[0]
 
 
 @pytest.mark.server
@@ -5649,11 +5691,14 @@ def test_server_chat_through_a_folders_tokenizer_json_and_template(hf_folder, tm
     assert [e.bytes for e in chat.choices[0].logprobs.content] == \
         [list(tok.decode([t]).encode()) for t in c.token_ids]
     assert out.choices[0].text == ref[1].outputs[0].text
+    names = server.TokenTexts(tok)  # a special token goes by its text, as vLLM shows it
+    assert (names.token(1), names.bytes(1), names.text(1)) == ("<s>", b"<s>", "")
+    assert (names.token(2), names.text(2)) == ("hello", "hello")
 
 
 @pytest.mark.server
 @pytest.mark.parametrize("body, param", [(b"{not json", None), (b"[1, 2]", None),
-                                         (b'{"prompt": "x", "n": 2, "n_": 1}', "n_")])
+                                         (b'{"prompt": "x", "n": 2.5}', "n")])
 def test_server_a_body_that_does_not_parse_is_a_400_in_the_openai_shape(served, body, param):
     url, _, _ = served
     request = urllib.request.Request(url + "/v1/completions", body,
@@ -5663,6 +5708,46 @@ def test_server_a_body_that_does_not_parse_is_a_400_in_the_openai_shape(served, 
     assert e.value.code == 400
     error = json.loads(e.value.read())["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+
+
+@pytest.mark.server
+def test_server_api_key_and_seed_as_vllm_serve_takes_them():
+    """--api-key: a /v1 request without it (or with another) is a 401 in the OpenAI API's shape,
+    /health and /metrics stay open; --seed: unseeded sampled requests repeat, in order, on a
+    server started with the same seed, and differ on another."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    import server
+
+    def texts(flags, key="k"):
+        args = server.argument_parser().parse_args(flags)
+        model, engine, tokenizer = demo.load(args)
+        with served_in_thread(engine, server.served_model(args, model, engine, tokenizer)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+            return [client.completions.create(model="pydoc-gpt", prompt="The", max_tokens=12,
+                                              temperature=1.0, n=2).choices[i].text
+                    for _ in range(2) for i in range(2)], url
+    flags = ["--api-key", "k", "--seed", "3"]
+    first, url = texts(flags)
+    assert texts(flags)[0] == first and len(set(first)) == 4  # each sample its own stream
+    assert texts(["--api-key", "k", "--seed", "4"])[0] != first
+    args = server.argument_parser().parse_args(["--api-key", "k"])
+    model, engine, tokenizer = demo.load(args)
+    with served_in_thread(engine, server.served_model(args, model, engine, tokenizer)) as url:
+        for key in ("wrong", "none"):
+            client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as e:
+                client.completions.create(model="pydoc-gpt", prompt="The", max_tokens=2)
+            assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+            with pytest.raises(openai.AuthenticationError):
+                client.models.list()
+        request = urllib.request.Request(url + "/v1/models")  # no header at all
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(request, timeout=10)
+        assert e.value.code == 401
+        assert urllib.request.urlopen(url + "/health", timeout=10).status == 200
+        assert served_metrics(url)["vllm:num_requests_running"] == 0
+        assert engine.stats()["num_free_blocks"] == engine.stats()["num_blocks"]
 
 
 # -----------------------------------------------------------------------------
