@@ -118,16 +118,29 @@ def request_models():
 
     class CompletionRequest(sampling):
         prompt: str | list[str] | list[int] | list[list[int]]  # text or token ids, or several
-        max_tokens: int | None = 16  # the OpenAI API's default for completions
+        max_tokens: int | None = 16  # the OpenAI API's default; 0 with echo: the prompt alone
         logprobs: int | None = None  # the k likeliest tokens at each position, and the drawn one
+        echo: bool = False  # the prompt first, in the text and (with logprobs) in the logprobs
 
     class ChatCompletionRequest(sampling):
         messages: list[ChatMessage] = Field(min_length=1)
         max_completion_tokens: int | None = None  # the newer name of max_tokens; wins if both
         logprobs: bool = False
         top_logprobs: int | None = None  # with logprobs: this many likeliest tokens at each
+        echo: bool = False  # vLLM's (the last message's content first): refused if true
 
     return CompletionRequest, ChatCompletionRequest
+
+
+class TokenizeRequest(RequestBody):  # vLLM's /tokenize: lm-eval's tokenizer, over HTTP
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(RequestBody):  # vLLM's /detokenize
+    model: str | None = None
+    tokens: list[int]
 
 
 def unknown_fields(body, prefix=""):
@@ -244,8 +257,8 @@ def check_model(req, served):
 
 
 def completion_prompts(req, served):
-    """The prompt as lists of token ids: text is encoded (with the tokenizer's special tokens,
-    as vLLM), ids are taken as they are."""
+    """The prompts as lists of token ids, and as text (what echo sends back): text is encoded
+    (with the tokenizer's special tokens, as vLLM), ids are taken as they are and decoded."""
     prompt = req.prompt
     if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
         prompt = [prompt]  # one prompt
@@ -254,7 +267,8 @@ def completion_prompts(req, served):
     prompts = [served.tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
     for ids in prompts:
         check_prompt(ids, served, "prompt")
-    return prompts
+    texts = [p if isinstance(p, str) else served.tokenizer.decode(p) for p in prompt]
+    return prompts, texts
 
 
 def chat_prompt(req, served):
@@ -289,15 +303,18 @@ def check_prompt(ids, served, param):
                        f"tokens, and the prompt has {len(ids)}", param)
 
 
-def sampling_params(req, served, prompts, max_tokens, logprobs, names):
+def sampling_params(req, served, prompts, own, names):
     """The request's SamplingParams: the sampling fields it gives, the server's sampling flags
-    for those it leaves out, and the endpoint's own max_tokens and logprobs. SamplingParams
-    checks each value and names the field, which names renames to the request's own
-    (max_completion_tokens, top_logprobs); the engine's own check comes last (n against
-    max_num_seqs, the pool's size)."""
-    if logprobs is not None and logprobs > MAX_LOGPROBS:
-        raise APIError(f"{names['logprobs']} must be at most {MAX_LOGPROBS}, got {logprobs}",
-                       names["logprobs"])
+    for those it leaves out, and own, the fields the endpoint computes itself (max_tokens,
+    logprobs). SamplingParams checks each value and names the field, which names renames to the
+    request's own (max_completion_tokens, top_logprobs); the engine's own check comes last (n
+    against max_num_seqs, the pool's size)."""
+    given = {name: getattr(req, name) for name in request_fields()
+             if getattr(req, name) is not None} | own
+    for name in ("logprobs", "prompt_logprobs"):
+        if (given.get(name) or 0) > MAX_LOGPROBS:
+            param = names.get(name, name)
+            raise APIError(f"{param} must be at most {MAX_LOGPROBS}, got {given[name]}", param)
     for t in req.stop_token_ids or []:
         if not 0 <= t < served.vocab_size:
             raise APIError(f"stop_token_ids: {t} is outside the vocabulary "
@@ -305,12 +322,9 @@ def sampling_params(req, served, prompts, max_tokens, logprobs, names):
     if req.priority != 0 and not served.priority_scheduling:
         raise APIError("priority needs a server started with --scheduling-policy priority",
                        "priority")
-    given = {name: getattr(req, name) for name in request_fields()
-             if getattr(req, name) is not None}
     given.setdefault("seed", served.next_seed())
     try:
-        params = nanopaged.SamplingParams(**served.defaults | given | dict(
-            max_tokens=max_tokens, logprobs=logprobs))
+        params = nanopaged.SamplingParams(**served.defaults | given)
     except ValueError as e:  # "SamplingParams.<field> must be ..., got ..."
         def rename(m):
             return names.get(m[1], m[1])
@@ -514,34 +528,57 @@ async def results(queue, subs):
 
 @dataclass
 class Delta:
-    """What one choice gained: its new tokens, their text and logprob entries, and its finish."""
+    """What one choice gained: its new tokens, their text and logprob entries, and its finish.
+    A completion that echoes its prompt has the prompt's tokens, text and entries (None for the
+    first token) before its first new ones."""
     index: int  # the choice's: prompt index * n + sample index, as vLLM numbers them
     token_ids: list
     text: str
-    logprobs: list | None  # per new token {token_id: logprob}, the drawn one and the k likeliest
+    logprobs: list | None  # per token {token_id: logprob}, the drawn one and the k likeliest
     finish_reason: str | None
     stop_reason: int | str | None
     text_offset: int  # the summed lengths of the choice's earlier tokens' texts
-    num_tokens: int  # the choice's tokens so far, these included
+    num_tokens: int  # the choice's generated tokens so far, these included
+    prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, on a choice's first delta
 
 
 @dataclass
 class Cursor:
-    n: int  # samples per prompt
+    """Turns a request's outputs, which step() gives cumulative, into what each choice gained
+    since the client last heard."""
+    call: "Call"
     sent: dict = field(default_factory=dict)  # choice index -> (tokens, characters, offset, done)
 
     def deltas(self, sub, out, tokens):
+        call = self.call
         for c in out.outputs:
-            index = sub.index * self.n + c.index
+            index = sub.index * call.n + c.index
+            first = index not in self.sent
             num_tokens, num_chars, offset, done = self.sent.get(index, (0, 0, 0, False))
-            if done or len(c.token_ids) == num_tokens and c.finish_reason is None:
+            ids, text, entries = c.token_ids, c.text or "", c.logprobs
+            finish, stop = c.finish_reason, c.stop_reason
+            if call.prompt_only:  # max_tokens 0: the engine's one token is not the client's
+                ids, text, entries, stop = [], "", entries and [], None
+                finish = finish and "length"
+            if done or len(ids) == num_tokens and finish is None:
                 continue
-            new = c.token_ids[num_tokens:]
-            text = c.text or ""  # a stop string may yet cut what the engine holds back
-            yield Delta(index, new, text[num_chars:], c.logprobs and c.logprobs[num_tokens:],
-                        c.finish_reason, c.stop_reason, offset, len(c.token_ids))
-            offset += sum(len(tokens.text(t)) for t in new)
-            self.sent[index] = (len(c.token_ids), len(text), offset, c.finish_reason is not None)
+            d = Delta(index, ids[num_tokens:], text[num_chars:], entries and entries[num_tokens:],
+                      finish, stop, offset, len(ids))
+            if first:
+                self.start(d, sub, out)
+            self.sent[index] = (len(ids), len(text), d.text_offset + sum(
+                len(tokens.text(t)) for t in d.token_ids), finish is not None)
+            yield d
+
+    def start(self, d, sub, out):
+        """A choice's first delta: the prompt before it if echoed, and its prompt_logprobs."""
+        if self.call.prompt_logprobs is not None:
+            d.prompt_logprobs = out.prompt_logprobs
+        if self.call.echo:
+            d.token_ids = out.prompt_token_ids + d.token_ids
+            d.text = self.call.prompt_texts[sub.index] + d.text
+            if d.logprobs is not None:
+                d.logprobs = out.prompt_logprobs + d.logprobs
 
 
 class TokenTexts:
@@ -589,17 +626,33 @@ def clamp(logprob):
 
 def completion_logprobs(d, k, tokens):
     """The completions API's logprobs of a delta: per token its text, logprob, offset, and the k
-    likeliest with the drawn one (so k or k + 1 of them)."""
+    likeliest with the drawn one (so k or k + 1 of them); an echoed prompt's first token has no
+    logprob (null, as the OpenAI API and vLLM send it)."""
     offsets, offset = [], d.text_offset
     for t in d.token_ids:
         offsets.append(offset)
         offset += len(tokens.text(t))
+    pairs = list(zip(d.token_ids, d.logprobs))
     return dict(
         tokens=[tokens.token(t) for t in d.token_ids],
-        token_logprobs=[clamp(e[t]) for t, e in zip(d.token_ids, d.logprobs)],
-        top_logprobs=[{tokens.token(i): clamp(lp) for i, lp in likeliest(e, k) + [(t, e[t])]}
-                      for t, e in zip(d.token_ids, d.logprobs)],
+        token_logprobs=[None if e is None else clamp(e[t]) for t, e in pairs],
+        top_logprobs=[None if e is None else {
+            tokens.token(i): clamp(lp) for i, lp in likeliest(e, k) + [(t, e[t])]}
+            for t, e in pairs],
         text_offset=offsets)
+
+
+def prompt_logprobs(prompt, entries, k, tokens):
+    """vLLM's prompt_logprobs: None for the first prompt token, then for each the prompt's token
+    and the k likeliest, {token id: {logprob, rank, decoded_token}}; rank 1 is the likeliest,
+    and the prompt's token's rank is null when it is not among the k (the engine keeps no more)."""
+    out = [None]
+    for t, e in zip(prompt[1:], entries[1:]):
+        top = likeliest(e, k)
+        ranks = {i: r for r, (i, _) in enumerate(top, 1)}
+        out.append({str(i): dict(logprob=clamp(lp), rank=ranks.get(i),
+                                 decoded_token=tokens.token(i)) for i, lp in [(t, e[t])] + top})
+    return out
 
 
 def chat_logprobs(d, k, tokens):
@@ -610,10 +663,13 @@ def chat_logprobs(d, k, tokens):
                          for t, e in zip(d.token_ids, d.logprobs)], refusal=None)
 
 
-def completion_choice(d, k, tokens):
-    return dict(index=d.index, text=d.text, finish_reason=d.finish_reason,
-                stop_reason=d.stop_reason,
-                logprobs=None if d.logprobs is None else completion_logprobs(d, k, tokens))
+def completion_choice(d, k, tokens, prompt_k=None, prompt=None):
+    choice = dict(index=d.index, text=d.text, finish_reason=d.finish_reason,
+                  stop_reason=d.stop_reason,
+                  logprobs=None if d.logprobs is None else completion_logprobs(d, k, tokens))
+    if d.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs(prompt, d.prompt_logprobs, prompt_k, tokens)
+    return choice
 
 
 def chat_choice(d, k, tokens, streaming):
@@ -624,10 +680,10 @@ def chat_choice(d, k, tokens, streaming):
                 logprobs=None if d.logprobs is None else chat_logprobs(d, k, tokens))
 
 
-def usage(finals):
+def usage(finals, prompt_only=False):
     """Tokens of the prompts (each once, however many samples) and of every choice."""
     prompt = sum(len(out.prompt_token_ids) for out in finals)
-    completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
+    completion = 0 if prompt_only else sum(len(c.token_ids) for out in finals for c in out.outputs)
     return token_usage(prompt, completion) | dict(
         prompt_tokens_details=dict(cached_tokens=sum(o.num_cached_tokens for o in finals)))
 
@@ -648,6 +704,10 @@ class Call:
     req: OpenAIFields
     subs: list
     logprobs: int | None  # k, when logprobs were asked for
+    prompt_logprobs: int | None = None  # vLLM's field: k for each prompt token, if asked for
+    echo: bool = False  # the prompt first in each choice
+    prompt_texts: list | None = None  # the prompts' text, for echo
+    prompt_only: bool = False  # max_tokens 0 with echo: the prompt, nothing generated
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -662,8 +722,10 @@ class Call:
                     created=self.created, model=model, choices=choices, **more)
 
     def choice(self, d, tokens, streaming):
-        return (chat_choice(d, self.logprobs, tokens, streaming) if self.chat
-                else completion_choice(d, self.logprobs, tokens))
+        if self.chat:
+            return chat_choice(d, self.logprobs, tokens, streaming)
+        prompt = self.subs[d.index // self.n].prompt_token_ids
+        return completion_choice(d, self.logprobs, tokens, self.prompt_logprobs, prompt)
 
 
 def prepare(req, served, chat):
@@ -672,23 +734,36 @@ def prepare(req, served, chat):
     check_model(req, served)
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed with stream=true", "stream_options")
+    if req.stream and req.prompt_logprobs is not None:  # as vLLM: echo them instead
+        raise APIError("prompt_logprobs is not available with stream=true", "prompt_logprobs")
     names = dict(max_tokens="max_tokens", logprobs="logprobs")  # SamplingParams' -> the request's
+    call = Call(chat, req, [], None, req.prompt_logprobs)
     if chat:
+        if req.echo:
+            raise APIError("echo is not supported on chat completions", "echo")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", "top_logprobs")
         prompts = [chat_prompt(req, served)]
-        k = (req.top_logprobs or 0) if req.logprobs else None
+        call.logprobs = (req.top_logprobs or 0) if req.logprobs else None
         names["logprobs"] = "top_logprobs"
         max_tokens = req.max_tokens
         if req.max_completion_tokens is not None:  # the newer name; it wins, as in vLLM
             max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
     else:
-        prompts, k, max_tokens = completion_prompts(req, served), req.logprobs, req.max_tokens
-    max_tokens = max_tokens_of(max_tokens, names["max_tokens"], served, prompts)
-    params = sampling_params(req, served, prompts, max_tokens, k, names)
+        prompts, call.prompt_texts = completion_prompts(req, served)
+        call.logprobs, call.echo, max_tokens = req.logprobs, req.echo, req.max_tokens
+        if req.echo and max_tokens == 0:  # the prompt alone (lm-eval's loglikelihood asks so):
+            # SamplingParams needs max_tokens >= 1, so the engine draws one token, from the
+            # logits its prefill makes anyway (no forward more), and the answer leaves it out
+            call.prompt_only, max_tokens = True, 1
+    own = dict(max_tokens=max_tokens_of(max_tokens, names["max_tokens"], served, prompts),
+               logprobs=call.logprobs)
+    if call.echo and call.logprobs is not None:  # echoed logprobs are prompt logprobs
+        own["prompt_logprobs"] = max(call.logprobs, req.prompt_logprobs or 0)
+    params = sampling_params(req, served, prompts, own, names)
     queue = asyncio.Queue()
-    subs = [Submission(p, params, req.priority, queue, i) for i, p in enumerate(prompts)]
-    return Call(chat, req, subs, k)
+    call.subs = [Submission(p, params, req.priority, queue, i) for i, p in enumerate(prompts)]
+    return call
 
 
 async def serve(call, loop, served, request):
@@ -703,10 +778,16 @@ async def serve(call, loop, served, request):
         raise APIError(str(e), status=500) from None
     finally:  # a client that left, or a failed sibling: stop the others too
         loop.abort(call.subs)
-    tokens, cursor = served.tokens, Cursor(call.n)
+    tokens, cursor = served.tokens, Cursor(call)
     choices = sorted((call.choice(d, tokens, False) for sub, out in finals
                       for d in cursor.deltas(sub, out, tokens)), key=lambda c: c["index"])
-    return call.envelope(served.names[0], choices, False, usage=usage([o for _, o in finals]))
+    more = {}
+    if call.chat and call.prompt_logprobs is not None:  # the response's, as vLLM's
+        out = finals[0][1]
+        more["prompt_logprobs"] = prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs,
+                                                  call.prompt_logprobs, tokens)
+    return call.envelope(served.names[0], choices, False,
+                         usage=usage([o for _, o in finals], call.prompt_only), **more)
 
 
 async def collect(call):
@@ -741,7 +822,7 @@ async def events(call, loop, served):
     [DONE]. Starlette cancels this generator when the client disconnects: finally aborts.
     stream_options.continuous_usage_stats puts the usage so far in every chunk too: the prompt's
     tokens and the choice's (vLLM's)."""
-    model, tokens, cursor, finals = served.names[0], served.tokens, Cursor(call.n), []
+    model, tokens, cursor, finals = served.names[0], served.tokens, Cursor(call), []
     options = call.req.stream_options or StreamOptions()
     continuous = options.include_usage and options.continuous_usage_stats
 
@@ -761,7 +842,7 @@ async def events(call, loop, served):
                 yield chunk(call.choice(d, tokens, True), len(out.prompt_token_ids), d.num_tokens)
             finals += [out] if out.finished else []
         if options.include_usage:
-            yield sse(call.envelope(model, [], True, usage=usage(finals)))
+            yield sse(call.envelope(model, [], True, usage=usage(finals, call.prompt_only)))
     except (StepFailed, APIError) as e:  # the status line went out already: an error event
         yield sse(error_body(str(e), "server_error"))
     finally:
@@ -817,6 +898,17 @@ def metrics_text(s, model):
     return "\n".join(lines) + "\n"
 
 
+def tokenizer_description(served):
+    """vLLM's /tokenizer_info: the tokenizer's special tokens (null where the folder's
+    tokenizer_config.json names none: the built-in model has no end token) and its length."""
+    config = checkpoints.read_json(served.path, "tokenizer_config.json") or {}
+    special = {k: v["content"] if isinstance(v, dict) else v for k, v in config.items()
+               if k in checkpoints.SPECIAL_TOKENS}
+    kind = "bytes (UTF-8)" if served.tokens.bytes_level else "tokenizers.Tokenizer"
+    return dict(tokenizer_class=config.get("tokenizer_class", kind), eos_token=None,
+                bos_token=None, pad_token=None, model_max_length=served.max_seq_len) | special
+
+
 def build_app(engine, served):
     """The FastAPI app: the routes over one EngineLoop, started with the app and stopped with
     it."""
@@ -833,33 +925,53 @@ def build_app(engine, served):
 
     app = FastAPI(title="nanopaged", lifespan=lifespan)
     app.add_exception_handler(APIError, lambda request, e: e.response())
-    bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest}
+    bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+              "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
     app.add_exception_handler(RequestValidationError, lambda request, e: validation_error(
         e, bodies.get(request.url.path)).response())
     app.add_exception_handler(HTTPException, lambda request, e: APIError(
         str(e.detail), status=e.status_code).response())
 
-    def authorized(request: Request):  # --api-key: every /v1 route, as vllm serve
+    def authorized(request: Request):  # --api-key: every route but /health and /metrics
         if served.api_key is not None and not hmac.compare_digest(
                 request.headers.get("authorization", "").encode(),
                 f"Bearer {served.api_key}".encode()):
             raise APIError("a valid API key is needed: Authorization: Bearer <--api-key>",
                            status=401, code="invalid_api_key")
-    v1 = dict(dependencies=[Depends(authorized)])
+    keyed = dict(dependencies=[Depends(authorized)])
 
-    @app.post("/v1/completions", **v1)
+    @app.post("/v1/completions", **keyed)
     async def completions(req: CompletionRequest, request: Request):
         return await serve(prepare(req, served, chat=False), loop, served, request)
 
-    @app.post("/v1/chat/completions", **v1)
+    @app.post("/v1/chat/completions", **keyed)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await serve(prepare(req, served, chat=True), loop, served, request)
 
-    @app.get("/v1/models", **v1)
+    @app.get("/v1/models", **keyed)
     async def models():
         return dict(object="list", data=[dict(
             id=served.names[0], object="model", created=int(time.time()), owned_by="nanopaged",
             root=served.path, max_model_len=served.max_seq_len)])
+
+    @app.post("/tokenize", **keyed)  # vLLM's tokenizer routes: lm-eval reads token counts here
+    async def tokenize(req: TokenizeRequest):
+        check_known(req, "/tokenize")
+        check_model(req, served)
+        ids = served.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return dict(count=len(ids), max_model_len=served.max_seq_len, tokens=ids, token_strs=None)
+
+    @app.post("/detokenize", **keyed)
+    async def detokenize(req: DetokenizeRequest):
+        check_known(req, "/detokenize")
+        check_model(req, served)
+        if any(not 0 <= t < served.vocab_size for t in req.tokens):
+            raise APIError(f"tokens must be in [0, {served.vocab_size})", "tokens")
+        return dict(prompt=served.tokenizer.decode(req.tokens))
+
+    @app.get("/tokenizer_info", **keyed)
+    async def tokenizer_info():
+        return tokenizer_description(served)
 
     @app.get("/health")
     async def health():  # 200 while the engine loop runs (vLLM's): it may be mid-step
@@ -893,8 +1005,8 @@ def argument_parser():
                    help="the model name clients send and /v1/models lists (default: the "
                    "folder's name); --model's value is accepted too")
     p.add_argument("--api-key",
-                   help="if given, every /v1 request must send it (Authorization: Bearer KEY); "
-                   "others get a 401")
+                   help="if given, every request but /health and /metrics must send it "
+                   "(Authorization: Bearer KEY); others get a 401")
     p.add_argument("--seed", type=int,
                    help="seeds the requests that give no seed, in the order they come, so that a "
                    "run repeats (default: each a random seed)")

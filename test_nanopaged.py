@@ -5528,6 +5528,94 @@ def test_server_n_samples_and_logprobs_are_shaped_as_the_api_says(served):
 
 
 @pytest.mark.server
+def test_server_echo_returns_the_prompt_and_its_logprobs_as_engine_computes_them(served):
+    """What lm-eval's loglikelihood tasks send: token-id prompts, echo, logprobs, max_tokens 0 or
+    1. Every prompt's echoed logprobs are the engine's own prompt logprobs (the first null, as
+    the OpenAI API and vLLM give it), its text the prompt's, nothing generated with max_tokens 0;
+    with tokens generated, the prompt comes first, streamed or not; vLLM's prompt_logprobs too."""
+    import openai
+    url, folder, model = served
+    client, tok = served_client(url), demo.Tokenizer(folder)
+    prompts = [tok.encode(p) for p in SERVED_PROMPTS]
+    ref = served_reference(model, prompts, SamplingParams(max_tokens=3, temperature=0,
+                                                          prompt_logprobs=2, logprobs=2))
+    out = client.completions.create(model="pydoc-chat", prompt=prompts, echo=True, logprobs=2,
+                                    max_tokens=0)
+    assert out.usage.completion_tokens == 0 and [c.index for c in out.choices] == list(range(16))
+    for choice, r, text in zip(out.choices, ref, SERVED_PROMPTS):
+        lp = choice.logprobs
+        assert choice.text == text and choice.finish_reason == "length"
+        assert lp.tokens == [served_token(t) for t in r.prompt_token_ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(
+            [e[t] for t, e in zip(r.prompt_token_ids[1:], r.prompt_logprobs[1:])], abs=1e-4)
+        assert lp.text_offset == list(range(len(text)))
+        for top, e in zip(lp.top_logprobs[1:], r.prompt_logprobs[1:]):
+            assert len(top) in (2, 3)
+            assert max(top.values()) == pytest.approx(max(e.values()), abs=1e-4)
+    # tokens generated after the echoed prompt, streamed or not: Engine.generate's
+    args = dict(model="pydoc-chat", prompt=prompts[3], echo=True, logprobs=1, max_tokens=3)
+    whole = client.completions.create(**args).choices[0]
+    chunks = list(client.completions.create(**args, stream=True))
+    for text, tokens in [(whole.text, whole.logprobs.tokens),
+                         ("".join(c.choices[0].text for c in chunks),
+                          [t for c in chunks for t in c.choices[0].logprobs.tokens])]:
+        assert text == SERVED_PROMPTS[3] + ref[3].outputs[0].text
+        assert tokens == [served_token(t) for t in prompts[3] + ref[3].outputs[0].token_ids]
+    assert whole.logprobs.token_logprobs[-3:] == pytest.approx(
+        [e[t] for t, e in zip(ref[3].outputs[0].token_ids, ref[3].outputs[0].logprobs)],
+        abs=1e-4)
+    plain = client.completions.create(model="pydoc-chat", prompt=prompts[3], echo=True,
+                                      max_tokens=3).choices[0]
+    assert plain.text == whole.text and plain.logprobs is None
+    # vLLM's prompt_logprobs: {token id: {logprob, rank, decoded_token}} per prompt token
+    body = client.completions.create(model="pydoc-chat", prompt=prompts[5], max_tokens=1,
+                                     extra_body=dict(prompt_logprobs=2)).model_dump()
+    entries = body["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(prompts[5])
+    for t, entry, e in zip(prompts[5][1:], entries[1:], ref[5].prompt_logprobs[1:]):
+        assert entry[str(t)]["logprob"] == pytest.approx(e[t], abs=1e-4)
+        assert entry[str(t)]["decoded_token"] == served_token(t)
+        ranked = sorted((x for x in entry.values() if x["rank"]), key=lambda x: x["rank"])
+        assert [x["rank"] for x in ranked] == [1, 2]
+        assert ranked[0]["logprob"] >= ranked[1]["logprob"] == pytest.approx(sorted(
+            e.values())[-2], abs=1e-4)
+        assert len(entry) == 2 or entry[str(t)]["rank"] is None  # the prompt's, not in the 2
+    chat = client.chat.completions.create(
+        model="pydoc-chat", messages=[{"role": "user", "content": "Lambdas"}], max_tokens=1,
+        extra_body=dict(prompt_logprobs=0)).model_dump()
+    assert chat["prompt_logprobs"][0] is None
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    with pytest.raises(openai.BadRequestError) as e:  # as vLLM: echo them instead
+        list(client.completions.create(model="pydoc-chat", prompt="A", max_tokens=1,
+                                       stream=True, extra_body=dict(prompt_logprobs=1)))
+    assert e.value.param == "prompt_logprobs"
+
+
+@pytest.mark.server
+def test_server_tokenizes_and_detokenizes_as_vllms_routes(served):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info, which lm-eval's remote tokenizer reads:
+    the server's own tokenizer, round trip."""
+    url, folder, _ = served
+
+    def post(route, body):
+        request = urllib.request.Request(url + route, json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+    text = "Lambdas é ∑"
+    ids = post("/tokenize", dict(prompt=text, add_special_tokens=False))
+    assert ids["tokens"] == demo.Tokenizer(folder).encode(text)
+    assert ids["count"] == len(text.encode()) and ids["max_model_len"] == 256
+    assert post("/detokenize", dict(tokens=ids["tokens"]))["prompt"] == text
+    info = json.loads(urllib.request.urlopen(url + "/tokenizer_info", timeout=10).read())
+    assert info["eos_token"] is None and info["model_max_length"] == 256  # no end token
+    with pytest.raises(urllib.error.HTTPError) as e:
+        post("/detokenize", dict(tokens=[1, 256]))
+    assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "tokens"
+
+
+@pytest.mark.server
 @pytest.mark.parametrize("stream", [True, False])
 def test_server_client_that_disconnects_leaves_no_request_and_no_block(served, stream):
     url, _, _ = served
@@ -5602,7 +5690,9 @@ SERVED_BAD_FIELDS = [  # (endpoint, field, value[, the param the 400 names]); ea
      "messages.[0].content"),
     ("chat", "messages", [{"role": "user", "content": 5}], "messages.[0].content"),
     ("chat", "max_completion_tokens", 0), ("chat", "top_logprobs", 2),
-    ("chat", "logprobs", 1), ("chat", "temperature", -0.5),
+    ("chat", "logprobs", 1), ("chat", "temperature", -0.5), ("chat", "echo", True),
+    ("completions", "prompt_logprobs", 21), ("completions", "prompt_logprobs", -1),
+    ("completions", "echo", 1), ("chat", "prompt_logprobs", 1.5),
 ]
 
 
@@ -5683,6 +5773,12 @@ def test_server_chat_through_a_folders_tokenizer_json_and_template(hf_folder, tm
         chat = client.chat.completions.create(model=tmp_path.name, messages=messages,
                                               max_tokens=8, logprobs=True, top_logprobs=1)
         out = client.completions.create(model=str(tmp_path), prompt="hello w5", max_tokens=8)
+        echo = client.completions.create(model=str(tmp_path), prompt="hello w5", max_tokens=0,
+                                         echo=True, logprobs=0).choices[0]
+        info = json.loads(urllib.request.urlopen(url + "/tokenizer_info", timeout=10).read())
+        request = urllib.request.Request(url + "/tokenize", json.dumps(dict(
+            prompt="hello w5")).encode(), {"Content-Type": "application/json"})
+        tokenized = json.loads(urllib.request.urlopen(request, timeout=10).read())
     assert chat.usage.prompt_tokens == len(chat_ids) and out.usage.prompt_tokens == 3
     c = ref[0].outputs[0]
     assert chat.choices[0].message.content == c.text
@@ -5694,6 +5790,8 @@ def test_server_chat_through_a_folders_tokenizer_json_and_template(hf_folder, tm
     names = server.TokenTexts(tok)  # a special token goes by its text, as vLLM shows it
     assert (names.token(1), names.bytes(1), names.text(1)) == ("<s>", b"<s>", "")
     assert (names.token(2), names.text(2)) == ("hello", "hello")
+    assert echo.text == "hello w5" and echo.logprobs.tokens[:2] == ["<s>", "hello"]
+    assert info["bos_token"] == "<s>" and tokenized["tokens"] == tok.encode("hello w5")
 
 
 @pytest.mark.server
@@ -5741,10 +5839,10 @@ def test_server_api_key_and_seed_as_vllm_serve_takes_them():
             assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
             with pytest.raises(openai.AuthenticationError):
                 client.models.list()
-        request = urllib.request.Request(url + "/v1/models")  # no header at all
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(request, timeout=10)
-        assert e.value.code == 401
+        for route in ("/v1/models", "/tokenizer_info"):  # no header at all
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(url + route, timeout=10)
+            assert e.value.code == 401
         assert urllib.request.urlopen(url + "/health", timeout=10).status == 200
         assert served_metrics(url)["vllm:num_requests_running"] == 0
         assert engine.stats()["num_free_blocks"] == engine.stats()["num_blocks"]
