@@ -1431,6 +1431,51 @@ async def http_run(url, workload, rate, seed=SEED):
     return records, time.perf_counter() - start
 
 
+def byte_tokenizer(folder):
+    """A Hugging Face tokenizer of the built-in model's tokens, saved to folder: token i is byte
+    i (a byte-level BPE with no merges), so that guidellm, which sizes its synthetic prompts
+    with a tokenizer it loads with transformers, counts them as the model does."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]  # GPT-2's byte-to-character map
+    chars = dict(zip(printable + others, map(chr, printable + [256 + i for i in
+                                                              range(len(others))])))
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+    return folder
+
+
+def guidellm_run(url, folder, requests, concurrency, prompt_tokens, output_tokens,
+                 request_format="/v1/completions", timeout=300):
+    """guidellm's synthetic benchmark against url, its own command line unchanged, in its own
+    processes (and nothing fetched: the tokenizer is byte_tokenizer's, in folder): its report
+    (the JSON it writes) as a dict."""
+    import subprocess
+    import sys
+    out = os.path.join(folder, "guidellm.json")
+    env = os.environ | dict(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                            TRANSFORMERS_OFFLINE="1", HF_HOME=os.path.join(folder, "hf"),
+                            GUIDELLM__MAX_WORKER_PROCESSES="1")
+    command = [
+        sys.executable, "-m", "guidellm", "run", "--disable-console",
+        "--backend", f"kind=openai_http,target={url},request_format={request_format}",
+        "--profile", f"kind=concurrent,streams={concurrency}",
+        "--constraint", f"kind=max_requests,count={requests}",
+        "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},"
+        f"output_tokens={output_tokens}",
+        "--tokenizer", f"kind=hf_auto,model={byte_tokenizer(os.path.join(folder, 'tok'))}",
+        "--output", f"kind=json,path={out}"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env,
+                         cwd=folder)  # it writes guidellm.log where it runs
+    if run.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"guidellm failed ({run.returncode}):\n{run.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
+
+
 def serving_summary(records, seconds):
     """vllm bench serve's figures: requests/s, output tokens/s, TTFT, TPOT (a request's mean
     gap after its first token) and ITL (every gap), in ms."""

@@ -5615,6 +5615,115 @@ def test_server_tokenizes_and_detokenizes_as_vllms_routes(served):
     assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "tokens"
 
 
+LM_EVAL_RUN = """
+import json, sys
+import lm_eval
+from lm_eval.tasks import TaskManager
+url, tasks = sys.argv[1], sys.argv[2]
+out = lm_eval.simple_evaluate(
+    model="local-completions", tasks=["pydoc_mc", "pydoc_gen"], log_samples=True,
+    model_args=dict(model="pydoc-chat", base_url=url + "/v1/completions", max_length=256,
+                    batch_size=4),
+    task_manager=TaskManager(include_path=tasks, include_defaults=False))
+print(json.dumps(dict(results=out["results"], samples={
+    task: [dict(arguments=x["arguments"], resps=x["resps"], doc=x["doc"]) for x in samples]
+    for task, samples in out["samples"].items()})))
+"""
+
+
+def lm_eval_tasks(folder):
+    """Two small lm-eval tasks written as local files, nothing to download: multiple choice
+    (a loglikelihood per choice) over the docs' topics, whose right answer is each topic's own
+    ending or another's (so that the model gets some wrong), and generate_until."""
+    endings = ["statement is used to", "is a mutable sequence", "finds and loads modules",
+               "are raised when", "defines a function", "defines a class", "wraps a block",
+               "map keys to values"]
+    docs = [dict(question=t, choices=[endings[i], endings[(i + 3) % 8], "zq xv"], answer=i % 3)
+            for i, t in enumerate(SERVED_PROMPTS[:8])]
+    with open(folder / "mc.jsonl", "w") as f:
+        f.writelines(json.dumps(d) + "\n" for d in docs)
+    with open(folder / "gen.jsonl", "w") as f:
+        f.writelines(json.dumps(dict(prompt=t)) + "\n" for t in SERVED_PROMPTS[8:12])
+    local = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {}\ntest_split: test\n"
+    (folder / "mc.yaml").write_text(
+        "task: pydoc_mc\n" + local.format(folder / "mc.jsonl") + "output_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc\n')
+    (folder / "gen.yaml").write_text(
+        "task: pydoc_gen\n" + local.format(folder / "gen.jsonl") + "output_type: generate_until\n"
+        'doc_to_text: "{{prompt}}"\ndoc_to_target: ""\ngeneration_kwargs:\n'
+        '  until: ["\\n"]\n  max_gen_toks: 16\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n")
+    return docs
+
+
+@pytest.mark.server
+def test_lm_eval_scores_through_the_server_as_the_engine_scores_directly(served, tmp_path):
+    """lm-eval itself (its Python API, its local-completions model, unchanged) against the
+    server: each choice's loglikelihood is the sum of the engine's own prompt logprobs over the
+    choice's tokens, the multiple-choice accuracy is what those give directly, and each
+    generation is Engine.generate's. lm-eval tokenizes through the server's /tokenize; its
+    tasks are local files, and nothing is fetched (the Hugging Face libraries kept offline)."""
+    pytest.importorskip("lm_eval")
+    url, folder, model = served
+    tok = demo.Tokenizer(folder)
+    docs = lm_eval_tasks(tmp_path)
+    env = os.environ | dict(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                            HF_HOME=str(tmp_path / "hf"))
+    run = subprocess.run([sys.executable, "-c", LM_EVAL_RUN, url, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    # loglikelihoods: lm-eval's, per (context, continuation), against the engine's logprobs
+    pairs = [tuple(a) for x in out["samples"]["pydoc_mc"] for a in x["arguments"]]
+    assert len(pairs) == 3 * len(docs)
+    wholes = [tok.encode(context + continuation) for context, continuation in pairs]
+    ref = served_reference(model, wholes, SamplingParams(max_tokens=1, temperature=0,
+                                                         prompt_logprobs=0))
+    engine_ll = {}
+    for (context, continuation), whole, r in zip(pairs, wholes, ref):
+        # lm-eval scores a context's trailing spaces as the continuation's ("def ", " x"): its
+        # loglikelihood is of the tokens after the stripped context
+        n = len(whole) - len(tok.encode(context.rstrip()))
+        engine_ll[context, continuation] = sum(
+            e[t] for t, e in zip(whole[-n:], r.prompt_logprobs[-n:]))
+    right = 0
+    for x in out["samples"]["pydoc_mc"]:
+        got = [resp[0][0] for resp in x["resps"]]
+        want = [engine_ll[tuple(a)] for a in x["arguments"]]
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-3)
+        right += max(range(3), key=want.__getitem__) == x["doc"]["answer"]
+    assert out["results"]["pydoc_mc"]["acc,none"] == right / len(docs)
+    assert 0 < right < len(docs)  # the task tells a right ranking from a wrong one
+    # generations: lm-eval's text against Engine.generate's, with its until as stop strings
+    gens = out["samples"]["pydoc_gen"]
+    prompts = [tok.encode(x["arguments"][0][0]) for x in gens]
+    ref = served_reference(model, prompts, SamplingParams(max_tokens=16, temperature=0,
+                                                          stop=["\n"]))
+    assert [x["resps"][0][0] for x in gens] == [r.outputs[0].text for r in ref]
+    assert all(r.outputs[0].text for r in ref)
+
+
+@pytest.mark.server
+def test_guidellm_benchmarks_the_server_and_every_request_succeeds(served, tmp_path):
+    """guidellm's synthetic benchmark, unchanged, against the server's chat route (guidellm's
+    default: it streams with continuous usage stats, and sends ignore_eos and
+    max_completion_tokens): every request succeeds with the output tokens it asked for."""
+    pytest.importorskip("guidellm")
+    import bench
+    url, _, _ = served
+    report = bench.guidellm_run(url, str(tmp_path), requests=4, concurrency=2, prompt_tokens=16,
+                                output_tokens=8, request_format="/v1/chat/completions")
+    requests = report["benchmarks"][0]["requests"]
+    assert len(requests["successful"]) == 4 and not requests["errored"]
+    assert not requests["incomplete"]
+    for r in requests["successful"]:
+        assert r["output_tokens"] == 8 and r["prompt_tokens"] > 16  # the template's tokens too
+        body = json.loads(r["request_args"])["body"]
+        assert body["max_completion_tokens"] == 8 and body["ignore_eos"] is True
+        assert body["stream_options"]["continuous_usage_stats"] is True
+
+
 @pytest.mark.server
 @pytest.mark.parametrize("stream", [True, False])
 def test_server_client_that_disconnects_leaves_no_request_and_no_block(served, stream):
