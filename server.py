@@ -38,6 +38,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 import typing
 import urllib.request
@@ -353,7 +354,7 @@ def max_tokens_of(max_tokens, param, served, prompts):
 
 
 # -----------------------------------------------------------------------------
-# The engine loop: the one owner of the Engine (vLLM's AsyncLLMEngine, in one task)
+# The engine loop: the one owner of the Engine (vLLM's engine core, in a thread of its own)
 
 
 @dataclass
@@ -363,8 +364,9 @@ class Submission:
     prompt_token_ids: list
     params: nanopaged.SamplingParams
     priority: int
-    outputs: asyncio.Queue  # (submission, RequestOutput or StepFailed), in order
+    outputs: "Mailbox"  # (submission, RequestOutput or StepFailed), in order
     index: int = 0  # which prompt of the HTTP request
+    stream: bool = True  # its client hears of every step's tokens, else only of the last
     request_id: int | None = None  # the engine's, once added
     started: bool = False  # it has had its first token
     finished: bool = False  # its last output (or its failure) has been handed to the client
@@ -375,29 +377,65 @@ class StepFailed(Exception):
     """engine.step() raised in a step that scheduled this request: it was aborted."""
 
 
-class EngineLoop:
-    """Runs engine.step() while requests are unfinished. Between two steps, and only there, it
-    applies what handlers queued (new requests, aborts) and reads the engine's stats for them;
-    the step itself runs in a worker thread, so HTTP is served meanwhile. It never waits on a
-    client: outputs go into per-request queues without bound."""
+class Mailbox:
+    """Where the engine loop leaves an HTTP request's outputs: (submission, RequestOutput or
+    StepFailed) pairs, in order, without bound. Its reader takes all that came since it last
+    looked, woken once per step however many of its submissions the step served (an
+    asyncio.Queue wakes it per item)."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self):
+        self.pairs, self.waiter = [], None
+
+    def put(self, pair):  # in the event loop
+        self.pairs.append(pair)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self):
+        while not self.pairs:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        pairs, self.pairs = self.pairs, []
+        return pairs
+
+
+class EngineLoop:
+    """A thread of its own runs engine.step() while requests are unfinished, steps back to
+    back; between two steps, and only there, it applies what handlers queued (new requests,
+    aborts) and reads the engine's stats for them. No other code touches the engine. The event
+    loop, which serves HTTP meanwhile, hears of a step once: one callback puts each of the step's
+    outputs in its request's queue. It never waits on a client: the queues have no bound."""
+
+    def __init__(self, engine, loop):
+        self.engine, self.loop = engine, loop  # loop: the event loop the handlers run in
+        self.wake = threading.Condition()  # guards what handlers queue; notified when they do
         self.to_add, self.to_abort = deque(), deque()  # from handlers, applied between steps
-        self.live = {}  # request_id -> Submission, while the engine has the request
         self.stats_wanted = []  # futures of /metrics handlers: answered between steps
-        self.wake = asyncio.Event()  # set when a handler queued something
+        self.stopping = False
+        self.live = {}  # request_id -> Submission, while the engine has the request
         self.finished = Counter()  # requests by how they ended: stop, length, abort, error
         self.num_prompt_tokens = 0  # prompts of requests that got their first token
         self.dead = None  # the exception that stopped the loop itself (a bug), if one did
         self.scheduled = set()  # the request ids the step in progress scheduled
+        self.thread = threading.Thread(target=self.run, name="engine loop", daemon=True)
         record_scheduled(engine, self)
+
+    def start(self):
+        self.thread.start()
+
+    def stop(self):
+        """Stop after the step in progress, if any, and wait for that."""
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+        self.thread.join()
 
     def submit(self, sub):
         if self.dead:
             raise APIError(f"the engine loop stopped: {self.dead!r}", status=503)
-        self.to_add.append(sub)
-        self.wake.set()
+        with self.wake:
+            self.to_add.append(sub)
+            self.wake.notify()
 
     def abort(self, subs):
         """Stop the submissions that have not finished; the engine frees their blocks before
@@ -405,52 +443,67 @@ class EngineLoop:
         for sub in subs:
             if not (sub.cancelled or sub.finished):
                 sub.cancelled = True
-                self.to_abort.append(sub)
-                self.wake.set()
+                with self.wake:
+                    self.to_abort.append(sub)
+                    self.wake.notify()
 
     async def stats(self):
         """engine.stats() and the loop's counters, read between two steps."""
         if self.dead:
             raise APIError(f"the engine loop stopped: {self.dead!r}", status=503)
-        future = asyncio.get_running_loop().create_future()
-        self.stats_wanted.append(future)
-        self.wake.set()
+        future = self.loop.create_future()
+        with self.wake:
+            self.stats_wanted.append(future)
+            self.wake.notify()
         return await future
 
-    async def run(self):
+    def run(self):  # the engine loop's thread
         try:
             while True:
+                with self.wake:  # idle: sleep until a handler queues something
+                    while not (self.to_add or self.to_abort or self.stats_wanted or
+                               self.engine.requests or self.stopping):
+                        self.wake.wait()
+                    if self.stopping:
+                        return
                 self.apply_queued()
                 self.answer_stats()
-                if not self.engine.requests:  # idle: sleep until a handler queues something
-                    self.wake.clear()
-                    await self.wake.wait()
-                    continue
-                await self.step()
+                if self.engine.requests:
+                    self.step()
         except Exception as e:  # a bug in the loop: fail everyone rather than hang them
             logger.exception("the engine loop stopped")
             self.dead = e
-            for sub in list(self.live.values()) + list(self.to_add):
-                sub.outputs.put_nowait((sub, StepFailed(f"the engine loop stopped: {e!r}")))
-            for future in self.stats_wanted:
-                future.cancel()
+            with self.wake:
+                subs, wanted = list(self.live.values()) + list(self.to_add), self.stats_wanted
+            self.hand_over([(sub, StepFailed(f"the engine loop stopped: {e!r}")) for sub in subs])
+            for future in wanted:
+                self.loop.call_soon_threadsafe(future.cancel)
 
-    async def step(self):
+    def step(self):
         self.scheduled = set()
         try:
-            outputs = await asyncio.to_thread(self.engine.step)
+            outputs = self.engine.step()
         except Exception as e:
             self.fail_step(e)
             return
+        handed = []
         for out in outputs:
             sub = self.live[out.request_id]
             if not sub.started:  # its first token: its prompt is prefilled
                 sub.started = True
                 self.num_prompt_tokens += len(out.prompt_token_ids)
-            sub.outputs.put_nowait((sub, out))
+            if sub.stream or out.finished:
+                handed.append((sub, out))
             if out.finished:
                 del self.live[out.request_id]
                 self.finished[out.outputs[0].finish_reason] += 1
+        self.hand_over(handed)
+
+    def hand_over(self, handed):
+        """(submission, output or StepFailed) pairs to their queues, in the event loop: one
+        wake-up of it per step, however many requests the step served."""
+        if handed:
+            self.loop.call_soon_threadsafe(deliver, handed)
 
     def fail_step(self, error):
         """A step raised, and the engine rolled it back: it is as before the step, so the next
@@ -458,43 +511,58 @@ class EngineLoop:
         scheduled are aborted with the error (all of them if it scheduled none: the scheduler
         raised, or found nothing it could run); the others go on."""
         logger.error("engine step failed: %r", error, exc_info=error)
-        failed = self.scheduled or set(self.live)
+        failed, handed = self.scheduled or set(self.live), []
         for request_id in failed & set(self.live):
             sub = self.live.pop(request_id)
             self.engine.abort(request_id)
-            sub.outputs.put_nowait((sub, StepFailed(f"the engine step failed: {error!r}")))
+            handed.append((sub, StepFailed(f"the engine step failed: {error!r}")))
             self.finished["error"] += 1
+        self.hand_over(handed)
 
     def apply_queued(self):
-        while self.to_abort:
-            sub = self.to_abort.popleft()
+        with self.wake:
+            to_abort, to_add = list(self.to_abort), list(self.to_add)
+            self.to_abort.clear()
+            self.to_add.clear()
+        for sub in to_abort:
             if self.live.pop(sub.request_id, None) is not None:  # else finished, or never added
                 self.engine.abort(sub.request_id)
                 self.finished["abort"] += 1
-        while self.to_add:
-            sub = self.to_add.popleft()
+        refused = []
+        for sub in to_add:
             if sub.cancelled:
                 continue
             try:  # checked by the handler already: a refusal here is a bug, for this one alone
                 sub.request_id = self.engine.add_request(sub.prompt_token_ids, sub.params,
                                                          sub.priority)
             except ValueError as e:
-                sub.outputs.put_nowait((sub, StepFailed(f"the engine refused it: {e}")))
+                refused.append((sub, StepFailed(f"the engine refused it: {e}")))
                 continue
             self.live[sub.request_id] = sub
+        self.hand_over(refused)
 
     def answer_stats(self):
-        if not self.stats_wanted:
+        with self.wake:
+            wanted, self.stats_wanted = self.stats_wanted, []
+        if not wanted:
             return
         s, scheduler = self.engine.stats(), self.engine.scheduler
         s |= dict(num_requests_running=len(scheduler.running),
                   num_requests_waiting=len(scheduler.waiting),
                   num_requests_swapped=len(scheduler.swapped),
                   num_prompt_tokens=self.num_prompt_tokens, finished=dict(self.finished))
-        for future in self.stats_wanted:
-            if not future.done():
-                future.set_result(s)
-        self.stats_wanted = []
+        for future in wanted:
+            self.loop.call_soon_threadsafe(answer, future, s)
+
+
+def deliver(handed):  # in the event loop
+    for sub, out in handed:
+        sub.outputs.put((sub, out))
+
+
+def answer(future, value):  # in the event loop
+    if not future.done():  # its handler may have gone
+        future.set_result(value)
 
 
 def record_scheduled(engine, loop):
@@ -510,15 +578,18 @@ def record_scheduled(engine, loop):
     engine.scheduler.schedule = recorded
 
 
-async def results(queue, subs):
-    """(submission, RequestOutput) as the loop hands them back, until every submission has
-    finished; a failed step raises StepFailed."""
-    while not all(sub.finished for sub in subs):
-        sub, out = await queue.get()
-        sub.finished = isinstance(out, Exception) or out.finished
-        if isinstance(out, Exception):
-            raise out
-        yield sub, out
+async def results(subs):
+    """The (submission, RequestOutput) pairs the loop hands over, a step's at a time, until
+    every submission has finished; a failed step raises StepFailed."""
+    left = len(subs)
+    while left:
+        pairs = await subs[0].outputs.take()
+        for sub, out in pairs:
+            sub.finished = isinstance(out, Exception) or out.finished
+            if isinstance(out, Exception):
+                raise out
+            left -= sub.finished
+        yield pairs
 
 
 # -----------------------------------------------------------------------------
@@ -526,7 +597,7 @@ async def results(queue, subs):
 # far (cumulative); a Cursor turns them into what each choice gained since the client last heard.
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
     """What one choice gained: its new tokens, their text and logprob entries, and its finish.
     A completion that echoes its prompt has the prompt's tokens, text and entries (None for the
@@ -537,7 +608,7 @@ class Delta:
     logprobs: list | None  # per token {token_id: logprob}, the drawn one and the k likeliest
     finish_reason: str | None
     stop_reason: int | str | None
-    text_offset: int  # the summed lengths of the choice's earlier tokens' texts
+    text_offset: int  # the summed lengths of the choice's earlier tokens' texts (with logprobs)
     num_tokens: int  # the choice's generated tokens so far, these included
     prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, on a choice's first delta
 
@@ -566,8 +637,9 @@ class Cursor:
                       finish, stop, offset, len(ids))
             if first:
                 self.start(d, sub, out)
-            self.sent[index] = (len(ids), len(text), d.text_offset + sum(
-                len(tokens.text(t)) for t in d.token_ids), finish is not None)
+            if d.logprobs is not None:  # the text offsets of later tokens' logprobs
+                offset = d.text_offset + sum(len(tokens.text(t)) for t in d.token_ids)
+            self.sent[index] = (len(ids), len(text), offset, finish is not None)
             yield d
 
     def start(self, d, sub, out):
@@ -708,6 +780,8 @@ class Call:
     echo: bool = False  # the prompt first in each choice
     prompt_texts: list | None = None  # the prompts' text, for echo
     prompt_only: bool = False  # max_tokens 0 with echo: the prompt, nothing generated
+    model: str = ""  # the name it answers as
+    head: bytes | None = None  # the start of each of its server-sent events, once encoded
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -720,6 +794,14 @@ class Call:
             else "text_completion"
         return dict(id=("chatcmpl-" if self.chat else "cmpl-") + self.id, object=kind,
                     created=self.created, model=model, choices=choices, **more)
+
+    def chunk(self, choice, usage=None):
+        """One server-sent event of the stream, with one choice (or none) and maybe usage: the
+        envelope around them, the same in every chunk, is encoded once."""
+        if self.head is None:
+            self.head = sse(self.envelope(self.model, [], True))[:-len(b"]}\n\n")]
+        tail = b"]}\n\n" if not usage else b'],"usage":' + encode_json(usage).encode() + b"}\n\n"
+        return self.head + (b"" if choice is None else encode_json(choice).encode()) + tail
 
     def choice(self, d, tokens, streaming):
         if self.chat:
@@ -737,7 +819,7 @@ def prepare(req, served, chat):
     if req.stream and req.prompt_logprobs is not None:  # as vLLM: echo them instead
         raise APIError("prompt_logprobs is not available with stream=true", "prompt_logprobs")
     names = dict(max_tokens="max_tokens", logprobs="logprobs")  # SamplingParams' -> the request's
-    call = Call(chat, req, [], None, req.prompt_logprobs)
+    call = Call(chat, req, [], None, req.prompt_logprobs, model=served.names[0])
     if chat:
         if req.echo:
             raise APIError("echo is not supported on chat completions", "echo")
@@ -761,8 +843,9 @@ def prepare(req, served, chat):
     if call.echo and call.logprobs is not None:  # echoed logprobs are prompt logprobs
         own["prompt_logprobs"] = max(call.logprobs, req.prompt_logprobs or 0)
     params = sampling_params(req, served, prompts, own, names)
-    queue = asyncio.Queue()
-    call.subs = [Submission(p, params, req.priority, queue, i) for i, p in enumerate(prompts)]
+    mailbox = Mailbox()
+    call.subs = [Submission(p, params, req.priority, mailbox, i, req.stream)
+                 for i, p in enumerate(prompts)]
     return call
 
 
@@ -786,13 +869,14 @@ async def serve(call, loop, served, request):
         out = finals[0][1]
         more["prompt_logprobs"] = prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs,
                                                   call.prompt_logprobs, tokens)
-    return call.envelope(served.names[0], choices, False,
-                         usage=usage([o for _, o in finals], call.prompt_only), **more)
+    return Response(encode_json(call.envelope(
+        served.names[0], choices, False, usage=usage([o for _, o in finals], call.prompt_only),
+        **more)), media_type="application/json")
 
 
 async def collect(call):
     """Each submission's final RequestOutput."""
-    return [(sub, out) async for sub, out in results(call.subs[0].outputs, call.subs)
+    return [(sub, out) async for pairs in results(call.subs) for sub, out in pairs
             if out.finished]
 
 
@@ -822,36 +906,41 @@ async def events(call, loop, served):
     [DONE]. Starlette cancels this generator when the client disconnects: finally aborts.
     stream_options.continuous_usage_stats puts the usage so far in every chunk too: the prompt's
     tokens and the choice's (vLLM's)."""
-    model, tokens, cursor, finals = served.names[0], served.tokens, Cursor(call), []
+    tokens, cursor, finals = served.tokens, Cursor(call), []
     options = call.req.stream_options or StreamOptions()
     continuous = options.include_usage and options.continuous_usage_stats
-
-    def chunk(choice, prompt, completion):
-        more = dict(usage=token_usage(prompt, completion)) if continuous else {}
-        return sse(call.envelope(model, [choice], True, **more))
     try:
         for sub in call.subs:
             loop.submit(sub)
         if call.chat:  # the OpenAI API's first chunk of each choice: the role, no content yet
+            prompt = len(call.subs[0].prompt_token_ids)
             for i in range(call.n):
-                yield chunk(dict(index=i, delta=dict(role="assistant", content=""),
-                                 logprobs=None, finish_reason=None),
-                            len(call.subs[0].prompt_token_ids), 0)
-        async for sub, out in results(call.subs[0].outputs, call.subs):
-            for d in cursor.deltas(sub, out, tokens):
-                yield chunk(call.choice(d, tokens, True), len(out.prompt_token_ids), d.num_tokens)
-            finals += [out] if out.finished else []
+                yield call.chunk(dict(index=i, delta=dict(role="assistant", content=""),
+                                      logprobs=None, finish_reason=None),
+                                 continuous and token_usage(prompt, 0))
+        async for pairs in results(call.subs):  # a step's chunks go out in one write
+            chunks = []
+            for sub, out in pairs:
+                prompt = len(out.prompt_token_ids)
+                chunks += [call.chunk(call.choice(d, tokens, True), continuous and token_usage(
+                    prompt, d.num_tokens)) for d in cursor.deltas(sub, out, tokens)]
+                finals += [out] if out.finished else []
+            yield b"".join(chunks)
         if options.include_usage:
-            yield sse(call.envelope(model, [], True, usage=usage(finals, call.prompt_only)))
+            yield call.chunk(None, usage(finals, call.prompt_only))
     except (StepFailed, APIError) as e:  # the status line went out already: an error event
         yield sse(error_body(str(e), "server_error"))
     finally:
         loop.abort(call.subs)
-    yield "data: [DONE]\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+# JSON as the server sends it: compact, and UTF-8 as it is (one encoder, made once)
+encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def sse(payload):
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {encode_json(payload)}\n\n".encode()
 
 
 def metrics_text(s, model):
@@ -887,6 +976,9 @@ def metrics_text(s, model):
         ("vllm:request_success_total", "counter", "Finished requests by finished_reason (abort: "
          "the client left; error: a failed step).",
          {r: s["finished"].get(r, 0) for r in ("stop", "length", "abort", "error")}),
+        ("process_cpu_seconds_total", "counter", "Total user and system CPU time spent in "
+         "seconds, by every thread of the server (Prometheus' process metric).",
+         time.process_time()),
     ]
     model = model.replace("\\", "\\\\").replace('"', '\\"')
     lines = []
@@ -918,10 +1010,10 @@ def build_app(engine, served):
     @asynccontextmanager
     async def lifespan(app):
         nonlocal loop
-        loop = EngineLoop(engine)
-        task = asyncio.create_task(loop.run())
+        loop = EngineLoop(engine, asyncio.get_running_loop())
+        loop.start()
         yield
-        task.cancel()
+        loop.stop()
 
     app = FastAPI(title="nanopaged", lifespan=lifespan)
     app.add_exception_handler(APIError, lambda request, e: e.response())
@@ -932,7 +1024,7 @@ def build_app(engine, served):
     app.add_exception_handler(HTTPException, lambda request, e: APIError(
         str(e.detail), status=e.status_code).response())
 
-    def authorized(request: Request):  # --api-key: every route but /health and /metrics
+    async def authorized(request: Request):  # --api-key: every route but /health, /metrics
         if served.api_key is not None and not hmac.compare_digest(
                 request.headers.get("authorization", "").encode(),
                 f"Bearer {served.api_key}".encode()):
