@@ -29,6 +29,7 @@ computes. `python bench.py --serve` measures this path against Engine.generate.
 import argparse
 import asyncio
 import functools
+import gc
 import hmac
 import json
 import logging
@@ -500,7 +501,7 @@ class EngineLoop:
         self.hand_over(handed)
 
     def hand_over(self, handed):
-        """(submission, output or StepFailed) pairs to their queues, in the event loop: one
+        """(submission, output or StepFailed) pairs to their mailboxes, in the event loop: one
         wake-up of it per step, however many requests the step served."""
         if handed:
             self.loop.call_soon_threadsafe(deliver, handed)
@@ -1132,9 +1133,15 @@ def main(argv=None):
     logger.info("model %s as %r: max_seq_len %d; KV pool %d blocks x %d tokens on %s",
                 args.model, served.names[0], served.max_seq_len, engine.allocator.num_blocks,
                 engine.block_size, engine.device)
+    app = build_app(engine, served)
+    # what start-up made (the model, the libraries) lives as long as the server: the cyclic
+    # collector, which every thread's allocations trigger, need not walk it again (as vLLM)
+    gc.collect()
+    gc.freeze()
     # a stream still open at shutdown gets a few seconds, then is cut
-    uvicorn.run(build_app(engine, served), host=args.host, port=args.port,
-                log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_graceful_shutdown=5)
+    gc.unfreeze()  # and it all goes as usual at exit
 
 
 # -----------------------------------------------------------------------------
