@@ -1652,11 +1652,14 @@ def bench_serve(num_requests=100, rates=(4.0, 16.0), max_output=256, rounds=3,
                         clients_run, url, workload, rate).result()
                 runs = {"http @ inf/s": lambda: http_cpu_run(url, workload, clients),
                         "Engine.generate": lambda: generate_run(engine, workload)}
+                gc.collect()  # as server.py does: each side's collector walks only what its
+                gc.freeze()  # run makes, not what start-up made (here, every section's modules)
                 for _ in range(rounds):  # taking turns
                     for name, run in runs.items():
                         r = run()
                         if name not in results or r["cpu_seconds"] < results[name]["cpu_seconds"]:
                             results[name] = r
+                gc.unfreeze()
                 results["http @ inf/s, openai clients"] = http_cpu_run(url, workload, clients,
                                                                        bare=False)
                 if guidellm:

@@ -6393,7 +6393,12 @@ def test_bench_quick_runs_every_section_and_leaves_the_readmes_results_alone():
     results = json.load(open(written))
     assert set(results) >= (set(checked) if FAST else {
         "memory", "capacity", "sharing", "throughput", "kernel", "overhead", "tensor_parallel",
-        "soak", "quality", "page"})
+        "soak", "quality", "page", "serve"})
+    if "serve" in results:  # the server's CPU against the engine's, and guidellm, every request
+        serve = results["serve"]
+        assert serve["http_over_generate_cpu_per_token"] > 0
+        assert serve["http @ inf/s"]["output_tokens"] == serve["Engine.generate"]["output_tokens"]
+        assert serve["guidellm"]["requests"] == {"successful": 4, "errored": 0, "incomplete": 0}
     # the same bytes: an fp8 pool holds every request the fp32 pool held, and the loss moves
     assert results["capacity"]["paged fp8 @ inf/s"]["peak_running"] >= \
         results["capacity"]["paged @ inf/s"]["peak_running"]
