@@ -1,28 +1,31 @@
 """
 server.py: nanopaged behind the OpenAI HTTP API, as vLLM's `vllm serve` puts its engine there,
-so that clients nobody here wrote (the official `openai` package, `vllm bench serve`, chat UIs)
-can drive a scheduling or eviction policy under online load. One optional file over the core:
-nanopaged.py never imports it.
+so that clients nobody here wrote (the official `openai` package, lm-eval, guidellm, `vllm bench
+serve`, chat UIs) can drive a scheduling or eviction policy under online load, or score the
+model. One optional file over the core: nanopaged.py never imports it.
 
     pip install -r requirements.txt                      # FastAPI and uvicorn
-    python server.py [--model PATH] [--port 8000] [engine flags of `python nanopaged.py`]
+    python server.py [--model PATH] [--port 8000] [--api-key KEY] [--seed N]
+                     [engine and sampling flags of `python nanopaged.py`]
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
     out = client.completions.create(model="pydoc-gpt", prompt="The for statement", max_tokens=32)
     print(out.choices[0].text)
 
-Routes: POST /v1/completions and /v1/chat/completions (the folder's chat template), streamed as
-server-sent events with `stream=true`; GET /v1/models, /health, and /metrics (Prometheus text,
-vLLM's metric names). Request fields are the OpenAI API's and vLLM's extensions (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
-priority). A field left out takes the server's sampling flags, which default to the folder's
+Routes: POST /v1/completions (with echo: the prompt and its logprobs, what lm-eval's
+loglikelihood tasks read) and /v1/chat/completions (the folder's chat template), streamed as
+server-sent events with `stream=true`; GET /v1/models; vLLM's /tokenize, /detokenize and
+/tokenizer_info; /health and /metrics (Prometheus text, vLLM's metric names). Request fields are
+the OpenAI API's, and SamplingParams' own fields under their names (vLLM's extensions: top_k,
+min_p, ignore_eos, ...), read as vLLM reads them (an unknown field ignored and logged). A
+sampling field left out takes the server's sampling flag, which defaults to the folder's
 generation_config.json as in `python nanopaged.py`.
 
-One asyncio task, EngineLoop.run, owns the Engine: handlers never touch it. They check a
-request completely (nothing bad reaches the engine), submit it, and read the RequestOutputs the
-loop hands back on the request's own queue; a client that goes away aborts its request between
-two steps. Each step runs in a worker thread, so the event loop keeps answering while the model
+A thread of its own, EngineLoop's, steps the Engine: nothing else touches it. Handlers check a
+request completely (nothing bad reaches the engine), queue it for that thread, and read the
+RequestOutputs it hands back, a step's at a time, in the request's own mailbox; a client that
+goes away aborts its request between two steps. The event loop keeps answering while the model
 computes. `python bench.py --serve` measures this path against Engine.generate.
 """
 
@@ -1002,6 +1005,41 @@ def tokenizer_description(served):
                 bos_token=None, pad_token=None, model_max_length=served.max_seq_len) | special
 
 
+def key_check(served):
+    """--api-key as vllm serve takes it: a dependency that answers 401 unless the request
+    bears the key (compared in constant time)."""
+    async def authorized(request: Request):
+        if served.api_key is not None and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(),
+                f"Bearer {served.api_key}".encode()):
+            raise APIError("a valid API key is needed: Authorization: Bearer <--api-key>",
+                           status=401, code="invalid_api_key")
+    return authorized
+
+
+def add_tokenizer_routes(app, served, keyed):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info: lm-eval's remote tokenizer, which
+    counts a loglikelihood request's context tokens with the server's own tokenizer."""
+    @app.post("/tokenize", **keyed)
+    async def tokenize(req: TokenizeRequest):
+        check_known(req, "/tokenize")
+        check_model(req, served)
+        ids = served.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return dict(count=len(ids), max_model_len=served.max_seq_len, tokens=ids, token_strs=None)
+
+    @app.post("/detokenize", **keyed)
+    async def detokenize(req: DetokenizeRequest):
+        check_known(req, "/detokenize")
+        check_model(req, served)
+        if any(not 0 <= t < served.vocab_size for t in req.tokens):
+            raise APIError(f"tokens must be in [0, {served.vocab_size})", "tokens")
+        return dict(prompt=served.tokenizer.decode(req.tokens))
+
+    @app.get("/tokenizer_info", **keyed)
+    async def tokenizer_info():
+        return tokenizer_description(served)
+
+
 def build_app(engine, served):
     """The FastAPI app: the routes over one EngineLoop, started with the app and stopped with
     it."""
@@ -1025,13 +1063,7 @@ def build_app(engine, served):
     app.add_exception_handler(HTTPException, lambda request, e: APIError(
         str(e.detail), status=e.status_code).response())
 
-    async def authorized(request: Request):  # --api-key: every route but /health, /metrics
-        if served.api_key is not None and not hmac.compare_digest(
-                request.headers.get("authorization", "").encode(),
-                f"Bearer {served.api_key}".encode()):
-            raise APIError("a valid API key is needed: Authorization: Bearer <--api-key>",
-                           status=401, code="invalid_api_key")
-    keyed = dict(dependencies=[Depends(authorized)])
+    keyed = dict(dependencies=[Depends(key_check(served))])  # all but /health and /metrics
 
     @app.post("/v1/completions", **keyed)
     async def completions(req: CompletionRequest, request: Request):
@@ -1047,24 +1079,7 @@ def build_app(engine, served):
             id=served.names[0], object="model", created=int(time.time()), owned_by="nanopaged",
             root=served.path, max_model_len=served.max_seq_len)])
 
-    @app.post("/tokenize", **keyed)  # vLLM's tokenizer routes: lm-eval reads token counts here
-    async def tokenize(req: TokenizeRequest):
-        check_known(req, "/tokenize")
-        check_model(req, served)
-        ids = served.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        return dict(count=len(ids), max_model_len=served.max_seq_len, tokens=ids, token_strs=None)
-
-    @app.post("/detokenize", **keyed)
-    async def detokenize(req: DetokenizeRequest):
-        check_known(req, "/detokenize")
-        check_model(req, served)
-        if any(not 0 <= t < served.vocab_size for t in req.tokens):
-            raise APIError(f"tokens must be in [0, {served.vocab_size})", "tokens")
-        return dict(prompt=served.tokenizer.decode(req.tokens))
-
-    @app.get("/tokenizer_info", **keyed)
-    async def tokenizer_info():
-        return tokenizer_description(served)
+    add_tokenizer_routes(app, served, keyed)
 
     @app.get("/health")
     async def health():  # 200 while the engine loop runs (vLLM's): it may be mid-step

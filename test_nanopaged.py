@@ -5659,7 +5659,7 @@ def lm_eval_tasks(folder):
 
 
 @pytest.mark.server
-def test_lm_eval_scores_through_the_server_as_the_engine_scores_directly(served, tmp_path):
+def test_lm_eval_through_the_server_scores_as_the_engine(served, tmp_path):
     """lm-eval itself (its Python API, its local-completions model, unchanged) against the
     server: each choice's loglikelihood is the sum of the engine's own prompt logprobs over the
     choice's tokens, the multiple-choice accuracy is what those give directly, and each
@@ -6076,8 +6076,7 @@ class TypicalSamplingParams(SamplingParams):
 
 @pytest.mark.server
 @pytest.mark.demo
-def test_a_new_sampling_field_is_a_flag_a_request_field_and_read_from_generation_config(
-        monkeypatch, tmp_path):
+def test_a_new_sampling_field_reaches_flags_requests_and_checkpoints(monkeypatch, tmp_path):
     """Issue 38's fork: typical_p as a SamplingParams field with its metadata, and a pipeline
     step that hears it, and nothing else edited: the CLI flag, generation_config.json, the
     server's flag and its request field all reach the step."""
