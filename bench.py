@@ -1412,8 +1412,10 @@ def bench_tensor_parallel(kv_cache_bytes=4 << 20, num_requests=32, max_tokens=96
 # -----------------------------------------------------------------------------
 # --serve: online serving over HTTP (server.py) as `vllm bench serve` measures it: ShareGPT-like
 # requests arriving as a Poisson process, each a streaming client of the official openai
-# package; then the same requests through Engine.generate in this process, for what the HTTP
-# path costs. Client and server share this machine's cores, as they do under vllm bench serve.
+# package, all in a process of their own; then the same requests through Engine.generate in
+# this process, for what the HTTP path costs: the server process's CPU seconds (its
+# process_cpu_seconds_total) per output token against Engine.generate's; then guidellm's own
+# synthetic benchmark against the same server, for its figures beside ours.
 
 SERVE_FLAGS = ["--uvicorn-log-level", "warning"]  # the built-in model, the server's own pool
 
@@ -1446,9 +1448,40 @@ async def streamed_request(client, prompt, max_tokens):
     return r | dict(itl=gaps, latency=time.perf_counter() - start)
 
 
-async def http_run(url, workload, rate, seed=SEED):
+async def bare_streamed_request(url, prompt, max_tokens):
+    """streamed_request's figures over a bare HTTP/1.1 connection, the chunks read as bytes
+    (only the usage chunk is parsed): the openai package builds objects from every chunk, and
+    100 of its clients take about 10x the CPU of these, which on two cores slows the server
+    they share the cores with (its CPU time per token too), not only its clock."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps(dict(model="pydoc-gpt", prompt=prompt, max_tokens=max_tokens,
+                           temperature=0, stream=True, ignore_eos=True,
+                           stream_options={"include_usage": True})).encode()
+    start, stamps, r = time.perf_counter(), [], {}
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
+    status = await reader.readline()
+    if b" 200 " not in status:
+        raise RuntimeError(f"server.py answered {status!r}")
+    while await reader.readline() != b"\r\n":  # the headers; the body comes chunked
+        pass
+    while size := int(await reader.readline(), 16):
+        chunk, now = await reader.readexactly(size + 2), time.perf_counter()
+        for event in chunk.split(b"\n\n")[:-1]:  # one write of the server's: a step's events
+            if b'"choices":[]' in event:  # the usage chunk, last before [DONE]
+                r["output_tokens"] = json.loads(event[6:])["usage"]["completion_tokens"]
+            elif event.startswith(b'data: {"id"'):  # a token's
+                stamps.append(now)
+    writer.close()
+    return r | dict(ttft=stamps[0] - start, itl=list(np.diff(stamps)),
+                    latency=time.perf_counter() - start)
+
+
+async def http_run(url, workload, rate, bare=False, seed=SEED):
     """Send the workload's requests at Poisson arrivals of rate per second (inf: all at once)
-    and wait for all; their records and the seconds from the first arrival to the last answer."""
+    and wait for all; their records and the seconds from the first arrival to the last answer.
+    The clients are the openai package's, or bare ones (bare_streamed_request)."""
     from openai import AsyncOpenAI
     gaps = (np.random.default_rng(seed).exponential(1 / rate, len(workload))
             if rate != math.inf else np.zeros(len(workload)))
@@ -1457,9 +1490,56 @@ async def http_run(url, workload, rate, seed=SEED):
         start, tasks = time.perf_counter(), []
         for (prompt, max_tokens), at in zip(workload, np.cumsum(gaps)):
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
-            tasks.append(asyncio.create_task(streamed_request(client, prompt, max_tokens)))
+            request = (bare_streamed_request(url, prompt, max_tokens) if bare else
+                       streamed_request(client, prompt, max_tokens))
+            tasks.append(asyncio.create_task(request))
         records = await asyncio.gather(*tasks)
     return records, time.perf_counter() - start
+
+
+def byte_tokenizer(folder):
+    """A Hugging Face tokenizer of the built-in model's tokens, saved to folder: token i is byte
+    i (a byte-level BPE with no merges), so that guidellm, which sizes its synthetic prompts
+    with a tokenizer it loads with transformers, counts them as the model does."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]  # GPT-2's byte-to-character map
+    chars = dict(zip(printable + others, map(chr, printable + [256 + i for i in
+                                                              range(len(others))])))
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok).save_pretrained(folder)
+    return folder
+
+
+def guidellm_run(url, folder, requests, concurrency, prompt_tokens, output_tokens,
+                 request_format="/v1/completions", timeout=300):
+    """guidellm's synthetic benchmark against url, its own command line unchanged, in its own
+    processes (and nothing fetched: the tokenizer is byte_tokenizer's, in folder): its report
+    (the JSON it writes) as a dict."""
+    import subprocess
+    import sys
+    out = os.path.join(folder, "guidellm.json")
+    env = os.environ | dict(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+                            TRANSFORMERS_OFFLINE="1", HF_HOME=os.path.join(folder, "hf"),
+                            GUIDELLM__MAX_WORKER_PROCESSES="1")
+    command = [
+        sys.executable, "-m", "guidellm", "run", "--disable-console",
+        "--backend", f"kind=openai_http,target={url},request_format={request_format}",
+        "--profile", f"kind=concurrent,streams={concurrency}",
+        "--constraint", f"kind=max_requests,count={requests}",
+        "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},"
+        f"output_tokens={output_tokens}",
+        "--tokenizer", f"kind=hf_auto,model={byte_tokenizer(os.path.join(folder, 'tok'))}",
+        "--output", f"kind=json,path={out}"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env,
+                         cwd=folder)  # it writes guidellm.log where it runs
+    if run.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"guidellm failed ({run.returncode}):\n{run.stderr[-3000:]}")
+    with open(out) as f:
+        return json.load(f)
 
 
 def serving_summary(records, seconds):
@@ -1491,71 +1571,152 @@ def serve_engine():
 
 def generate_run(engine, workload):
     """The requests through Engine.generate, all at once: TTFT and TPOT from each output's
-    metrics (no ITL: it returns at the end)."""
+    metrics (no ITL: it returns at the end), and the CPU seconds this process spent."""
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in workload]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outputs = engine.generate([p for p, _ in workload], params)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     records = []
     for o in outputs:
         m, n = o.metrics, len(o.outputs[0].token_ids)
         records.append(dict(ttft=m.first_token_time - m.arrival_time, output_tokens=n,
                             latency=m.finished_time - m.arrival_time))
-    return records, seconds
+    return serving_summary(records, seconds) | dict(cpu_seconds=cpu)
+
+
+def clients_run(url, workload, rate, bare=False):
+    """http_run in the process it is called in: a ProcessPoolExecutor's worker, so that the
+    clients' own work is not the server's nor this process's; with the CPU seconds it took."""
+    cpu = time.process_time()
+    r = serving_summary(*asyncio.run(http_run(url, workload, rate, bare)))
+    return r | dict(clients_cpu_seconds=time.process_time() - cpu)
+
+
+def server_cpu_seconds(url):
+    """The server process's CPU seconds so far, every thread, as its /metrics counts them."""
+    import urllib.request
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    return float(re.search(r"^process_cpu_seconds_total\S* (\S+)$", text, re.M)[1])
+
+
+def http_cpu_run(url, workload, clients, bare=True):
+    """All at once over HTTP, the clients in their own process: vllm bench serve's figures and
+    the server's CPU seconds."""
+    cpu = server_cpu_seconds(url)
+    r = clients.submit(clients_run, url, workload, math.inf, bare).result()
+    return r | dict(cpu_seconds=server_cpu_seconds(url) - cpu)
+
+
+def guidellm_summary(report):
+    """guidellm's own figures of its one benchmark: requests by status, output tokens/s, TTFT
+    and ITL (its medians and p99s, ms)."""
+    b = report["benchmarks"][0]
+    m = {name: b["metrics"][name]["successful"] for name in (
+        "output_tokens_per_second", "time_to_first_token_ms", "inter_token_latency_ms",
+        "requests_per_second")}
+    return dict(requests={k: len(v) for k, v in b["requests"].items() if isinstance(v, list)},
+                duration=b["duration"], request_throughput=m["requests_per_second"]["mean"],
+                output_throughput=m["output_tokens_per_second"]["mean"],
+                median_ttft_ms=m["time_to_first_token_ms"]["median"],
+                p99_ttft_ms=m["time_to_first_token_ms"]["percentiles"]["p99"],
+                median_itl_ms=m["inter_token_latency_ms"]["median"],
+                p99_itl_ms=m["inter_token_latency_ms"]["percentiles"]["p99"])
 
 
 def print_serving(results, num_requests, rounds):
     rows = []
     for name, r in results.items():
-        if isinstance(r, dict):
+        if isinstance(r, dict) and "mean_ttft_ms" in r:
             ms = [f"{r[k]:.1f}" if k in r else "-" for k in (
                 "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "mean_itl_ms",
                 "median_itl_ms", "p99_itl_ms")]
+            cpu = f"{r['cpu_us_per_token']:.0f}" if "cpu_us_per_token" in r else "-"
             rows.append([name, f"{r['request_throughput']:.2f}", f"{r['output_throughput']:.0f}",
-                         *ms])
+                         *ms, cpu])
     print_table(f"Online serving over HTTP: {num_requests} ShareGPT-like requests "
                 f"({results['Engine.generate']['output_tokens']} output tokens, greedy, "
                 "ignore_eos) to `python server.py` (the built-in model), Poisson arrivals "
-                f"(inf: all at once), streaming openai clients; ms; all at once: the faster of "
-                f"{rounds}", ["path", "req/s", "out tok/s", "TTFT mean", "p50", "p99",
-                              "TPOT mean", "ITL mean", "p50", "p99"], rows)
-    print(f"HTTP, all at once: {results['http_over_generate_output_throughput']:.2f}x "
-          "Engine.generate's output tokens/s on the same requests (the server's event loop, "
-          "JSON and the clients share the cores)")
+                "(inf: all at once), streaming clients in a process of their own (the openai "
+                "package's; all at once, bare ones); ms; CPU: the server process's (or "
+                f"Engine.generate's) per output token, us; all at once: the least CPU of {rounds}"
+                " turns",
+                ["path", "req/s", "out tok/s", "TTFT mean", "p50", "p99", "TPOT mean",
+                 "ITL mean", "p50", "p99", "CPU/token"], rows)
+    http, gen = results["http @ inf/s"], results["Engine.generate"]
+    rounds_ = ", ".join(f"{r:.2f}" for r in results["http_over_generate_cpu_per_token_rounds"])
+    print(f"All at once, the server process's CPU per output token is "
+          f"{results['http_over_generate_cpu_per_token']:.2f}x Engine.generate's (the median of "
+          f"the rounds' ratios: {rounds_}; clients' own "
+          f"CPU: {http['clients_cpu_seconds']:.1f} s bare, "
+          f"{results['http @ inf/s, openai clients']['clients_cpu_seconds']:.1f} s openai); "
+          f"output tokens/s {results['http_over_generate_output_throughput']:.2f}x")
+    g = results.get("guidellm")
+    if g:
+        print(f"guidellm (its synthetic benchmark, {g['prompt_tokens']} prompt and "
+              f"{g['output_tokens']} output tokens, {g['concurrency']} streams): "
+              f"requests {g['requests']}, {g['request_throughput']:.2f} req/s, "
+              f"{g['output_throughput']:.0f} output tok/s, TTFT p50 {g['median_ttft_ms']:.1f} ms "
+              f"(p99 {g['p99_ttft_ms']:.1f}), ITL p50 {g['median_itl_ms']:.1f} ms "
+              f"(p99 {g['p99_itl_ms']:.1f})")
 
 
-def bench_serve(num_requests=100, rates=(4.0, 16.0), max_output=256, rounds=2):
+def bench_serve(num_requests=100, rates=(4.0, 16.0), max_output=256, rounds=3,
+                guidellm=dict(requests=64, concurrency=16, prompt_tokens=64, output_tokens=128)):
     """Requests/s, output tokens/s, TTFT, TPOT and ITL through `python server.py` (started on a
     free port, stopped at the end) at each arrival rate; then all at once, over HTTP and through
-    Engine.generate in this process, taking turns for rounds and keeping the faster of each
-    (other load on the machine only slows a run), for what the HTTP path costs."""
+    Engine.generate in this process, taking turns for rounds (the table keeps the run of each
+    that took the least CPU: other load on the machine only adds to it; the ratio is the median
+    of the rounds'), for what the HTTP path costs; then guidellm against the same server."""
+    import concurrent.futures
+    import multiprocessing
+
     import server
     workload, threads = serve_workload(num_requests, max_output), torch.get_num_threads()
     results = {}
-    with tempfile.TemporaryFile("w+") as log:
+    spawn = multiprocessing.get_context("spawn")
+    with (tempfile.TemporaryDirectory() as folder, open(os.path.join(folder, "log"), "w+") as log,
+          concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as clients):
         try:
             engine = serve_engine()
             with server.running_server(SERVE_FLAGS, timeout_s=120, log=log) as url:
-                asyncio.run(http_run(url, workload[:2], math.inf))  # warm-ups
+                clients.submit(clients_run, url, workload[:2], math.inf).result()  # warm-ups
                 generate_run(engine, workload[:2])
                 for rate in rates:
-                    results[f"http @ {rate}/s"] = serving_summary(
-                        *asyncio.run(http_run(url, workload, rate)))
-                runs = {"http @ inf/s": lambda: asyncio.run(http_run(url, workload, math.inf)),
+                    results[f"http @ {rate}/s"] = clients.submit(
+                        clients_run, url, workload, rate).result()
+                runs = {"http @ inf/s": lambda: http_cpu_run(url, workload, clients),
                         "Engine.generate": lambda: generate_run(engine, workload)}
+                gc.collect()  # as server.py does: each side's collector walks only what its
+                gc.freeze()  # run makes, not what start-up made (here, every section's modules)
+                ratios = []  # per round: the HTTP run's CPU over the Engine.generate run's after it
                 for _ in range(rounds):  # taking turns
-                    for name, run in runs.items():
-                        r = serving_summary(*run())
-                        if name not in results or r["seconds"] < results[name]["seconds"]:
+                    pair = {name: run() for name, run in runs.items()}
+                    ratios.append(pair["http @ inf/s"]["cpu_seconds"]
+                                  / pair["Engine.generate"]["cpu_seconds"])
+                    for name, r in pair.items():
+                        if name not in results or r["cpu_seconds"] < results[name]["cpu_seconds"]:
                             results[name] = r
+                gc.unfreeze()
+                results["http @ inf/s, openai clients"] = http_cpu_run(url, workload, clients,
+                                                                       bare=False)
+                if guidellm:
+                    results["guidellm"] = guidellm | guidellm_summary(guidellm_run(
+                        url, folder, **guidellm))
         except Exception:
             print(server.read_back(log))  # what the server said before it failed
             raise
         finally:
             torch.set_num_threads(threads)  # the sections after this one keep theirs
+    for name in ("http @ inf/s", "http @ inf/s, openai clients", "Engine.generate"):
+        r = results[name]
+        r["cpu_us_per_token"] = 1e6 * r["cpu_seconds"] / r["output_tokens"]
+    http, gen = results["http @ inf/s"], results["Engine.generate"]
+    # the machine's other load moves both by more than the gap, and a round's two runs share
+    # it most: the median of the rounds' ratios
+    results["http_over_generate_cpu_per_token_rounds"] = ratios
+    results["http_over_generate_cpu_per_token"] = float(np.median(ratios))
     results["http_over_generate_output_throughput"] = (
-        results["http @ inf/s"]["output_throughput"]
-        / results["Engine.generate"]["output_throughput"])
+        http["output_throughput"] / gen["output_throughput"])
     print_serving(results, num_requests, rounds)
     return results
 
@@ -1586,7 +1747,9 @@ QUICK = dict(memory=dict(num_requests=20),
                            observer=dict(sizes=(16,), prompt_len=16, steps=5, rounds=1)),
              tensor_parallel=dict(num_requests=2, max_tokens=8),
              soak=dict(num_requests=1000),
-             serve=dict(num_requests=8, rates=(16.0,), max_output=16, rounds=1), page={})
+             serve=dict(num_requests=8, rates=(16.0,), max_output=16, rounds=1,
+                        guidellm=dict(requests=4, concurrency=2, prompt_tokens=16,
+                                      output_tokens=8)), page={})
 def bench_page():
     """The README's picture: the page `python nanopaged.py --html` writes, in headless Chromium
     at a laptop's 1366 x 768, moved to the step where the most blocks are shared, the block with
@@ -1653,7 +1816,8 @@ def main():
         tensor_parallel="KV bytes, blocks and sequences per rank at one budget, tokens/s "
         "and time in collectives: tp=1 vs tp=2 on the CPU (gloo)",
         serve="requests/s, output tokens/s, TTFT, TPOT, ITL through server.py over HTTP\n"
-              "(Poisson arrivals, streaming openai clients) against Engine.generate",
+              "(Poisson arrivals, streaming openai clients in their own process); the server\n"
+              "process's CPU per output token against Engine.generate's; guidellm's figures",
         page="results/paging.png, README's picture: python nanopaged.py --html's page in\n"
              "headless Chromium at the step with the most sharing",
         aot="with --kernel: compile the Triton kernels for sm_80/86/90 instead (no GPU\n"

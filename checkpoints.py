@@ -7,6 +7,7 @@ Also what else a folder says about serving it: its dtype, its sampling defaults
 loaded.
 """
 
+import dataclasses
 import datetime
 import json
 import os
@@ -211,24 +212,28 @@ def load_pretrained(cls, path, dtype="auto", device=None):
 def generation_defaults(path):
     """The sampling defaults the folder's generation_config.json sets, as SamplingParams keyword
     arguments: SamplingParams(**generation_defaults(path), max_tokens=...). Read as transformers'
-    generate() reads the file: its logits processors always (repetition_penalty, min_new_tokens
-    as min_tokens); without do_sample=true it is greedy (temperature 0); with it, temperature,
-    top_k, top_p and min_p, each transformers' default (1.0, 50, 1.0, none) where the file is
-    silent; max_new_tokens where the file sets it. {} without the file (a folder that says
-    nothing leaves SamplingParams' own defaults, vLLM's). Its end ids need nothing here: they
-    join config.json's in model.config.eos_token_id when the model loads (read_hf_config)."""
+    generate() reads the file, for every SamplingParams field whose metadata names its key (hf):
+    logits processors (repetition_penalty, min_new_tokens as min_tokens) and max_new_tokens
+    where the file sets them; without do_sample=true it is greedy (temperature 0); with it, the
+    warpers (the fields with an hf_default: temperature, top_k, top_p, min_p), each transformers'
+    default where the file is silent. {} without the file (a folder that says nothing leaves
+    SamplingParams' own defaults, vLLM's). Its end ids need nothing here: they join config.json's
+    in model.config.eos_token_id when the model loads (read_hf_config)."""
     gen = read_json(path, "generation_config.json")
     if gen is None:
         return {}
-    params = {name: gen[key] for key, name in (("max_new_tokens", "max_tokens"),
-                                               ("repetition_penalty", "repetition_penalty"),
-                                               ("min_new_tokens", "min_tokens"))
-              if gen.get(key) is not None}
-    if gen.get("do_sample") is not True:
-        return params | {"temperature": 0.0}
-    defaults = {"temperature": 1.0, "top_k": 50, "top_p": 1.0, "min_p": 0.0}  # transformers'
-    return params | {key: default if gen.get(key) is None else gen[key]
-                     for key, default in defaults.items()}
+    sampled = gen.get("do_sample") is True
+    params = {} if sampled else {"temperature": 0.0}
+    for f in dataclasses.fields(nanopaged.SamplingParams):
+        key = f.metadata.get("hf")
+        if key is None:
+            continue
+        if "hf_default" not in f.metadata:  # a processor: whether or not it samples
+            if gen.get(key) is not None:
+                params[f.name] = gen[key]
+        elif sampled:  # a warper
+            params[f.name] = f.metadata["hf_default"] if gen.get(key) is None else gen[key]
+    return params
 
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",

@@ -13,6 +13,8 @@ import argparse
 import os
 import sys
 import time
+import typing
+from dataclasses import fields
 
 import torch
 
@@ -32,11 +34,9 @@ DEMO_TOPICS = ["The for statement", "A list", "The import system", "Exceptions",
                "Comparisons", "Assignment statements", "Keyword arguments", "The assert statement",
                "Modules", "Sequences", "Numbers", "The if statement"]
 CELLS = "abcdefghijklmnopqrstuvwxyz"
-PENALTIES = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens")
-# what the sampling flags default to when neither they nor generation_config.json set them: the
-# demo's own temperature and top_p, SamplingParams' defaults for the rest
-SAMPLING_DEFAULTS = dict(temperature=0.8, top_k=0, top_p=0.95, **{
-    key: SamplingParams.__dataclass_fields__[key].default for key in PENALTIES})
+# the demo's own sampling defaults, where neither a flag nor generation_config.json sets one;
+# the other sampling flags default to SamplingParams' own
+DEMO_SAMPLING = dict(temperature=0.8, top_p=0.95)
 
 
 class Tokenizer:
@@ -303,21 +303,37 @@ def add_engine_flags(p):
     return add_sampling_flags(p)
 
 
+def sampling_fields():
+    """SamplingParams' fields that are sampling flags: those whose metadata says what they do
+    (read when called, so that a fork's new field is one too)."""
+    return [f for f in fields(nanopaged.SamplingParams) if "flag" in f.metadata]
+
+
+def sampling_defaults():
+    """What each sampling flag defaults to when neither it nor generation_config.json sets it."""
+    return {f.name: f.default for f in sampling_fields()} | DEMO_SAMPLING
+
+
+def flag_type(f):
+    """What argparse turns a field's text into: its type (less None), true/false for a bool."""
+    kind = next((t for t in typing.get_args(f.type) if t is not type(None)), f.type)
+    return truth if kind is bool else kind
+
+
+def truth(text):  # bool("false") is True
+    if text.lower() not in ("true", "false"):
+        raise ValueError(text)
+    return text.lower() == "true"
+
+
 def add_sampling_flags(p):
-    """Sampling defaults: None when not given; given, they override generation_config.json."""
-    for flag, what in [("temperature", "sampling temperature, 0 for greedy"),
-                       ("top-k", "keep the k likeliest tokens, 0 for all"),
-                       ("top-p", "nucleus sampling threshold"),
-                       ("min-p", "drop tokens less likely than this times the likeliest"),
-                       ("repetition-penalty", "divide the positive logits of tokens seen in the "
-                        "prompt or output by this, multiply the negative ones"),
-                       ("presence-penalty", "subtract this from tokens generated already"),
-                       ("frequency-penalty", "subtract this times a generated token's count"),
-                       ("min-tokens", "tokens before an end token or a stop string may stop")]:
-        key = flag.replace("-", "_")
-        p.add_argument(f"--{flag}", type=int if key in ("top_k", "min_tokens") else float,
-                       help=f"{what} (default: generation_config.json's, "
-                       f"else {SAMPLING_DEFAULTS[key]})")
+    """A flag per sampling field, --top-k for top_k: None when not given; given, it overrides
+    generation_config.json."""
+    defaults = sampling_defaults()
+    for f in sampling_fields():
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=flag_type(f),
+                       help=f"{f.metadata['flag']} (default: generation_config.json's, else "
+                       f"{defaults[f.name]})")
     return p
 
 
@@ -355,8 +371,7 @@ def argument_parser():
 
 def sampling_flags(args):
     """The SamplingParams keyword arguments the sampling flags give every request."""
-    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                stop=args.stop, **{key: getattr(args, key) for key in PENALTIES})
+    return dict(stop=args.stop, **{f.name: getattr(args, f.name) for f in sampling_fields()})
 
 
 def load(args):
@@ -366,9 +381,10 @@ def load(args):
     if nanopaged.tp.rank > 0:  # every rank serves the same requests; one of them speaks
         sys.stdout = open(os.devnull, "w")
     model = GPT.from_pretrained(args.model, dtype=args.dtype, device=args.device)
-    # flags first, then the folder's generation_config.json, then ours
-    for key, value in (SAMPLING_DEFAULTS | checkpoints.generation_defaults(args.model)).items():
-        if getattr(args, key) is None:
+    # flags first, then the folder's generation_config.json, then ours (the flags this parser
+    # has: server.py's has no --max-tokens)
+    for key, value in (sampling_defaults() | checkpoints.generation_defaults(args.model)).items():
+        if getattr(args, key, value) is None:
             setattr(args, key, value)
     if args.threads or sum(w.numel() for w in model.parameters()) < 100e6:
         torch.set_num_threads(args.threads or 1)

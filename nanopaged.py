@@ -91,16 +91,17 @@ def number(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def setting(default, allowed, ok, beams=True):
+def setting(default, allowed, ok, beams=True, **about):
     """A dataclass field and what it allows: ok(value) says whether a value is allowed, allowed
     says which in words, for the ValueError that names the field (check_fields). beams=False: a
-    sampling parameter beam search cannot honour, refused beside beam_width."""
-    return field(default=default, metadata=dict(allowed=allowed, ok=ok, beams=beams))
+    sampling parameter beam search cannot honour, refused beside beam_width. about: more
+    metadata, for the layers that read the fields (SamplingParams says which)."""
+    return field(default=default, metadata=dict(allowed=allowed, ok=ok, beams=beams, **about))
 
 
-def int_setting(default, least, none=False, beams=True):  # an int >= least (or None)
+def int_setting(default, least, none=False, beams=True, **about):  # an int >= least (or None)
     return setting(default, f"{'None or ' * none}an int >= {least}",
-                   lambda x: none and x is None or integer(x) and x >= least, beams)
+                   lambda x: none and x is None or integer(x) and x >= least, beams, **about)
 
 
 def check_fields(obj):
@@ -121,29 +122,46 @@ def strings(x):  # a non-empty string, or a list of them
 @dataclass
 class SamplingParams:
     """How a request is sampled: vLLM's names, defaults and ranges. A new parameter is a field
-    here, with what it allows, and a step of the sampling pipeline (section 9)."""
-    max_tokens: int = int_setting(16, 1)
-    temperature: float = setting(1.0, "a number >= 0", lambda x: number(x) and x >= 0)  # 0: greedy
-    top_k: int = int_setting(0, 0)  # keep the k likeliest tokens and ties with the k-th; 0: all
+    here, with what it allows, and a step of the sampling pipeline (section 9). Its metadata is
+    all the layers above need, so they list no field by name: flag="what it does" makes it a
+    sampling flag (`python nanopaged.py --top-k`, and server.py's default for a request that
+    leaves it out); hf="name" reads it from generation_config.json under transformers' name,
+    and hf_default marks a warper, which applies only with do_sample and takes transformers'
+    default where the file is silent; http=False keeps it out of server.py's requests (every
+    other field is a request field under its own name, as vLLM's extensions are)."""
+    max_tokens: int = int_setting(16, 1, hf="max_new_tokens")
+    temperature: float = setting(1.0, "a number >= 0", lambda x: number(x) and x >= 0,  # 0: greedy
+                                 flag="sampling temperature, 0 for greedy", hf="temperature",
+                                 hf_default=1.0)
+    # keep the k likeliest tokens and ties with the k-th; 0: all
+    top_k: int = int_setting(0, 0, flag="keep the k likeliest tokens, 0 for all", hf="top_k",
+                             hf_default=50)
     # then of those, renormalised, the smallest set reaching top_p; then those at least min_p
     # times as likely as the likeliest
-    top_p: float = setting(1.0, "a number in (0, 1]", lambda x: number(x) and 0 < x <= 1)
+    top_p: float = setting(1.0, "a number in (0, 1]", lambda x: number(x) and 0 < x <= 1,
+                           flag="nucleus sampling threshold", hf="top_p", hf_default=1.0)
     min_p: float = setting(0.0, "a number in [0, 1]", lambda x: number(x) and 0 <= x <= 1,
-                           beams=False)
+                           beams=False, hf="min_p", hf_default=0.0,
+                           flag="drop tokens less likely than this times the likeliest")
     # over prompt and output, a token's positive logit divided by it, a negative one multiplied
-    repetition_penalty: float = setting(1.0, "a number > 0",
-                                        lambda x: number(x) and 0 < x < math.inf)
+    repetition_penalty: float = setting(
+        1.0, "a number > 0", lambda x: number(x) and 0 < x < math.inf, hf="repetition_penalty",
+        flag="divide the positive logits of tokens seen in the prompt or output by this, "
+        "multiply the negative ones")
     # over the output: minus presence once per token present, minus frequency times its count
     presence_penalty: float = setting(0.0, "a number in [-2, 2]",
-                                      lambda x: number(x) and -2 <= x <= 2, beams=False)
+                                      lambda x: number(x) and -2 <= x <= 2, beams=False,
+                                      flag="subtract this from tokens generated already")
     frequency_penalty: float = setting(0.0, "a number in [-2, 2]",
-                                       lambda x: number(x) and -2 <= x <= 2, beams=False)
+                                       lambda x: number(x) and -2 <= x <= 2, beams=False,
+                                       flag="subtract this times a generated token's count")
     # token t of sample i is drawn by a generator seeded by (seed, i, t); None: a random seed
     seed: int | None = setting(None, "None or an int", lambda x: x is None or integer(x))
     n: int = int_setting(1, 1)  # parallel samples of one prompt, sharing its blocks
-    beam_width: int | None = int_setting(None, 1, none=True)  # beam search, this many beams
+    # beam search, this many beams
+    beam_width: int | None = int_setting(None, 1, none=True, http=False)
     # beams rank by sum of log-probabilities / length ** length_penalty
-    length_penalty: float = setting(1.0, "a number", number)
+    length_penalty: float = setting(1.0, "a number", number, http=False)
     # these tokens end a sample (None: none), and these strings, found in its text (a tokenizer
     # decodes it), which is cut before them unless include_stop_str_in_output
     stop_token_ids: list[int] | None = setting(
@@ -155,7 +173,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = setting(False, "True or False",
                                                lambda x: isinstance(x, bool))
     ignore_eos: bool = setting(False, "True or False", lambda x: isinstance(x, bool))
-    min_tokens: int = int_setting(0, 0)  # no end token or stop string ends a sample before these
+    # no end token or stop string ends a sample before these
+    min_tokens: int = int_setting(0, 0, hf="min_new_tokens",
+                                  flag="tokens before an end token or a stop string may stop")
     # per generated token, the k likeliest tokens' log-probabilities and the drawn one's, under
     # the model (before penalties, temperature and filters), as vLLM returns them; and the same
     # for each prompt token after the first
@@ -164,7 +184,7 @@ class SamplingParams:
     # callables (prompt_token_ids, output_token_ids, logits (V,)) -> logits, run first (vLLM's)
     logits_processors: list | None = setting(
         None, "None or a list of callables", lambda x: x is None or isinstance(
-            x, (list, tuple)) and all(map(callable, x)), beams=False)
+            x, (list, tuple)) and all(map(callable, x)), beams=False, http=False)
 
     def __post_init__(self):
         check_fields(self)

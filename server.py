@@ -1,103 +1,113 @@
 """
 server.py: nanopaged behind the OpenAI HTTP API, as vLLM's `vllm serve` puts its engine there,
-so that clients nobody here wrote (the official `openai` package, `vllm bench serve`, chat UIs)
-can drive a scheduling or eviction policy under online load. One optional file over the core:
-nanopaged.py never imports it.
+so that clients nobody here wrote (the official `openai` package, lm-eval, guidellm, `vllm bench
+serve`, chat UIs) can drive a scheduling or eviction policy under online load, or score the
+model. One optional file over the core: nanopaged.py never imports it.
 
     pip install -r requirements.txt                      # FastAPI and uvicorn
-    python server.py [--model PATH] [--port 8000] [engine flags of `python nanopaged.py`]
+    python server.py [--model PATH] [--port 8000] [--api-key KEY] [--seed N]
+                     [engine and sampling flags of `python nanopaged.py`]
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
     out = client.completions.create(model="pydoc-gpt", prompt="The for statement", max_tokens=32)
     print(out.choices[0].text)
 
-Routes: POST /v1/completions and /v1/chat/completions (the folder's chat template), streamed as
-server-sent events with `stream=true`; GET /v1/models, /health, and /metrics (Prometheus text,
-vLLM's metric names). Request fields are the OpenAI API's and vLLM's extensions (top_k, min_p,
-repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output,
-priority). A field left out takes the server's sampling flags, which default to the folder's
+Routes: POST /v1/completions (with echo: the prompt and its logprobs, what lm-eval's
+loglikelihood tasks read) and /v1/chat/completions (the folder's chat template), streamed as
+server-sent events with `stream=true`; GET /v1/models; vLLM's /tokenize, /detokenize and
+/tokenizer_info; /health and /metrics (Prometheus text, vLLM's metric names). Request fields are
+the OpenAI API's, and SamplingParams' own fields under their names (vLLM's extensions: top_k,
+min_p, ignore_eos, ...), read as vLLM reads them (an unknown field ignored and logged). A
+sampling field left out takes the server's sampling flag, which defaults to the folder's
 generation_config.json as in `python nanopaged.py`.
 
-One asyncio task, EngineLoop.run, owns the Engine: handlers never touch it. They check a
-request completely (nothing bad reaches the engine), submit it, and read the RequestOutputs the
-loop hands back on the request's own queue; a client that goes away aborts its request between
-two steps. Each step runs in a worker thread, so the event loop keeps answering while the model
+A thread of its own, EngineLoop's, steps the Engine: nothing else touches it. Handlers check a
+request completely (nothing bad reaches the engine), queue it for that thread, and read the
+RequestOutputs it hands back, a step's at a time, in the request's own mailbox; a client that
+goes away aborts its request between two steps. The event loop keeps answering while the model
 computes. `python bench.py --serve` measures this path against Engine.generate.
 """
 
 import argparse
 import asyncio
+import functools
+import gc
+import hmac
 import json
 import logging
 import os
+import random
 import re
 import socket
 import subprocess
 import sys
+import threading
 import time
+import typing
 import urllib.request
 import uuid
 from collections import Counter, deque
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException
 
 import checkpoints
 import demo
-from nanopaged import SamplingParams
+import nanopaged
 
 logger = logging.getLogger("nanopaged.server")
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs; the OpenAI API's top_logprobs allows 0-20
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM sends this for a token the model rules out
-# the server's sampling flags: the default of each request field left out
-DEFAULT_FIELDS = tuple(demo.SAMPLING_DEFAULTS)
 
 # -----------------------------------------------------------------------------
-# Request bodies: the OpenAI API's fields and vLLM's extensions, under their names. Strict:
-# a string is not a number, nor true an int; a field nobody defined is an error, not ignored.
+# Request bodies: the OpenAI API's fields and vLLM's extensions, under their names. Strict: a
+# string is not a number, nor true an int. Read as vLLM reads them: a field nobody here knows is
+# ignored, with a log line naming it (clients send fields of newer API versions), and one that
+# names a feature this server lacks is a 400 naming it (ignoring it would answer another
+# question). The sampling fields are SamplingParams' own (the OpenAI API's names and vLLM's
+# extensions are SamplingParams' names), read from its fields when the app is built.
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class RequestBody(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(RequestBody):
     include_usage: bool = False  # one more chunk before [DONE], with usage and no choices
+    continuous_usage_stats: bool = False  # with include_usage: usage so far in every chunk too
 
 
-class OpenAIRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+class OpenAIFields(RequestBody):
     model: str | None = None  # None: the served model (vLLM's); the openai client always sends it
-    max_tokens: int | None = None
-    temperature: float | None = None  # None (left out): the server's sampling flag, and so on
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    n: int = 1
-    seed: int | None = None
-    stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end user's id, for abuse monitoring at OpenAI: unused here
-    # vLLM's extensions
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    ignore_eos: bool = False
-    priority: int = 0  # with --scheduling-policy priority: lower runs first
+    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower runs first
 
 
-class CompletionRequest(OpenAIRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]  # text or token ids, or several
-    max_tokens: int | None = 16  # the OpenAI API's default for completions
-    logprobs: int | None = None  # the k likeliest tokens at each position, and the drawn one
+# fields of the OpenAI API and vLLM's extensions that this server cannot honour: any value but
+# null is a 400 naming the field
+UNSUPPORTED = {"best_of", "logit_bias", "tools", "tool_choice", "functions", "function_call",
+               "response_format", "use_beam_search", "length_penalty", "guided_json",
+               "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+               "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "return_token_ids",
+               "return_tokens_as_token_ids", "prompt_embeds", "audio", "modalities",
+               "prediction", "suffix"}
+
+
+def request_fields():
+    """SamplingParams' fields a request may set (all but those its metadata keeps off HTTP), as
+    pydantic field definitions: each takes None too, which (or leaving it out) means the
+    server's sampling flag, or SamplingParams' default."""
+    return {f.name: (f.type | None, None) for f in fields(nanopaged.SamplingParams)
+            if f.metadata.get("http", True)}
 
 
 class ChatMessage(BaseModel):
@@ -106,11 +116,58 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None  # text, or parts [{"type": "text", "text": ...}]
 
 
-class ChatCompletionRequest(OpenAIRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None  # the newer name of max_tokens; wins if both
-    logprobs: bool = False
-    top_logprobs: int | None = None  # with logprobs: this many likeliest tokens at each position
+def request_models():
+    """The bodies of /v1/completions and /v1/chat/completions, over the sampling fields as
+    SamplingParams has them now (a fork's new field is a request field with no edit here)."""
+    sampling = create_model("SamplingFields", __base__=OpenAIFields, **request_fields())
+
+    class CompletionRequest(sampling):
+        prompt: str | list[str] | list[int] | list[list[int]]  # text or token ids, or several
+        max_tokens: int | None = 16  # the OpenAI API's default; 0 with echo: the prompt alone
+        logprobs: int | None = None  # the k likeliest tokens at each position, and the drawn one
+        echo: bool = False  # the prompt first, in the text and (with logprobs) in the logprobs
+
+    class ChatCompletionRequest(sampling):
+        messages: list[ChatMessage] = Field(min_length=1)
+        max_completion_tokens: int | None = None  # the newer name of max_tokens; wins if both
+        logprobs: bool = False
+        top_logprobs: int | None = None  # with logprobs: this many likeliest tokens at each
+        echo: bool = False  # vLLM's (the last message's content first): refused if true
+
+    return CompletionRequest, ChatCompletionRequest
+
+
+class TokenizeRequest(RequestBody):  # vLLM's /tokenize: lm-eval's tokenizer, over HTTP
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeRequest(RequestBody):  # vLLM's /detokenize
+    model: str | None = None
+    tokens: list[int]
+
+
+def unknown_fields(body, prefix=""):
+    """The fields of a request (and of the request bodies inside it) that no model here defines,
+    by their full paths (stream_options.foo); a chat message's own extras go to the template."""
+    names = [prefix + name for name in body.model_extra or {}]
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        if isinstance(value, RequestBody):
+            names += unknown_fields(value, f"{prefix}{name}.")
+    return names
+
+
+def check_known(req, route):
+    """A 400 for a field this server cannot honour; one log line for those it ignores."""
+    for name, value in (req.model_extra or {}).items():
+        if name in UNSUPPORTED and value is not None:
+            raise APIError(f"{name} is not supported by this server", name)
+    ignored = unknown_fields(req)
+    if ignored:
+        logger.warning("%s: ignored fields this server does not know: %s", route,
+                       ", ".join(ignored))
 
 
 class APIError(Exception):
@@ -130,17 +187,41 @@ def error_body(message, kind, param=None, code=None):
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def validation_error(exc):
-    """FastAPI's 422 for a body that does not parse, as the OpenAI API's 400 naming the field."""
+def validation_error(exc, model):
+    """FastAPI's 422 for a body that does not parse (as the request model), as the OpenAI API's
+    400 naming the field by its full path, written as the OpenAI API writes it
+    (stream_options.include_usage, messages.[0].role)."""
     first = exc.errors()[0]
     if first["type"] == "json_invalid":
         return APIError(f"the body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
-    loc = [str(x) for x in first["loc"] if x != "body"]
-    param = loc[0] if loc else None
-    if first["type"] == "extra_forbidden":
-        return APIError(f"unrecognized request argument supplied: {param}", param)
+    param = field_path(model, first["loc"][1:]) if first["loc"][:1] == ("body",) else None
     got = f", got {first['input']!r}"[:80] if "input" in first and param else ""
-    return APIError(f"{'.'.join(loc) or 'body'}: {first['msg']}{got}", param)
+    return APIError(f"{param or 'body'}: {first['msg']}{got}", param)
+
+
+def field_path(model, loc):
+    """The fields an error's loc walks through, from model down: their names, and [i] for an
+    item of a list; it stops where the loc names no field (a union's branch: 'list[int]')."""
+    path = []
+    for part in loc:
+        if isinstance(part, int) and path:
+            path.append(f"[{part}]")
+            continue
+        known = getattr(model, "model_fields", {})
+        if part not in known:
+            break
+        path.append(part)
+        model = nested_model(known[part].annotation)
+    return ".".join(path) or None
+
+
+def nested_model(annotation):
+    """The model class a field holds, alone, in a list or beside None; else None."""
+    for t in (annotation, *typing.get_args(annotation)):
+        for inner in (t, *typing.get_args(t)):
+            if isinstance(inner, type) and issubclass(inner, BaseModel):
+                return inner
+    return None
 
 
 # -----------------------------------------------------------------------------
@@ -159,10 +240,19 @@ class ServedModel:
     defaults: dict  # the sampling flags' values: a field left out takes these
     priority_scheduling: bool
     check_request: object  # Engine.check_request: it reads only the engine's settings
+    api_key: str | None = None  # --api-key: the key every /v1 request must bear, if set
+    seed: int | None = None  # --seed: requests without a seed take one from this stream
     tokens: object = field(init=False)  # TokenTexts: each token's text and bytes, for logprobs
+    seeds: random.Random | None = field(init=False)
 
     def __post_init__(self):
         self.tokens = TokenTexts(self.tokenizer)
+        self.seeds = None if self.seed is None else random.Random(self.seed)
+
+    def next_seed(self):
+        """A request's seed when it gives none: None (a random one, the engine's) unless the
+        server has a --seed, which makes a run of unseeded requests repeat (vllm serve's)."""
+        return None if self.seeds is None else self.seeds.randrange(2**63)
 
 
 def check_model(req, served):
@@ -172,8 +262,8 @@ def check_model(req, served):
 
 
 def completion_prompts(req, served):
-    """The prompt as lists of token ids: text is encoded (with the tokenizer's special tokens,
-    as vLLM), ids are taken as they are."""
+    """The prompts as lists of token ids, and as text (what echo sends back): text is encoded
+    (with the tokenizer's special tokens, as vLLM), ids are taken as they are and decoded."""
     prompt = req.prompt
     if isinstance(prompt, str) or prompt and isinstance(prompt[0], int):
         prompt = [prompt]  # one prompt
@@ -182,7 +272,8 @@ def completion_prompts(req, served):
     prompts = [served.tokenizer.encode(p) if isinstance(p, str) else p for p in prompt]
     for ids in prompts:
         check_prompt(ids, served, "prompt")
-    return prompts
+    texts = [p if isinstance(p, str) else served.tokenizer.decode(p) for p in prompt]
+    return prompts, texts
 
 
 def chat_prompt(req, served):
@@ -194,8 +285,8 @@ def chat_prompt(req, served):
         if isinstance(content, list):  # parts: only text ones can reach a text-only model
             if any(part.get("type") != "text" or not isinstance(part.get("text"), str)
                    for part in content):
-                raise APIError(f"messages[{i}].content: only text parts are supported",
-                               "messages")
+                raise APIError(f"messages.[{i}].content: only text parts are supported",
+                               f"messages.[{i}].content")
             content = "".join(part["text"] for part in content)
         messages.append(m.model_dump(exclude_none=True) | {"content": content or ""})
     try:
@@ -217,13 +308,18 @@ def check_prompt(ids, served, param):
                        f"tokens, and the prompt has {len(ids)}", param)
 
 
-def sampling_params(req, served, prompts, max_tokens, logprobs, names):
-    """The request's SamplingParams. SamplingParams checks each value and names the field, which
-    names renames to the request's own (max_completion_tokens, top_logprobs); the engine's own
-    check comes last (n against max_num_seqs, the pool's size)."""
-    if logprobs is not None and logprobs > MAX_LOGPROBS:
-        raise APIError(f"{names['logprobs']} must be at most {MAX_LOGPROBS}, got {logprobs}",
-                       names["logprobs"])
+def sampling_params(req, served, prompts, own, names):
+    """The request's SamplingParams: the sampling fields it gives, the server's sampling flags
+    for those it leaves out, and own, the fields the endpoint computes itself (max_tokens,
+    logprobs). SamplingParams checks each value and names the field, which names renames to the
+    request's own (max_completion_tokens, top_logprobs); the engine's own check comes last (n
+    against max_num_seqs, the pool's size)."""
+    given = {name: getattr(req, name) for name in request_fields()
+             if getattr(req, name) is not None} | own
+    for name in ("logprobs", "prompt_logprobs"):
+        if (given.get(name) or 0) > MAX_LOGPROBS:
+            param = names.get(name, name)
+            raise APIError(f"{param} must be at most {MAX_LOGPROBS}, got {given[name]}", param)
     for t in req.stop_token_ids or []:
         if not 0 <= t < served.vocab_size:
             raise APIError(f"stop_token_ids: {t} is outside the vocabulary "
@@ -231,13 +327,9 @@ def sampling_params(req, served, prompts, max_tokens, logprobs, names):
     if req.priority != 0 and not served.priority_scheduling:
         raise APIError("priority needs a server started with --scheduling-policy priority",
                        "priority")
-    fields = {name: getattr(req, name) for name in DEFAULT_FIELDS}
+    given.setdefault("seed", served.next_seed())
     try:
-        params = SamplingParams(
-            max_tokens=max_tokens, n=req.n, seed=req.seed, stop=req.stop,
-            stop_token_ids=req.stop_token_ids, logprobs=logprobs, ignore_eos=req.ignore_eos,
-            include_stop_str_in_output=req.include_stop_str_in_output,
-            **{k: served.defaults[k] if v is None else v for k, v in fields.items()})
+        params = nanopaged.SamplingParams(**served.defaults | given)
     except ValueError as e:  # "SamplingParams.<field> must be ..., got ..."
         def rename(m):
             return names.get(m[1], m[1])
@@ -266,7 +358,7 @@ def max_tokens_of(max_tokens, param, served, prompts):
 
 
 # -----------------------------------------------------------------------------
-# The engine loop: the one owner of the Engine (vLLM's AsyncLLMEngine, in one task)
+# The engine loop: the one owner of the Engine (vLLM's engine core, in a thread of its own)
 
 
 @dataclass
@@ -274,10 +366,11 @@ class Submission:
     """One engine request of an HTTP request (a completion may send several prompts): what to
     add, and the queue its outputs go to, shared by the HTTP request's submissions."""
     prompt_token_ids: list
-    params: SamplingParams
+    params: nanopaged.SamplingParams
     priority: int
-    outputs: asyncio.Queue  # (submission, RequestOutput or StepFailed), in order
+    outputs: "Mailbox"  # (submission, RequestOutput or StepFailed), in order
     index: int = 0  # which prompt of the HTTP request
+    stream: bool = True  # its client hears of every step's tokens, else only of the last
     request_id: int | None = None  # the engine's, once added
     started: bool = False  # it has had its first token
     finished: bool = False  # its last output (or its failure) has been handed to the client
@@ -288,29 +381,65 @@ class StepFailed(Exception):
     """engine.step() raised in a step that scheduled this request: it was aborted."""
 
 
-class EngineLoop:
-    """Runs engine.step() while requests are unfinished. Between two steps, and only there, it
-    applies what handlers queued (new requests, aborts) and reads the engine's stats for them;
-    the step itself runs in a worker thread, so HTTP is served meanwhile. It never waits on a
-    client: outputs go into per-request queues without bound."""
+class Mailbox:
+    """Where the engine loop leaves an HTTP request's outputs: (submission, RequestOutput or
+    StepFailed) pairs, in order, without bound. Its reader takes all that came since it last
+    looked, woken once per step however many of its submissions the step served (an
+    asyncio.Queue wakes it per item)."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self):
+        self.pairs, self.waiter = [], None
+
+    def put(self, pair):  # in the event loop
+        self.pairs.append(pair)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self):
+        while not self.pairs:
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
+        pairs, self.pairs = self.pairs, []
+        return pairs
+
+
+class EngineLoop:
+    """A thread of its own runs engine.step() while requests are unfinished, steps back to
+    back; between two steps, and only there, it applies what handlers queued (new requests,
+    aborts) and reads the engine's stats for them. No other code touches the engine. The event
+    loop, which serves HTTP meanwhile, hears of a step once: one callback puts each of the step's
+    outputs in its request's queue. It never waits on a client: the queues have no bound."""
+
+    def __init__(self, engine, loop):
+        self.engine, self.loop = engine, loop  # loop: the event loop the handlers run in
+        self.wake = threading.Condition()  # guards what handlers queue; notified when they do
         self.to_add, self.to_abort = deque(), deque()  # from handlers, applied between steps
-        self.live = {}  # request_id -> Submission, while the engine has the request
         self.stats_wanted = []  # futures of /metrics handlers: answered between steps
-        self.wake = asyncio.Event()  # set when a handler queued something
+        self.stopping = False
+        self.live = {}  # request_id -> Submission, while the engine has the request
         self.finished = Counter()  # requests by how they ended: stop, length, abort, error
         self.num_prompt_tokens = 0  # prompts of requests that got their first token
         self.dead = None  # the exception that stopped the loop itself (a bug), if one did
         self.scheduled = set()  # the request ids the step in progress scheduled
+        self.thread = threading.Thread(target=self.run, name="engine loop", daemon=True)
         record_scheduled(engine, self)
+
+    def start(self):
+        self.thread.start()
+
+    def stop(self):
+        """Stop after the step in progress, if any, and wait for that."""
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+        self.thread.join()
 
     def submit(self, sub):
         if self.dead:
             raise APIError(f"the engine loop stopped: {self.dead!r}", status=503)
-        self.to_add.append(sub)
-        self.wake.set()
+        with self.wake:
+            self.to_add.append(sub)
+            self.wake.notify()
 
     def abort(self, subs):
         """Stop the submissions that have not finished; the engine frees their blocks before
@@ -318,52 +447,67 @@ class EngineLoop:
         for sub in subs:
             if not (sub.cancelled or sub.finished):
                 sub.cancelled = True
-                self.to_abort.append(sub)
-                self.wake.set()
+                with self.wake:
+                    self.to_abort.append(sub)
+                    self.wake.notify()
 
     async def stats(self):
         """engine.stats() and the loop's counters, read between two steps."""
         if self.dead:
             raise APIError(f"the engine loop stopped: {self.dead!r}", status=503)
-        future = asyncio.get_running_loop().create_future()
-        self.stats_wanted.append(future)
-        self.wake.set()
+        future = self.loop.create_future()
+        with self.wake:
+            self.stats_wanted.append(future)
+            self.wake.notify()
         return await future
 
-    async def run(self):
+    def run(self):  # the engine loop's thread
         try:
             while True:
+                with self.wake:  # idle: sleep until a handler queues something
+                    while not (self.to_add or self.to_abort or self.stats_wanted or
+                               self.engine.requests or self.stopping):
+                        self.wake.wait()
+                    if self.stopping:
+                        return
                 self.apply_queued()
                 self.answer_stats()
-                if not self.engine.requests:  # idle: sleep until a handler queues something
-                    self.wake.clear()
-                    await self.wake.wait()
-                    continue
-                await self.step()
+                if self.engine.requests:
+                    self.step()
         except Exception as e:  # a bug in the loop: fail everyone rather than hang them
             logger.exception("the engine loop stopped")
             self.dead = e
-            for sub in list(self.live.values()) + list(self.to_add):
-                sub.outputs.put_nowait((sub, StepFailed(f"the engine loop stopped: {e!r}")))
-            for future in self.stats_wanted:
-                future.cancel()
+            with self.wake:
+                subs, wanted = list(self.live.values()) + list(self.to_add), self.stats_wanted
+            self.hand_over([(sub, StepFailed(f"the engine loop stopped: {e!r}")) for sub in subs])
+            for future in wanted:
+                self.loop.call_soon_threadsafe(future.cancel)
 
-    async def step(self):
+    def step(self):
         self.scheduled = set()
         try:
-            outputs = await asyncio.to_thread(self.engine.step)
+            outputs = self.engine.step()
         except Exception as e:
             self.fail_step(e)
             return
+        handed = []
         for out in outputs:
             sub = self.live[out.request_id]
             if not sub.started:  # its first token: its prompt is prefilled
                 sub.started = True
                 self.num_prompt_tokens += len(out.prompt_token_ids)
-            sub.outputs.put_nowait((sub, out))
+            if sub.stream or out.finished:
+                handed.append((sub, out))
             if out.finished:
                 del self.live[out.request_id]
                 self.finished[out.outputs[0].finish_reason] += 1
+        self.hand_over(handed)
+
+    def hand_over(self, handed):
+        """(submission, output or StepFailed) pairs to their mailboxes, in the event loop: one
+        wake-up of it per step, however many requests the step served."""
+        if handed:
+            self.loop.call_soon_threadsafe(deliver, handed)
 
     def fail_step(self, error):
         """A step raised, and the engine rolled it back: it is as before the step, so the next
@@ -371,43 +515,58 @@ class EngineLoop:
         scheduled are aborted with the error (all of them if it scheduled none: the scheduler
         raised, or found nothing it could run); the others go on."""
         logger.error("engine step failed: %r", error, exc_info=error)
-        failed = self.scheduled or set(self.live)
+        failed, handed = self.scheduled or set(self.live), []
         for request_id in failed & set(self.live):
             sub = self.live.pop(request_id)
             self.engine.abort(request_id)
-            sub.outputs.put_nowait((sub, StepFailed(f"the engine step failed: {error!r}")))
+            handed.append((sub, StepFailed(f"the engine step failed: {error!r}")))
             self.finished["error"] += 1
+        self.hand_over(handed)
 
     def apply_queued(self):
-        while self.to_abort:
-            sub = self.to_abort.popleft()
+        with self.wake:
+            to_abort, to_add = list(self.to_abort), list(self.to_add)
+            self.to_abort.clear()
+            self.to_add.clear()
+        for sub in to_abort:
             if self.live.pop(sub.request_id, None) is not None:  # else finished, or never added
                 self.engine.abort(sub.request_id)
                 self.finished["abort"] += 1
-        while self.to_add:
-            sub = self.to_add.popleft()
+        refused = []
+        for sub in to_add:
             if sub.cancelled:
                 continue
             try:  # checked by the handler already: a refusal here is a bug, for this one alone
                 sub.request_id = self.engine.add_request(sub.prompt_token_ids, sub.params,
                                                          sub.priority)
             except ValueError as e:
-                sub.outputs.put_nowait((sub, StepFailed(f"the engine refused it: {e}")))
+                refused.append((sub, StepFailed(f"the engine refused it: {e}")))
                 continue
             self.live[sub.request_id] = sub
+        self.hand_over(refused)
 
     def answer_stats(self):
-        if not self.stats_wanted:
+        with self.wake:
+            wanted, self.stats_wanted = self.stats_wanted, []
+        if not wanted:
             return
         s, scheduler = self.engine.stats(), self.engine.scheduler
         s |= dict(num_requests_running=len(scheduler.running),
                   num_requests_waiting=len(scheduler.waiting),
                   num_requests_swapped=len(scheduler.swapped),
                   num_prompt_tokens=self.num_prompt_tokens, finished=dict(self.finished))
-        for future in self.stats_wanted:
-            if not future.done():
-                future.set_result(s)
-        self.stats_wanted = []
+        for future in wanted:
+            self.loop.call_soon_threadsafe(answer, future, s)
+
+
+def deliver(handed):  # in the event loop
+    for sub, out in handed:
+        sub.outputs.put((sub, out))
+
+
+def answer(future, value):  # in the event loop
+    if not future.done():  # its handler may have gone
+        future.set_result(value)
 
 
 def record_scheduled(engine, loop):
@@ -423,15 +582,18 @@ def record_scheduled(engine, loop):
     engine.scheduler.schedule = recorded
 
 
-async def results(queue, subs):
-    """(submission, RequestOutput) as the loop hands them back, until every submission has
-    finished; a failed step raises StepFailed."""
-    while not all(sub.finished for sub in subs):
-        sub, out = await queue.get()
-        sub.finished = isinstance(out, Exception) or out.finished
-        if isinstance(out, Exception):
-            raise out
-        yield sub, out
+async def results(subs):
+    """The (submission, RequestOutput) pairs the loop hands over, a step's at a time, until
+    every submission has finished; a failed step raises StepFailed."""
+    left = len(subs)
+    while left:
+        pairs = await subs[0].outputs.take()
+        for sub, out in pairs:
+            sub.finished = isinstance(out, Exception) or out.finished
+            if isinstance(out, Exception):
+                raise out
+            left -= sub.finished
+        yield pairs
 
 
 # -----------------------------------------------------------------------------
@@ -439,53 +601,86 @@ async def results(queue, subs):
 # far (cumulative); a Cursor turns them into what each choice gained since the client last heard.
 
 
-@dataclass
+@dataclass(slots=True)
 class Delta:
-    """What one choice gained: its new tokens, their text and logprob entries, and its finish."""
+    """What one choice gained: its new tokens, their text and logprob entries, and its finish.
+    A completion that echoes its prompt has the prompt's tokens, text and entries (None for the
+    first token) before its first new ones."""
     index: int  # the choice's: prompt index * n + sample index, as vLLM numbers them
     token_ids: list
     text: str
-    logprobs: list | None  # per new token {token_id: logprob}, the drawn one and the k likeliest
+    logprobs: list | None  # per token {token_id: logprob}, the drawn one and the k likeliest
     finish_reason: str | None
     stop_reason: int | str | None
-    text_offset: int  # the summed lengths of the choice's earlier tokens' texts
+    text_offset: int  # the summed lengths of the choice's earlier tokens' texts (with logprobs)
+    num_tokens: int  # the choice's generated tokens so far, these included
+    prompt_logprobs: list | None = None  # vLLM's prompt_logprobs, on a choice's first delta
 
 
 @dataclass
 class Cursor:
-    n: int  # samples per prompt
+    """Turns a request's outputs, which step() gives cumulative, into what each choice gained
+    since the client last heard."""
+    call: "Call"
     sent: dict = field(default_factory=dict)  # choice index -> (tokens, characters, offset, done)
 
     def deltas(self, sub, out, tokens):
+        call = self.call
         for c in out.outputs:
-            index = sub.index * self.n + c.index
+            index = sub.index * call.n + c.index
+            first = index not in self.sent
             num_tokens, num_chars, offset, done = self.sent.get(index, (0, 0, 0, False))
-            if done or len(c.token_ids) == num_tokens and c.finish_reason is None:
+            ids, text, entries = c.token_ids, c.text or "", c.logprobs
+            finish, stop = c.finish_reason, c.stop_reason
+            if call.prompt_only:  # max_tokens 0: the engine's one token is not the client's
+                ids, text, entries, stop = [], "", entries and [], None
+                finish = finish and "length"
+            if done or len(ids) == num_tokens and finish is None:
                 continue
-            new = c.token_ids[num_tokens:]
-            text = c.text or ""  # a stop string may yet cut what the engine holds back
-            yield Delta(index, new, text[num_chars:], c.logprobs and c.logprobs[num_tokens:],
-                        c.finish_reason, c.stop_reason, offset)
-            offset += sum(len(tokens.text(t)) for t in new)
-            self.sent[index] = (len(c.token_ids), len(text), offset, c.finish_reason is not None)
+            d = Delta(index, ids[num_tokens:], text[num_chars:], entries and entries[num_tokens:],
+                      finish, stop, offset, len(ids))
+            if first:
+                self.start(d, sub, out)
+            if d.logprobs is not None:  # the text offsets of later tokens' logprobs
+                offset = d.text_offset + sum(len(tokens.text(t)) for t in d.token_ids)
+            self.sent[index] = (len(ids), len(text), offset, finish is not None)
+            yield d
+
+    def start(self, d, sub, out):
+        """A choice's first delta: the prompt before it if echoed, and its prompt_logprobs."""
+        if self.call.prompt_logprobs is not None:
+            d.prompt_logprobs = out.prompt_logprobs
+        if self.call.echo:
+            d.token_ids = out.prompt_token_ids + d.token_ids
+            d.text = self.call.prompt_texts[sub.index] + d.text
+            if d.logprobs is not None:
+                d.logprobs = out.prompt_logprobs + d.logprobs
 
 
 class TokenTexts:
-    """Each token's own bytes and text, for logprobs. The built-in model's tokens are bytes; a
-    token that is part of a multi-byte character shows as "bytes:\\xe2" (the OpenAI API's way)."""
+    """Each token's name in logprobs, its bytes, and its share of a completion's text. The
+    built-in model's tokens are bytes; a token that is part of a multi-byte character shows as
+    "bytes:\\xe2" (the OpenAI API's way). A special token's name is its text ("</s>", as vLLM
+    shows it), though the completion's text leaves it out."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.cache = tokenizer, {}
+        self.tokenizer, self.names, self.texts = tokenizer, {}, {}
         self.bytes_level = isinstance(tokenizer, demo.Tokenizer) and tokenizer.hf is None
+        hf = getattr(tokenizer, "hf", None)  # a tokenizers.Tokenizer, which skips specials
+        self.decode_named = (tokenizer.decode if hf is None else
+                             functools.partial(hf.decode, skip_special_tokens=False))
 
     def bytes(self, token_id):
-        if token_id not in self.cache:
-            self.cache[token_id] = (bytes([token_id]) if self.bytes_level else
-                                    self.tokenizer.decode([token_id]).encode("utf-8"))
-        return self.cache[token_id]
+        if token_id not in self.names:
+            self.names[token_id] = (bytes([token_id]) if self.bytes_level else
+                                    self.decode_named([token_id]).encode("utf-8"))
+        return self.names[token_id]
 
     def text(self, token_id):  # its share of the completion's text
-        return self.bytes(token_id).decode("utf-8", errors="replace")
+        if token_id not in self.texts:
+            self.texts[token_id] = (self.bytes(token_id).decode("utf-8", errors="replace")
+                                    if self.bytes_level else self.tokenizer.decode([token_id]))
+        return self.texts[token_id]
 
     def token(self, token_id):  # the name it goes by in logprobs
         raw = self.bytes(token_id)
@@ -507,17 +702,33 @@ def clamp(logprob):
 
 def completion_logprobs(d, k, tokens):
     """The completions API's logprobs of a delta: per token its text, logprob, offset, and the k
-    likeliest with the drawn one (so k or k + 1 of them)."""
+    likeliest with the drawn one (so k or k + 1 of them); an echoed prompt's first token has no
+    logprob (null, as the OpenAI API and vLLM send it)."""
     offsets, offset = [], d.text_offset
     for t in d.token_ids:
         offsets.append(offset)
         offset += len(tokens.text(t))
+    pairs = list(zip(d.token_ids, d.logprobs))
     return dict(
         tokens=[tokens.token(t) for t in d.token_ids],
-        token_logprobs=[clamp(e[t]) for t, e in zip(d.token_ids, d.logprobs)],
-        top_logprobs=[{tokens.token(i): clamp(lp) for i, lp in likeliest(e, k) + [(t, e[t])]}
-                      for t, e in zip(d.token_ids, d.logprobs)],
+        token_logprobs=[None if e is None else clamp(e[t]) for t, e in pairs],
+        top_logprobs=[None if e is None else {
+            tokens.token(i): clamp(lp) for i, lp in likeliest(e, k) + [(t, e[t])]}
+            for t, e in pairs],
         text_offset=offsets)
+
+
+def prompt_logprobs(prompt, entries, k, tokens):
+    """vLLM's prompt_logprobs: None for the first prompt token, then for each the prompt's token
+    and the k likeliest, {token id: {logprob, rank, decoded_token}}; rank 1 is the likeliest,
+    and the prompt's token's rank is null when it is not among the k (the engine keeps no more)."""
+    out = [None]
+    for t, e in zip(prompt[1:], entries[1:]):
+        top = likeliest(e, k)
+        ranks = {i: r for r, (i, _) in enumerate(top, 1)}
+        out.append({str(i): dict(logprob=clamp(lp), rank=ranks.get(i),
+                                 decoded_token=tokens.token(i)) for i, lp in [(t, e[t])] + top})
+    return out
 
 
 def chat_logprobs(d, k, tokens):
@@ -528,10 +739,13 @@ def chat_logprobs(d, k, tokens):
                          for t, e in zip(d.token_ids, d.logprobs)], refusal=None)
 
 
-def completion_choice(d, k, tokens):
-    return dict(index=d.index, text=d.text, finish_reason=d.finish_reason,
-                stop_reason=d.stop_reason,
-                logprobs=None if d.logprobs is None else completion_logprobs(d, k, tokens))
+def completion_choice(d, k, tokens, prompt_k=None, prompt=None):
+    choice = dict(index=d.index, text=d.text, finish_reason=d.finish_reason,
+                  stop_reason=d.stop_reason,
+                  logprobs=None if d.logprobs is None else completion_logprobs(d, k, tokens))
+    if d.prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs(prompt, d.prompt_logprobs, prompt_k, tokens)
+    return choice
 
 
 def chat_choice(d, k, tokens, streaming):
@@ -542,13 +756,17 @@ def chat_choice(d, k, tokens, streaming):
                 logprobs=None if d.logprobs is None else chat_logprobs(d, k, tokens))
 
 
-def usage(finals):
+def usage(finals, prompt_only=False):
     """Tokens of the prompts (each once, however many samples) and of every choice."""
     prompt = sum(len(out.prompt_token_ids) for out in finals)
-    completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
+    completion = 0 if prompt_only else sum(len(c.token_ids) for out in finals for c in out.outputs)
+    return token_usage(prompt, completion) | dict(
+        prompt_tokens_details=dict(cached_tokens=sum(o.num_cached_tokens for o in finals)))
+
+
+def token_usage(prompt, completion):
     return dict(prompt_tokens=prompt, completion_tokens=completion,
-                total_tokens=prompt + completion,
-                prompt_tokens_details=dict(cached_tokens=sum(o.num_cached_tokens for o in finals)))
+                total_tokens=prompt + completion)
 
 
 # -----------------------------------------------------------------------------
@@ -559,11 +777,21 @@ def usage(finals):
 class Call:
     """One HTTP request on its way: its submissions and how to shape what comes back."""
     chat: bool
-    req: OpenAIRequest
+    req: OpenAIFields
     subs: list
     logprobs: int | None  # k, when logprobs were asked for
+    prompt_logprobs: int | None = None  # vLLM's field: k for each prompt token, if asked for
+    echo: bool = False  # the prompt first in each choice
+    prompt_texts: list | None = None  # the prompts' text, for echo
+    prompt_only: bool = False  # max_tokens 0 with echo: the prompt, nothing generated
+    model: str = ""  # the name it answers as
+    head: bytes | None = None  # the start of each of its server-sent events, once encoded
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def n(self):  # samples per prompt
+        return self.subs[0].params.n
 
     def envelope(self, model, choices, streaming, **more):
         kind = ("chat.completion.chunk" if streaming else "chat.completion") if self.chat \
@@ -571,33 +799,58 @@ class Call:
         return dict(id=("chatcmpl-" if self.chat else "cmpl-") + self.id, object=kind,
                     created=self.created, model=model, choices=choices, **more)
 
+    def chunk(self, choice, usage=None):
+        """One server-sent event of the stream, with one choice (or none) and maybe usage: the
+        envelope around them, the same in every chunk, is encoded once."""
+        if self.head is None:
+            self.head = sse(self.envelope(self.model, [], True))[:-len(b"]}\n\n")]
+        tail = b"]}\n\n" if not usage else b'],"usage":' + encode_json(usage).encode() + b"}\n\n"
+        return self.head + (b"" if choice is None else encode_json(choice).encode()) + tail
+
     def choice(self, d, tokens, streaming):
-        return (chat_choice(d, self.logprobs, tokens, streaming) if self.chat
-                else completion_choice(d, self.logprobs, tokens))
+        if self.chat:
+            return chat_choice(d, self.logprobs, tokens, streaming)
+        prompt = self.subs[d.index // self.n].prompt_token_ids
+        return completion_choice(d, self.logprobs, tokens, self.prompt_logprobs, prompt)
 
 
 def prepare(req, served, chat):
     """A request, checked in full, as a Call whose submissions are ready for the loop."""
+    check_known(req, "/v1/chat/completions" if chat else "/v1/completions")
     check_model(req, served)
     if req.stream_options is not None and not req.stream:
         raise APIError("stream_options is only allowed with stream=true", "stream_options")
+    if req.stream and req.prompt_logprobs is not None:  # as vLLM: echo them instead
+        raise APIError("prompt_logprobs is not available with stream=true", "prompt_logprobs")
     names = dict(max_tokens="max_tokens", logprobs="logprobs")  # SamplingParams' -> the request's
+    call = Call(chat, req, [], None, req.prompt_logprobs, model=served.names[0])
     if chat:
+        if req.echo:
+            raise APIError("echo is not supported on chat completions", "echo")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", "top_logprobs")
         prompts = [chat_prompt(req, served)]
-        k = (req.top_logprobs or 0) if req.logprobs else None
+        call.logprobs = (req.top_logprobs or 0) if req.logprobs else None
         names["logprobs"] = "top_logprobs"
         max_tokens = req.max_tokens
         if req.max_completion_tokens is not None:  # the newer name; it wins, as in vLLM
             max_tokens, names["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
     else:
-        prompts, k, max_tokens = completion_prompts(req, served), req.logprobs, req.max_tokens
-    max_tokens = max_tokens_of(max_tokens, names["max_tokens"], served, prompts)
-    params = sampling_params(req, served, prompts, max_tokens, k, names)
-    queue = asyncio.Queue()
-    subs = [Submission(p, params, req.priority, queue, i) for i, p in enumerate(prompts)]
-    return Call(chat, req, subs, k)
+        prompts, call.prompt_texts = completion_prompts(req, served)
+        call.logprobs, call.echo, max_tokens = req.logprobs, req.echo, req.max_tokens
+        if req.echo and max_tokens == 0:  # the prompt alone (lm-eval's loglikelihood asks so):
+            # SamplingParams needs max_tokens >= 1, so the engine draws one token, from the
+            # logits its prefill makes anyway (no forward more), and the answer leaves it out
+            call.prompt_only, max_tokens = True, 1
+    own = dict(max_tokens=max_tokens_of(max_tokens, names["max_tokens"], served, prompts),
+               logprobs=call.logprobs)
+    if call.echo and call.logprobs is not None:  # echoed logprobs are prompt logprobs
+        own["prompt_logprobs"] = max(call.logprobs, req.prompt_logprobs or 0)
+    params = sampling_params(req, served, prompts, own, names)
+    mailbox = Mailbox()
+    call.subs = [Submission(p, params, req.priority, mailbox, i, req.stream)
+                 for i, p in enumerate(prompts)]
+    return call
 
 
 async def serve(call, loop, served, request):
@@ -612,15 +865,22 @@ async def serve(call, loop, served, request):
         raise APIError(str(e), status=500) from None
     finally:  # a client that left, or a failed sibling: stop the others too
         loop.abort(call.subs)
-    tokens, cursor = served.tokens, Cursor(call.req.n)
+    tokens, cursor = served.tokens, Cursor(call)
     choices = sorted((call.choice(d, tokens, False) for sub, out in finals
                       for d in cursor.deltas(sub, out, tokens)), key=lambda c: c["index"])
-    return call.envelope(served.names[0], choices, False, usage=usage([o for _, o in finals]))
+    more = {}
+    if call.chat and call.prompt_logprobs is not None:  # the response's, as vLLM's
+        out = finals[0][1]
+        more["prompt_logprobs"] = prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs,
+                                                  call.prompt_logprobs, tokens)
+    return Response(encode_json(call.envelope(
+        served.names[0], choices, False, usage=usage([o for _, o in finals], call.prompt_only),
+        **more)), media_type="application/json")
 
 
 async def collect(call):
     """Each submission's final RequestOutput."""
-    return [(sub, out) async for sub, out in results(call.subs[0].outputs, call.subs)
+    return [(sub, out) async for pairs in results(call.subs) for sub, out in pairs
             if out.finished]
 
 
@@ -647,30 +907,44 @@ async def wait_for_disconnect(request):
 
 async def events(call, loop, served):
     """Server-sent events: a chunk per choice as it gains tokens, then usage if asked, then
-    [DONE]. Starlette cancels this generator when the client disconnects: finally aborts."""
-    model, tokens, cursor, finals = served.names[0], served.tokens, Cursor(call.req.n), []
+    [DONE]. Starlette cancels this generator when the client disconnects: finally aborts.
+    stream_options.continuous_usage_stats puts the usage so far in every chunk too: the prompt's
+    tokens and the choice's (vLLM's)."""
+    tokens, cursor, finals = served.tokens, Cursor(call), []
+    options = call.req.stream_options or StreamOptions()
+    continuous = options.include_usage and options.continuous_usage_stats
     try:
         for sub in call.subs:
             loop.submit(sub)
         if call.chat:  # the OpenAI API's first chunk of each choice: the role, no content yet
-            for i in range(call.req.n):
-                yield sse(call.envelope(model, [dict(index=i, delta=dict(
-                    role="assistant", content=""), logprobs=None, finish_reason=None)], True))
-        async for sub, out in results(call.subs[0].outputs, call.subs):
-            for d in cursor.deltas(sub, out, tokens):
-                yield sse(call.envelope(model, [call.choice(d, tokens, True)], True))
-            finals += [out] if out.finished else []
-        if call.req.stream_options and call.req.stream_options.include_usage:
-            yield sse(call.envelope(model, [], True, usage=usage(finals)))
+            prompt = len(call.subs[0].prompt_token_ids)
+            for i in range(call.n):
+                yield call.chunk(dict(index=i, delta=dict(role="assistant", content=""),
+                                      logprobs=None, finish_reason=None),
+                                 continuous and token_usage(prompt, 0))
+        async for pairs in results(call.subs):  # a step's chunks go out in one write
+            chunks = []
+            for sub, out in pairs:
+                prompt = len(out.prompt_token_ids)
+                chunks += [call.chunk(call.choice(d, tokens, True), continuous and token_usage(
+                    prompt, d.num_tokens)) for d in cursor.deltas(sub, out, tokens)]
+                finals += [out] if out.finished else []
+            yield b"".join(chunks)
+        if options.include_usage:
+            yield call.chunk(None, usage(finals, call.prompt_only))
     except (StepFailed, APIError) as e:  # the status line went out already: an error event
         yield sse(error_body(str(e), "server_error"))
     finally:
         loop.abort(call.subs)
-    yield "data: [DONE]\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+# JSON as the server sends it: compact, and UTF-8 as it is (one encoder, made once)
+encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
 def sse(payload):
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {encode_json(payload)}\n\n".encode()
 
 
 def metrics_text(s, model):
@@ -706,6 +980,9 @@ def metrics_text(s, model):
         ("vllm:request_success_total", "counter", "Finished requests by finished_reason (abort: "
          "the client left; error: a failed step).",
          {r: s["finished"].get(r, 0) for r in ("stop", "length", "abort", "error")}),
+        ("process_cpu_seconds_total", "counter", "Total user and system CPU time spent in "
+         "seconds, by every thread of the server (Prometheus' process metric).",
+         time.process_time()),
     ]
     model = model.replace("\\", "\\\\").replace('"', '\\"')
     lines = []
@@ -717,39 +994,92 @@ def metrics_text(s, model):
     return "\n".join(lines) + "\n"
 
 
+def tokenizer_description(served):
+    """vLLM's /tokenizer_info: the tokenizer's special tokens (null where the folder's
+    tokenizer_config.json names none: the built-in model has no end token) and its length."""
+    config = checkpoints.read_json(served.path, "tokenizer_config.json") or {}
+    special = {k: v["content"] if isinstance(v, dict) else v for k, v in config.items()
+               if k in checkpoints.SPECIAL_TOKENS}
+    kind = "bytes (UTF-8)" if served.tokens.bytes_level else "tokenizers.Tokenizer"
+    return dict(tokenizer_class=config.get("tokenizer_class", kind), eos_token=None,
+                bos_token=None, pad_token=None, model_max_length=served.max_seq_len) | special
+
+
+def key_check(served):
+    """--api-key as vllm serve takes it: a dependency that answers 401 unless the request
+    bears the key (compared in constant time)."""
+    async def authorized(request: Request):
+        if served.api_key is not None and not hmac.compare_digest(
+                request.headers.get("authorization", "").encode(),
+                f"Bearer {served.api_key}".encode()):
+            raise APIError("a valid API key is needed: Authorization: Bearer <--api-key>",
+                           status=401, code="invalid_api_key")
+    return authorized
+
+
+def add_tokenizer_routes(app, served, keyed):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info: lm-eval's remote tokenizer, which
+    counts a loglikelihood request's context tokens with the server's own tokenizer."""
+    @app.post("/tokenize", **keyed)
+    async def tokenize(req: TokenizeRequest):
+        check_known(req, "/tokenize")
+        check_model(req, served)
+        ids = served.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        return dict(count=len(ids), max_model_len=served.max_seq_len, tokens=ids, token_strs=None)
+
+    @app.post("/detokenize", **keyed)
+    async def detokenize(req: DetokenizeRequest):
+        check_known(req, "/detokenize")
+        check_model(req, served)
+        if any(not 0 <= t < served.vocab_size for t in req.tokens):
+            raise APIError(f"tokens must be in [0, {served.vocab_size})", "tokens")
+        return dict(prompt=served.tokenizer.decode(req.tokens))
+
+    @app.get("/tokenizer_info", **keyed)
+    async def tokenizer_info():
+        return tokenizer_description(served)
+
+
 def build_app(engine, served):
     """The FastAPI app: the routes over one EngineLoop, started with the app and stopped with
     it."""
     loop = None
+    CompletionRequest, ChatCompletionRequest = request_models()
 
     @asynccontextmanager
     async def lifespan(app):
         nonlocal loop
-        loop = EngineLoop(engine)
-        task = asyncio.create_task(loop.run())
+        loop = EngineLoop(engine, asyncio.get_running_loop())
+        loop.start()
         yield
-        task.cancel()
+        loop.stop()
 
     app = FastAPI(title="nanopaged", lifespan=lifespan)
     app.add_exception_handler(APIError, lambda request, e: e.response())
-    app.add_exception_handler(RequestValidationError,
-                              lambda request, e: validation_error(e).response())
+    bodies = {"/v1/completions": CompletionRequest, "/v1/chat/completions": ChatCompletionRequest,
+              "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+    app.add_exception_handler(RequestValidationError, lambda request, e: validation_error(
+        e, bodies.get(request.url.path)).response())
     app.add_exception_handler(HTTPException, lambda request, e: APIError(
         str(e.detail), status=e.status_code).response())
 
-    @app.post("/v1/completions")
+    keyed = dict(dependencies=[Depends(key_check(served))])  # all but /health and /metrics
+
+    @app.post("/v1/completions", **keyed)
     async def completions(req: CompletionRequest, request: Request):
         return await serve(prepare(req, served, chat=False), loop, served, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **keyed)
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         return await serve(prepare(req, served, chat=True), loop, served, request)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **keyed)
     async def models():
         return dict(object="list", data=[dict(
             id=served.names[0], object="model", created=int(time.time()), owned_by="nanopaged",
             root=served.path, max_model_len=served.max_seq_len)])
+
+    add_tokenizer_routes(app, served, keyed)
 
     @app.get("/health")
     async def health():  # 200 while the engine loop runs (vLLM's): it may be mid-step
@@ -782,6 +1112,12 @@ def argument_parser():
     p.add_argument("--served-model-name",
                    help="the model name clients send and /v1/models lists (default: the "
                    "folder's name); --model's value is accepted too")
+    p.add_argument("--api-key",
+                   help="if given, every request but /health and /metrics must send it "
+                   "(Authorization: Bearer KEY); others get a 401")
+    p.add_argument("--seed", type=int,
+                   help="seeds the requests that give no seed, in the order they come, so that a "
+                   "run repeats (default: each a random seed)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level; info logs a line per request (default info)")
@@ -793,9 +1129,9 @@ def served_model(args, model, engine, tokenizer):
     return ServedModel(
         names=[name, args.model], path=args.model, tokenizer=tokenizer,
         max_seq_len=model.config.max_seq_len, vocab_size=model.config.vocab_size,
-        defaults={k: getattr(args, k) for k in DEFAULT_FIELDS},
+        defaults={f.name: getattr(args, f.name) for f in demo.sampling_fields()},
         priority_scheduling=args.scheduling_policy == "priority",
-        check_request=engine.check_request)
+        check_request=engine.check_request, api_key=args.api_key, seed=args.seed)
 
 
 def main(argv=None):
@@ -812,9 +1148,15 @@ def main(argv=None):
     logger.info("model %s as %r: max_seq_len %d; KV pool %d blocks x %d tokens on %s",
                 args.model, served.names[0], served.max_seq_len, engine.allocator.num_blocks,
                 engine.block_size, engine.device)
+    app = build_app(engine, served)
+    # what start-up made (the model, the libraries) lives as long as the server: the cyclic
+    # collector, which every thread's allocations trigger, need not walk it again (as vLLM)
+    gc.collect()
+    gc.freeze()
     # a stream still open at shutdown gets a few seconds, then is cut
-    uvicorn.run(build_app(engine, served), host=args.host, port=args.port,
-                log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                timeout_graceful_shutdown=5)
+    gc.unfreeze()  # and it all goes as usual at exit
 
 
 # -----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ Without a GPU the Triton kernels run in Triton's interpreter.
 """
 
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -5478,12 +5479,13 @@ def served_client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def served_metrics(url):
-    """/metrics as {name or name{labels}: value}, the model_name label left out."""
+def served_metrics(url, cpu=True):
+    """/metrics as {name or name{labels}: value}, the model_name label left out (and the
+    server's CPU seconds, which every call moves, unless cpu)."""
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     samples = {}
     for line in text.splitlines():
-        if line and not line.startswith("#"):
+        if line and not line.startswith("#") and (cpu or not line.startswith("process_cpu")):
             key, value = line.rsplit(" ", 1)
             key = re.sub(r'model_name="[^"]*",?', "", key).replace("{}", "")
             samples[key] = float(value)
@@ -5545,6 +5547,17 @@ def test_server_completions_and_chat_stream_and_not_as_engine_generate(served):
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].usage is None
     assert "".join(c.choices[0].delta.content for c in chunks) == ref_chat.outputs[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
+    # continuous_usage_stats (guidellm sends it): the usage so far in every chunk too
+    for create, args in [(client.completions.create, dict(prompt="Lambdas")),
+                         (client.chat.completions.create, dict(messages=messages))]:
+        chunks = list(create(model="pydoc-chat", max_tokens=5, stream=True, **args,
+                             stream_options={"include_usage": True,
+                                             "continuous_usage_stats": True}))
+        prompt = 7 if "prompt" in args else len(chat_ids)
+        assert [(c.usage.prompt_tokens, c.usage.completion_tokens, c.usage.total_tokens)
+                for c in chunks] == [(prompt, i, prompt + i) for i in
+                                     ([0] if "messages" in args else []) + [1, 2, 3, 4, 5, 5]]
+        assert chunks[-1].choices == []
     # on the wire: server-sent events, each "data: {json}", the last "data: [DONE]"
     body = json.dumps(dict(model="pydoc-chat", prompt="Lambdas", max_tokens=3, stream=True))
     request = urllib.request.Request(url + "/v1/completions", body.encode(),
@@ -5679,6 +5692,203 @@ def test_server_n_samples_and_logprobs_are_shaped_as_the_api_says(served):
 
 
 @pytest.mark.server
+def test_server_echo_returns_the_prompt_and_its_logprobs_as_engine_computes_them(served):
+    """What lm-eval's loglikelihood tasks send: token-id prompts, echo, logprobs, max_tokens 0 or
+    1. Every prompt's echoed logprobs are the engine's own prompt logprobs (the first null, as
+    the OpenAI API and vLLM give it), its text the prompt's, nothing generated with max_tokens 0;
+    with tokens generated, the prompt comes first, streamed or not; vLLM's prompt_logprobs too."""
+    import openai
+    url, folder, model = served
+    client, tok = served_client(url), demo.Tokenizer(folder)
+    prompts = [tok.encode(p) for p in SERVED_PROMPTS]
+    ref = served_reference(model, prompts, SamplingParams(max_tokens=3, temperature=0,
+                                                          prompt_logprobs=2, logprobs=2))
+    out = client.completions.create(model="pydoc-chat", prompt=prompts, echo=True, logprobs=2,
+                                    max_tokens=0)
+    assert out.usage.completion_tokens == 0 and [c.index for c in out.choices] == list(range(16))
+    for choice, r, text in zip(out.choices, ref, SERVED_PROMPTS):
+        lp = choice.logprobs
+        assert choice.text == text and choice.finish_reason == "length"
+        assert lp.tokens == [served_token(t) for t in r.prompt_token_ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.token_logprobs[1:] == pytest.approx(
+            [e[t] for t, e in zip(r.prompt_token_ids[1:], r.prompt_logprobs[1:])], abs=1e-4)
+        assert lp.text_offset == list(range(len(text)))
+        for top, e in zip(lp.top_logprobs[1:], r.prompt_logprobs[1:]):
+            assert len(top) in (2, 3)
+            assert max(top.values()) == pytest.approx(max(e.values()), abs=1e-4)
+    # tokens generated after the echoed prompt, streamed or not: Engine.generate's
+    args = dict(model="pydoc-chat", prompt=prompts[3], echo=True, logprobs=1, max_tokens=3)
+    whole = client.completions.create(**args).choices[0]
+    chunks = list(client.completions.create(**args, stream=True))
+    for text, tokens in [(whole.text, whole.logprobs.tokens),
+                         ("".join(c.choices[0].text for c in chunks),
+                          [t for c in chunks for t in c.choices[0].logprobs.tokens])]:
+        assert text == SERVED_PROMPTS[3] + ref[3].outputs[0].text
+        assert tokens == [served_token(t) for t in prompts[3] + ref[3].outputs[0].token_ids]
+    assert whole.logprobs.token_logprobs[-3:] == pytest.approx(
+        [e[t] for t, e in zip(ref[3].outputs[0].token_ids, ref[3].outputs[0].logprobs)],
+        abs=1e-4)
+    plain = client.completions.create(model="pydoc-chat", prompt=prompts[3], echo=True,
+                                      max_tokens=3).choices[0]
+    assert plain.text == whole.text and plain.logprobs is None
+    # vLLM's prompt_logprobs: {token id: {logprob, rank, decoded_token}} per prompt token
+    body = client.completions.create(model="pydoc-chat", prompt=prompts[5], max_tokens=1,
+                                     extra_body=dict(prompt_logprobs=2)).model_dump()
+    entries = body["choices"][0]["prompt_logprobs"]
+    assert entries[0] is None and len(entries) == len(prompts[5])
+    for t, entry, e in zip(prompts[5][1:], entries[1:], ref[5].prompt_logprobs[1:]):
+        assert entry[str(t)]["logprob"] == pytest.approx(e[t], abs=1e-4)
+        assert entry[str(t)]["decoded_token"] == served_token(t)
+        ranked = sorted((x for x in entry.values() if x["rank"]), key=lambda x: x["rank"])
+        assert [x["rank"] for x in ranked] == [1, 2]
+        assert ranked[0]["logprob"] >= ranked[1]["logprob"] == pytest.approx(sorted(
+            e.values())[-2], abs=1e-4)
+        assert len(entry) == 2 or entry[str(t)]["rank"] is None  # the prompt's, not in the 2
+    chat = client.chat.completions.create(
+        model="pydoc-chat", messages=[{"role": "user", "content": "Lambdas"}], max_tokens=1,
+        extra_body=dict(prompt_logprobs=0)).model_dump()
+    assert chat["prompt_logprobs"][0] is None
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    with pytest.raises(openai.BadRequestError) as e:  # as vLLM: echo them instead
+        list(client.completions.create(model="pydoc-chat", prompt="A", max_tokens=1,
+                                       stream=True, extra_body=dict(prompt_logprobs=1)))
+    assert e.value.param == "prompt_logprobs"
+
+
+@pytest.mark.server
+def test_server_tokenizes_and_detokenizes_as_vllms_routes(served):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info, which lm-eval's remote tokenizer reads:
+    the server's own tokenizer, round trip."""
+    url, folder, _ = served
+
+    def post(route, body):
+        request = urllib.request.Request(url + route, json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return json.loads(response.read())
+    text = "Lambdas é ∑"
+    ids = post("/tokenize", dict(prompt=text, add_special_tokens=False))
+    assert ids["tokens"] == demo.Tokenizer(folder).encode(text)
+    assert ids["count"] == len(text.encode()) and ids["max_model_len"] == 256
+    assert post("/detokenize", dict(tokens=ids["tokens"]))["prompt"] == text
+    info = json.loads(urllib.request.urlopen(url + "/tokenizer_info", timeout=10).read())
+    assert info["eos_token"] is None and info["model_max_length"] == 256  # no end token
+    with pytest.raises(urllib.error.HTTPError) as e:
+        post("/detokenize", dict(tokens=[1, 256]))
+    assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "tokens"
+
+
+LM_EVAL_RUN = """
+import json, sys
+import lm_eval
+from lm_eval.tasks import TaskManager
+url, tasks = sys.argv[1], sys.argv[2]
+out = lm_eval.simple_evaluate(
+    model="local-completions", tasks=["pydoc_mc", "pydoc_gen"], log_samples=True,
+    model_args=dict(model="pydoc-chat", base_url=url + "/v1/completions", max_length=256,
+                    batch_size=4),
+    task_manager=TaskManager(include_path=tasks, include_defaults=False))
+print(json.dumps(dict(results=out["results"], samples={
+    task: [dict(arguments=x["arguments"], resps=x["resps"], doc=x["doc"]) for x in samples]
+    for task, samples in out["samples"].items()})))
+"""
+
+
+def lm_eval_tasks(folder):
+    """Two small lm-eval tasks written as local files, nothing to download: multiple choice
+    (a loglikelihood per choice) over the docs' topics, whose right answer is each topic's own
+    ending or another's (so that the model gets some wrong), and generate_until."""
+    endings = ["statement is used to", "is a mutable sequence", "finds and loads modules",
+               "are raised when", "defines a function", "defines a class", "wraps a block",
+               "map keys to values"]
+    docs = [dict(question=t, choices=[endings[i], endings[(i + 3) % 8], "zq xv"], answer=i % 3)
+            for i, t in enumerate(SERVED_PROMPTS[:8])]
+    with open(folder / "mc.jsonl", "w") as f:
+        f.writelines(json.dumps(d) + "\n" for d in docs)
+    with open(folder / "gen.jsonl", "w") as f:
+        f.writelines(json.dumps(dict(prompt=t)) + "\n" for t in SERVED_PROMPTS[8:12])
+    local = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {}\ntest_split: test\n"
+    (folder / "mc.yaml").write_text(
+        "task: pydoc_mc\n" + local.format(folder / "mc.jsonl") + "output_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{answer}}"\nmetric_list:\n  - metric: acc\n')
+    (folder / "gen.yaml").write_text(
+        "task: pydoc_gen\n" + local.format(folder / "gen.jsonl") + "output_type: generate_until\n"
+        'doc_to_text: "{{prompt}}"\ndoc_to_target: ""\ngeneration_kwargs:\n'
+        '  until: ["\\n"]\n  max_gen_toks: 16\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n")
+    return docs
+
+
+@pytest.mark.server
+def test_lm_eval_through_the_server_scores_as_the_engine(served, tmp_path):
+    """lm-eval itself (its Python API, its local-completions model, unchanged) against the
+    server: each choice's loglikelihood is the sum of the engine's own prompt logprobs over the
+    choice's tokens, the multiple-choice accuracy is what those give directly, and each
+    generation is Engine.generate's. lm-eval tokenizes through the server's /tokenize; its
+    tasks are local files, and nothing is fetched (the Hugging Face libraries kept offline)."""
+    pytest.importorskip("lm_eval")
+    url, folder, model = served
+    tok = demo.Tokenizer(folder)
+    docs = lm_eval_tasks(tmp_path)
+    env = os.environ | dict(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                            HF_HOME=str(tmp_path / "hf"))
+    run = subprocess.run([sys.executable, "-c", LM_EVAL_RUN, url, str(tmp_path)], env=env,
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.splitlines()[-1])
+    # loglikelihoods: lm-eval's, per (context, continuation), against the engine's logprobs
+    pairs = [tuple(a) for x in out["samples"]["pydoc_mc"] for a in x["arguments"]]
+    assert len(pairs) == 3 * len(docs)
+    wholes = [tok.encode(context + continuation) for context, continuation in pairs]
+    ref = served_reference(model, wholes, SamplingParams(max_tokens=1, temperature=0,
+                                                         prompt_logprobs=0))
+    engine_ll = {}
+    for (context, continuation), whole, r in zip(pairs, wholes, ref):
+        # lm-eval scores a context's trailing spaces as the continuation's ("def ", " x"): its
+        # loglikelihood is of the tokens after the stripped context
+        n = len(whole) - len(tok.encode(context.rstrip()))
+        engine_ll[context, continuation] = sum(
+            e[t] for t, e in zip(whole[-n:], r.prompt_logprobs[-n:]))
+    right = 0
+    for x in out["samples"]["pydoc_mc"]:
+        got = [resp[0][0] for resp in x["resps"]]
+        want = [engine_ll[tuple(a)] for a in x["arguments"]]
+        assert got == pytest.approx(want, rel=1e-5, abs=1e-3)
+        right += max(range(3), key=want.__getitem__) == x["doc"]["answer"]
+    assert out["results"]["pydoc_mc"]["acc,none"] == right / len(docs)
+    assert 0 < right < len(docs)  # the task tells a right ranking from a wrong one
+    # generations: lm-eval's text against Engine.generate's, with its until as stop strings
+    gens = out["samples"]["pydoc_gen"]
+    prompts = [tok.encode(x["arguments"][0][0]) for x in gens]
+    ref = served_reference(model, prompts, SamplingParams(max_tokens=16, temperature=0,
+                                                          stop=["\n"]))
+    assert [x["resps"][0][0] for x in gens] == [r.outputs[0].text for r in ref]
+    assert all(r.outputs[0].text for r in ref)
+
+
+@pytest.mark.server
+def test_guidellm_benchmarks_the_server_and_every_request_succeeds(served, tmp_path):
+    """guidellm's synthetic benchmark, unchanged, against the server's chat route (guidellm's
+    default: it streams with continuous usage stats, and sends ignore_eos and
+    max_completion_tokens): every request succeeds with the output tokens it asked for."""
+    pytest.importorskip("guidellm")
+    import bench
+    url, _, _ = served
+    report = bench.guidellm_run(url, str(tmp_path), requests=4, concurrency=2, prompt_tokens=16,
+                                output_tokens=8, request_format="/v1/chat/completions")
+    requests = report["benchmarks"][0]["requests"]
+    assert len(requests["successful"]) == 4 and not requests["errored"]
+    assert not requests["incomplete"]
+    for r in requests["successful"]:
+        assert r["output_tokens"] == 8 and r["prompt_tokens"] > 16  # the template's tokens too
+        body = json.loads(r["request_args"])["body"]
+        assert body["max_completion_tokens"] == 8 and body["ignore_eos"] is True
+        assert body["stream_options"]["continuous_usage_stats"] is True
+
+
+@pytest.mark.server
 @pytest.mark.parametrize("stream", [True, False])
 def test_server_client_that_disconnects_leaves_no_request_and_no_block(served, stream):
     url, _, _ = served
@@ -5726,7 +5936,8 @@ def test_server_answers_health_while_a_long_request_streams(served):
     assert rest[-1].choices[0].finish_reason == "length"
 
 
-SERVED_BAD_FIELDS = [  # (endpoint, field, value); each alone in an otherwise good request
+SERVED_BAD_FIELDS = [  # (endpoint, field, value[, the param the 400 names]); each alone in an
+    # otherwise good request
     ("completions", "temperature", -1), ("completions", "temperature", "hot"),
     ("completions", "top_p", 0), ("completions", "top_p", 1.5), ("completions", "top_k", -1),
     ("completions", "min_p", 2), ("completions", "n", 0), ("completions", "n", 1.5),
@@ -5739,35 +5950,67 @@ SERVED_BAD_FIELDS = [  # (endpoint, field, value); each alone in an otherwise go
     ("completions", "prompt", [[300]]), ("completions", "prompt", ""),
     ("completions", "prompt", "x" * 300), ("completions", "stream", "yes"),
     ("completions", "priority", 1), ("completions", "stream_options", {"include_usage": True}),
-    ("completions", "best_of", 2), ("completions", "echo", True),
-    ("chat", "messages", []), ("chat", "messages", [{"content": "no role"}]),
-    ("chat", "messages", [{"role": "user", "content": [{"type": "image_url"}]}]),
+    ("completions", "stream_options", {"include_usage": "yes"}, "stream_options.include_usage"),
+    ("completions", "stream_options", {"continuous_usage_stats": 1},
+     "stream_options.continuous_usage_stats"),
+    ("completions", "ignore_eos", "yes"), ("completions", "include_stop_str_in_output", 1),
+    # known, but beyond this server: refused, not ignored
+    ("completions", "best_of", 2), ("completions", "suffix", "!"),
+    ("completions", "logit_bias", {"65": 5}), ("chat", "tools", []),
+    ("chat", "response_format", {"type": "json_object"}),
+    ("chat", "messages", []), ("chat", "messages", [{"content": "no role"}], "messages.[0].role"),
+    ("chat", "messages", [{"role": "user", "content": [{"type": "image_url"}]}],
+     "messages.[0].content"),
+    ("chat", "messages", [{"role": "user", "content": 5}], "messages.[0].content"),
     ("chat", "max_completion_tokens", 0), ("chat", "top_logprobs", 2),
-    ("chat", "logprobs", 1), ("chat", "temperature", -0.5), ("chat", "tools", []),
+    ("chat", "logprobs", 1), ("chat", "temperature", -0.5), ("chat", "echo", True),
+    ("completions", "prompt_logprobs", 21), ("completions", "prompt_logprobs", -1),
+    ("completions", "echo", 1), ("chat", "prompt_logprobs", 1.5),
 ]
 
 
 @pytest.mark.server
-@pytest.mark.parametrize("endpoint, field, value", SERVED_BAD_FIELDS)
+@pytest.mark.parametrize("endpoint, field, value, param", [
+    case if len(case) == 4 else (*case, case[1]) for case in SERVED_BAD_FIELDS])
 def test_server_bad_field_is_a_400_naming_it_and_reaches_no_engine(served, endpoint, field,
-                                                                    value):
+                                                                    value, param):
     import openai
     url, _, _ = served
     client = served_client(url)
     good = (dict(prompt="Lambdas", max_tokens=4) if endpoint == "completions" else
             dict(messages=[{"role": "user", "content": "Lambdas"}], max_tokens=4))
-    before = served_metrics(url)
+    before = served_metrics(url, cpu=False)
     create = client.completions.create if endpoint == "completions" else \
         client.chat.completions.create
     with pytest.raises(openai.BadRequestError) as e:
         create(model="pydoc-chat", extra_body={field: value}, **good)
-    assert e.value.status_code == 400 and e.value.param == field
-    assert e.value.type == "invalid_request_error" and field in e.value.message
-    assert served_metrics(url) == before  # nothing of it reached the engine
+    assert e.value.status_code == 400 and e.value.param == param
+    assert e.value.type == "invalid_request_error" and param in e.value.message
+    assert served_metrics(url, cpu=False) == before  # nothing of it reached the engine
     with pytest.raises(openai.NotFoundError) as e:  # and an unknown model is a 404
         create(model="gpt-4o", **good)
     assert e.value.param == "model" and e.value.code == "model_not_found"
     assert create(model="pydoc-chat", **good).usage.completion_tokens == 4
+
+
+@pytest.mark.server
+def test_server_ignores_fields_it_does_not_know_and_logs_one_line_naming_them(served):
+    """vLLM's reading: a field nobody here defines (a newer API's, a typo) changes nothing and
+    is named, with its full path, in one line of the server's log."""
+    url, folder, _ = served
+    client = served_client(url)
+    args = dict(model="pydoc-chat", prompt="Lambdas", max_tokens=6, stream=True,
+                stream_options={"include_usage": True})
+    plain = list(client.completions.create(**args))
+    log = os.path.join(folder, "server.log")
+    before = open(log).read()
+    odd = list(client.completions.create(**args | dict(stream_options={
+        "include_usage": True, "zest": 1}), extra_body=dict(frobnicate=[1], n_=2)))
+    assert [c.choices and c.choices[0].text for c in odd] == \
+        [c.choices and c.choices[0].text for c in plain]
+    new = open(log).read()[len(before):].splitlines()
+    named = [line for line in new if "frobnicate" in line]
+    assert len(named) == 1 and "n_" in named[0] and "stream_options.zest" in named[0]
 
 
 @pytest.mark.server
@@ -5803,6 +6046,12 @@ def test_server_chat_through_a_folders_tokenizer_json_and_template(hf_folder, tm
         chat = client.chat.completions.create(model=tmp_path.name, messages=messages,
                                               max_tokens=8, logprobs=True, top_logprobs=1)
         out = client.completions.create(model=str(tmp_path), prompt="hello w5", max_tokens=8)
+        echo = client.completions.create(model=str(tmp_path), prompt="hello w5", max_tokens=0,
+                                         echo=True, logprobs=0).choices[0]
+        info = json.loads(urllib.request.urlopen(url + "/tokenizer_info", timeout=10).read())
+        request = urllib.request.Request(url + "/tokenize", json.dumps(dict(
+            prompt="hello w5")).encode(), {"Content-Type": "application/json"})
+        tokenized = json.loads(urllib.request.urlopen(request, timeout=10).read())
     assert chat.usage.prompt_tokens == len(chat_ids) and out.usage.prompt_tokens == 3
     c = ref[0].outputs[0]
     assert chat.choices[0].message.content == c.text
@@ -5811,11 +6060,16 @@ def test_server_chat_through_a_folders_tokenizer_json_and_template(hf_folder, tm
     assert [e.bytes for e in chat.choices[0].logprobs.content] == \
         [list(tok.decode([t]).encode()) for t in c.token_ids]
     assert out.choices[0].text == ref[1].outputs[0].text
+    names = server.TokenTexts(tok)  # a special token goes by its text, as vLLM shows it
+    assert (names.token(1), names.bytes(1), names.text(1)) == ("<s>", b"<s>", "")
+    assert (names.token(2), names.text(2)) == ("hello", "hello")
+    assert echo.text == "hello w5" and echo.logprobs.tokens[:2] == ["<s>", "hello"]
+    assert info["bos_token"] == "<s>" and tokenized["tokens"] == tok.encode("hello w5")
 
 
 @pytest.mark.server
 @pytest.mark.parametrize("body, param", [(b"{not json", None), (b"[1, 2]", None),
-                                         (b'{"prompt": "x", "n": 2, "n_": 1}', "n_")])
+                                         (b'{"prompt": "x", "n": 2.5}', "n")])
 def test_server_a_body_that_does_not_parse_is_a_400_in_the_openai_shape(served, body, param):
     url, _, _ = served
     request = urllib.request.Request(url + "/v1/completions", body,
@@ -5825,6 +6079,46 @@ def test_server_a_body_that_does_not_parse_is_a_400_in_the_openai_shape(served, 
     assert e.value.code == 400
     error = json.loads(e.value.read())["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
+
+
+@pytest.mark.server
+def test_server_api_key_and_seed_as_vllm_serve_takes_them():
+    """--api-key: a /v1 request without it (or with another) is a 401 in the OpenAI API's shape,
+    /health and /metrics stay open; --seed: unseeded sampled requests repeat, in order, on a
+    server started with the same seed, and differ on another."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    import server
+
+    def texts(flags, key="k"):
+        args = server.argument_parser().parse_args(flags)
+        model, engine, tokenizer = demo.load(args)
+        with served_in_thread(engine, server.served_model(args, model, engine, tokenizer)) as url:
+            client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+            return [client.completions.create(model="pydoc-gpt", prompt="The", max_tokens=12,
+                                              temperature=1.0, n=2).choices[i].text
+                    for _ in range(2) for i in range(2)], url
+    flags = ["--api-key", "k", "--seed", "3"]
+    first, url = texts(flags)
+    assert texts(flags)[0] == first and len(set(first)) == 4  # each sample its own stream
+    assert texts(["--api-key", "k", "--seed", "4"])[0] != first
+    args = server.argument_parser().parse_args(["--api-key", "k"])
+    model, engine, tokenizer = demo.load(args)
+    with served_in_thread(engine, server.served_model(args, model, engine, tokenizer)) as url:
+        for key in ("wrong", "none"):
+            client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+            with pytest.raises(openai.AuthenticationError) as e:
+                client.completions.create(model="pydoc-gpt", prompt="The", max_tokens=2)
+            assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+            with pytest.raises(openai.AuthenticationError):
+                client.models.list()
+        for route in ("/v1/models", "/tokenizer_info"):  # no header at all
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(url + route, timeout=10)
+            assert e.value.code == 401
+        assert urllib.request.urlopen(url + "/health", timeout=10).status == 200
+        assert served_metrics(url)["vllm:num_requests_running"] == 0
+        assert engine.stats()["num_free_blocks"] == engine.stats()["num_blocks"]
 
 
 # -----------------------------------------------------------------------------
@@ -5855,25 +6149,26 @@ def test_engine_loop_fails_the_requests_of_a_failed_step_and_serves_the_rest():
     engine = Engine(served_poisoned_model(), block_size=4, num_blocks=64, max_num_seqs=2)
 
     async def scenario():
-        loop = server.EngineLoop(engine)
-        task = asyncio.create_task(loop.run())
-        queue = asyncio.Queue()
+        loop = server.EngineLoop(engine, asyncio.get_running_loop())
+        loop.start()
+        mailbox = server.Mailbox()
         # the first step admits the first two (max_num_seqs=2) and fails; the third waits
-        subs = [server.Submission(p, params, 0, queue, i)
+        subs = [server.Submission(p, params, 0, mailbox, i)
                 for i, p in enumerate([healthy, poisoned, waiting])]
         for sub in subs:
             loop.submit(sub)
         ends = {}
         while len(ends) < 3:
-            sub, out = await queue.get()
-            if isinstance(out, Exception) or out.finished:
-                ends[sub.index] = out
-        after = server.Submission(later, params, 0, queue)  # and the server goes on serving
+            for sub, out in await mailbox.take():
+                if isinstance(out, Exception) or out.finished:
+                    ends[sub.index] = out
+        after = server.Submission(later, params, 0, mailbox)  # and the server goes on serving
         loop.submit(after)
-        while not (out := (await queue.get())[1]).finished:
-            pass
+        out = None
+        while out is None or not out.finished:
+            out = (await mailbox.take())[-1][1]
         stats = await loop.stats()
-        task.cancel()
+        loop.stop()
         return ends, out, stats
     ends, after, stats = asyncio.run(scenario())
     assert isinstance(ends[0], server.StepFailed) and isinstance(ends[1], server.StepFailed)
@@ -5884,20 +6179,13 @@ def test_engine_loop_fails_the_requests_of_a_failed_step_and_serves_the_rest():
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
-@pytest.mark.server
-def test_server_a_failed_step_is_a_500_or_an_error_event_in_the_openai_shape():
-    pytest.importorskip("fastapi")
-    openai = pytest.importorskip("openai")
+@contextlib.contextmanager
+def served_in_thread(engine, served):
+    """server.build_app(engine, served) under uvicorn in a thread of this process (so a test can
+    hand it an engine of its own); yields its URL, and stops it however the test ends."""
     import uvicorn
 
     import server
-    engine = Engine(served_poisoned_model(), block_size=4, num_blocks=64)
-    served = server.ServedModel(
-        names=["poisoned"], path="", tokenizer=demo.Tokenizer(demo.DEMO_MODEL), max_seq_len=64,
-        vocab_size=32, defaults=dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0,
-                                     repetition_penalty=1.0, presence_penalty=0.0,
-                                     frequency_penalty=0.0, min_tokens=0),
-        priority_scheduling=False, check_request=engine.check_request)
     port = server.free_port()
     uv = uvicorn.Server(uvicorn.Config(server.build_app(engine, served), host="127.0.0.1",
                                        port=port, log_level="critical"))
@@ -5908,7 +6196,23 @@ def test_server_a_failed_step_is_a_500_or_an_error_event_in_the_openai_shape():
         while not uv.started:
             assert time.monotonic() < deadline and thread.is_alive()
             time.sleep(0.05)
-        url = f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        uv.should_exit = True
+        thread.join(timeout=10)
+
+
+@pytest.mark.server
+def test_server_a_failed_step_is_a_500_or_an_error_event_in_the_openai_shape():
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    import server
+    engine = Engine(served_poisoned_model(), block_size=4, num_blocks=64)
+    served = server.ServedModel(
+        names=["poisoned"], path="", tokenizer=demo.Tokenizer(demo.DEMO_MODEL), max_seq_len=64,
+        vocab_size=32, defaults=demo.sampling_defaults() | dict(temperature=0.0),
+        priority_scheduling=False, check_request=engine.check_request)
+    with served_in_thread(engine, served) as url:
         client = served_client(url)
         with pytest.raises(openai.InternalServerError) as e:
             client.completions.create(model="poisoned", prompt=[1, SERVED_POISON], max_tokens=3)
@@ -5922,12 +6226,70 @@ def test_server_a_failed_step_is_a_500_or_an_error_event_in_the_openai_shape():
         m = served_metrics(url)
         assert m['vllm:request_success_total{finished_reason="error"}'] == 2
         assert m["nanopaged:num_blocks_in_use"] == 0
-    finally:
-        uv.should_exit = True
-        thread.join(timeout=10)
 
 
+@dataclasses.dataclass
+class TypicalSamplingParams(SamplingParams):
+    """A fork's new sampling parameter, transformers' typical_p, as its one field: what it allows,
+    its flag's words, its generation_config.json key and transformers' default (a warper)."""
+    typical_p: float = nanopaged.setting(
+        1.0, "a number in (0, 1]", lambda x: nanopaged.number(x) and 0 < x <= 1, hf="typical_p",
+        hf_default=1.0, flag="keep the likeliest tokens of typical information, up to this mass")
 
+
+@pytest.mark.server
+@pytest.mark.demo
+def test_a_new_sampling_field_reaches_flags_requests_and_checkpoints(monkeypatch, tmp_path):
+    """Issue 38's fork: typical_p as a SamplingParams field with its metadata, and a pipeline
+    step that hears it, and nothing else edited: the CLI flag, generation_config.json, the
+    server's flag and its request field all reach the step."""
+    pytest.importorskip("fastapi")
+    import server
+    heard = []
+
+    def apply_typical_p(scores, meta):  # the fork's step: here it only listens
+        heard.extend(p.typical_p for p in meta.params)
+        return scores
+    for module in (nanopaged, demo):  # as if the fork had edited SamplingParams itself
+        monkeypatch.setattr(module, "SamplingParams", TypicalSamplingParams)
+    monkeypatch.setattr(nanopaged, "SAMPLING_STEPS", nanopaged.SAMPLING_STEPS + [apply_typical_p])
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{demo.DEMO_MODEL}/{name}", tmp_path / name)
+    (tmp_path / "generation_config.json").write_text(json.dumps(dict(do_sample=True,
+                                                                     typical_p=0.9)))
+    assert checkpoints.generation_defaults(str(tmp_path))["typical_p"] == 0.9
+    (tmp_path / "generation_config.json").write_text(json.dumps(dict(do_sample=True)))
+    assert checkpoints.generation_defaults(str(tmp_path))["typical_p"] == 1.0  # transformers'
+    (tmp_path / "generation_config.json").write_text(json.dumps(dict(typical_p=0.9)))
+    assert "typical_p" not in checkpoints.generation_defaults(str(tmp_path))  # greedy: no warper
+    # the CLI: a flag with its words, which wins over generation_config.json's value
+    assert "typical information" in demo.argument_parser().format_help()
+    (tmp_path / "generation_config.json").write_text(json.dumps(dict(  # server.py, which has
+        do_sample=True, typical_p=0.9, max_new_tokens=3)))  # no --max-tokens, reads it too
+    flags = ["--model", str(tmp_path), "--prompt", "Lambdas", "--max-tokens", "2"]
+    assert demo.build(demo.argument_parser().parse_args(flags))[4][0].typical_p == 0.9
+    args = demo.argument_parser().parse_args(flags + ["--typical-p", "0.5"])
+    _, engine, _, prompts, params, _ = demo.build(args)
+    assert params[0].typical_p == 0.5
+    engine.generate(prompts, params)
+    assert heard and set(heard) == {0.5}
+    # the server: its flag is the default of a request field under the same name
+    heard.clear()
+    args = server.argument_parser().parse_args(["--model", str(tmp_path), "--typical-p", "0.7"])
+    model, engine, tokenizer = demo.load(args)
+    with served_in_thread(engine, server.served_model(args, model, engine, tokenizer)) as url:
+        client = served_client(url)
+        name = tmp_path.name
+        client.completions.create(model=name, prompt="A", max_tokens=2, temperature=1.0)
+        assert set(heard) == {0.7}
+        heard.clear()
+        client.completions.create(model=name, prompt="A", max_tokens=2, temperature=1.0,
+                                  extra_body=dict(typical_p=0.25))
+        assert set(heard) == {0.25}
+        with pytest.raises(Exception) as e:
+            client.completions.create(model=name, prompt="A", max_tokens=2,
+                                      extra_body=dict(typical_p=2))
+        assert e.value.status_code == 400 and e.value.param == "typical_p"
 
 
 # -----------------------------------------------------------------------------
@@ -6219,7 +6581,12 @@ def test_bench_quick_runs_every_section_and_leaves_the_readmes_results_alone():
     results = json.load(open(written))
     assert set(results) >= (set(checked) if FAST else {
         "memory", "capacity", "sharing", "throughput", "kernel", "overhead", "tensor_parallel",
-        "soak", "quality", "page"})
+        "soak", "quality", "page", "serve"})
+    if "serve" in results:  # the server's CPU against the engine's, and guidellm, every request
+        serve = results["serve"]
+        assert serve["http_over_generate_cpu_per_token"] > 0
+        assert serve["http @ inf/s"]["output_tokens"] == serve["Engine.generate"]["output_tokens"]
+        assert serve["guidellm"]["requests"] == {"successful": 4, "errored": 0, "incomplete": 0}
     # the same bytes: an fp8 pool holds every request the fp32 pool held, and the loss moves
     assert results["capacity"]["paged fp8 @ inf/s"]["peak_running"] >= \
         results["capacity"]["paged @ inf/s"]["peak_running"]
