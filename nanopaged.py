@@ -99,9 +99,11 @@ def setting(default, allowed, ok, beams=True, **about):
     return field(default=default, metadata=dict(allowed=allowed, ok=ok, beams=beams, **about))
 
 
-def int_setting(default, least, none=False, beams=True, **about):  # an int >= least (or None)
-    return setting(default, f"{'None or ' * none}an int >= {least}",
-                   lambda x: none and x is None or integer(x) and x >= least, beams, **about)
+def int_setting(default, least, none=False, beams=True, **about):
+    """A setting() that holds an int >= least, or None too if none."""
+    def ok(x):
+        return none if x is None else integer(x) and x >= least
+    return setting(default, f"{'None or ' * none}an int >= {least}", ok, beams, **about)
 
 
 def check_fields(obj):
