@@ -44,7 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from demo import DEMO_MODEL  # noqa: E402
 from nanopaged import (GPT, EVICTION_POLICIES, BlockAllocator, Engine, GPTConfig,  # noqa: E402
-                       SamplingParams, Sequence, cdiv, step_chunks)
+                       SamplingParams, Sequence, cdiv, kv_block_shape, step_chunks)
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SEED = 0
@@ -1111,6 +1111,93 @@ def bench_quality(windows=32, prompts=8, prompt_len=16, kv_cache_dtypes=("fp8", 
 
 
 # -----------------------------------------------------------------------------
+# --tier: the CPU tier of the prefix cache, on conversations that come back
+
+
+def conversations(num_convs, turns, first_len, turn_len, vocab_size=256, seed=SEED):
+    """Each conversation's user turns: a first prompt of first_len tokens, then turns of
+    turn_len new tokens (sent after the history so far, answers included)."""
+    rng = random.Random(seed)
+    return [[[rng.randrange(vocab_size) for _ in range(first_len if t == 0 else turn_len)]
+             for t in range(turns)] for _ in range(num_convs)]
+
+
+def serve_conversations(engine, chats, answer_len):
+    """Round-robin, one turn at a time as chat users send them: every conversation's first turn,
+    then every one's second, and so on, so a conversation comes back after all the others have
+    pushed its history towards eviction. Returns the answers and each turn's time to first
+    token (its prefill, less what the cache served), and the histories."""
+    histories, answers, ttft = [[] for _ in chats], [], []
+    params = SamplingParams(max_tokens=answer_len, temperature=0, ignore_eos=True)
+    for t in range(len(chats[0])):
+        for c, chat in enumerate(chats):
+            out = engine.generate([histories[c] + chat[t]], params)[0]
+            histories[c] += chat[t] + out.outputs[0].token_ids
+            answers.append(out.outputs[0].token_ids)
+            ttft.append(out.time_to_first_token)
+    return answers, ttft, histories
+
+
+def bench_tier(num_convs=8, turns=6, first_len=128, turn_len=64, answer_len=32,
+               device_blocks=96, tier_blocks=(96, 320), block_size=16):
+    """Conversations that come back, on a device pool holding about a third of their histories:
+    prompt tokens computed again, the hit rate by tier and the time to first token, with the
+    CPU tier off and at two sizes, on the same turns in one run."""
+    torch.manual_seed(SEED)
+    model = GPT(GPTConfig(n_layer=4, n_head=4, n_embd=256, vocab_size=256, max_seq_len=1024))
+    chats = conversations(num_convs, turns, first_len, turn_len)
+    per_block = math.prod(kv_block_shape(model.config, block_size)) * 4  # float32
+    results, rows, reference = {}, [], None
+    for tier in (0, *tier_blocks):
+        engine = Engine(model, block_size=block_size, num_blocks=device_blocks, device="cpu",
+                        cpu_cache_bytes=tier * per_block)
+        start = time.perf_counter()
+        answers, ttft, histories = serve_conversations(engine, chats, answer_len)
+        seconds = time.perf_counter() - start
+        reference = reference or answers
+        assert answers == reference, "the tier changed an answer"
+        s = engine.stats()
+        queried, hits, cpu = (s["prefix_cache_queried_tokens"], s["prefix_cache_hit_tokens"],
+                              s["prefix_cache_cpu_hit_tokens"])
+        name = f"tier {tier} blocks" if tier else "no tier"
+        results[name] = dict(
+            recomputed_prompt_tokens=queried - hits, queried_tokens=queried,
+            device_hit_rate=(hits - cpu) / queried, cpu_hit_rate=cpu / queried,
+            mean_ttft_ms=1e3 * float(np.mean(ttft)),
+            p90_ttft_ms=1e3 * float(np.percentile(ttft, 90)),
+            offloaded_blocks=s["num_offloaded_blocks"], reloaded_blocks=s["num_reloaded_blocks"],
+            seconds=seconds)
+        r = results[name]
+        rows.append([name, f"{r['recomputed_prompt_tokens']:,}",
+                     f"{100 * r['device_hit_rate']:.1f}%", f"{100 * r['cpu_hit_rate']:.1f}%",
+                     f"{r['mean_ttft_ms']:.1f}",
+                     f"{r['p90_ttft_ms']:.1f}", r["offloaded_blocks"], r["reloaded_blocks"],
+                     f"{seconds:.1f}"])
+    working_set = sum(cdiv(len(h), block_size) for h in histories)
+    print_table(f"{num_convs} conversations x {turns} turns ({first_len}-token first prompts, "
+                f"{turn_len} tokens a turn, {answer_len}-token answers): {device_blocks} device "
+                f"blocks of {block_size} for {working_set} blocks of history (same answers in "
+                "every row)",
+                ["CPU tier", "prompt tokens computed", "device hits", "CPU hits", "TTFT ms",
+                 "p90 TTFT ms", "offloaded", "reloaded", "seconds"], rows)
+    plot_tier(results)
+    return results
+
+
+def plot_tier(results):
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    names = list(results)
+    axes[0].bar(names, [r["recomputed_prompt_tokens"] for r in results.values()],
+                color="tab:orange")
+    axes[0].set_title("prompt tokens computed again")
+    axes[1].bar(names, [r["mean_ttft_ms"] for r in results.values()], color="tab:blue")
+    axes[1].set_title("mean time to first token (ms)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(OUT_DIR, "tier.png"), dpi=110)
+
+
+# -----------------------------------------------------------------------------
 # --overhead and --soak: the engine with a model that does nothing
 
 
@@ -1742,6 +1829,8 @@ QUICK = dict(memory=dict(num_requests=20),
              speculative=dict(batches=(1, 2), max_tokens=8, repeats=1),
              kernel=dict(grid=[(1, 256, False), (4, 512, True)]),
              quality=dict(windows=2, prompts=2, kv_cache_dtypes=("fp8",)),
+             tier=dict(num_convs=3, turns=2, first_len=16, turn_len=8, answer_len=4,
+                       device_blocks=10, tier_blocks=(4, 16), block_size=4),
              overhead=dict(sizes=(16,), prompt_len=16, steps=5, contexts=(16, 256),
                            context_sizes=(8,), take_sizes=(1_000, 10_000),
                            observer=dict(sizes=(16,), prompt_len=16, steps=5, rounds=1)),
@@ -1792,7 +1881,7 @@ def bench_page():
 SECTIONS = dict(memory=bench_memory, capacity=bench_capacity, sharing=bench_sharing,
                 throughput=bench_throughput, logprobs=bench_logprobs,
                 speculative=bench_speculative, kernel=bench_kernel, quality=bench_quality,
-                overhead=bench_overhead, tensor_parallel=bench_tensor_parallel,
+                tier=bench_tier, overhead=bench_overhead, tensor_parallel=bench_tensor_parallel,
                 serve=bench_serve, page=bench_page)
 
 
@@ -1811,6 +1900,8 @@ def main():
         kernel="decode attention latency and bandwidth vs contiguous SDPA (torch path on a CPU)",
         quality="the built-in model with an 8-bit KV cache against its own dtype: loss on\n"
                 "held-out text, argmax agreement, greedy tokens agreeing",
+        tier="the CPU tier on conversations that come back: prompt tokens computed again,\n"
+             "hit rate by tier, time to first token; off, and at two sizes",
         overhead="engine time per running sequence per step with a no-op model",
         soak="10,000 requests with aborts through a small pool; asserts nothing is lost",
         tensor_parallel="KV bytes, blocks and sequences per rank at one budget, tokens/s "

@@ -475,14 +475,14 @@ class BlockPool:
     cache's to give up (section 3); the other free blocks go first, the last freed on top."""
 
     def __init__(self, num_blocks, block_size, journal, enable_prefix_caching=False,
-                 eviction_policy="lru", prefix_cache_cls=None):
+                 eviction_policy="lru", prefix_cache_cls=None, tier=""):
         self.block_size, self.num_blocks, self.journal = block_size, num_blocks, journal
         self.blocks = [PhysicalBlock(i, freed_at=-i) for i in range(num_blocks)]  # 0 goes first
         for block in self.blocks:
             block.journal = journal
         self.clock = itertools.count(1)  # stamps freed_at
         self.prefix_cache = (prefix_cache_cls or PrefixCache)(
-            self.blocks, block_size, journal, enable_prefix_caching, eviction_policy)
+            self.blocks, block_size, journal, enable_prefix_caching, eviction_policy, tier)
         self.taken = set()  # blocks handed out since the plan began: their slots may be written
         self.rebuild_free_list()
 
@@ -496,13 +496,17 @@ class BlockPool:
         if self.empty_block_ids:
             block_id = self.empty_block_ids.pop()
         elif self.prefix_cache.num_evictable:
-            block_id = self.prefix_cache.evict()
+            block_id = self.evict()
         else:
             raise OutOfBlocksError(f"all {self.num_blocks} KV blocks are in use")
         block = self.blocks[block_id]
         block.ref_count, block.num_hits = 1, 0
         self.taken.add(block_id)
         return block_id
+
+    def evict(self):
+        """The cached free block the eviction policy gives up, its prefix forgotten."""
+        return self.prefix_cache.evict()
 
     def share(self, block_id):
         block = self.blocks[block_id]
@@ -536,7 +540,8 @@ class BlockAllocator(BlockPool):
     observer = None  # see notify
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
-                 eviction_policy="lru", prefix_cache_cls=None):
+                 eviction_policy="lru", prefix_cache_cls=None, cpu_cache=False,
+                 cpu_eviction_policy=None):
         for name, value, least in (("num_blocks", num_blocks, 1), ("block_size", block_size, 1),
                                    ("num_cpu_blocks", num_cpu_blocks, 0)):
             if not integer(value) or value < least:
@@ -544,11 +549,21 @@ class BlockAllocator(BlockPool):
                                  f"got {value!r}")
         super().__init__(num_blocks, block_size, Journal(), enable_prefix_caching,
                          eviction_policy, prefix_cache_cls)
-        self.swap_pool = SwapPool(num_cpu_blocks, self)
+        # cpu_cache: the CPU pool caches prefixes too, a second tier under the device's
+        self.swap_pool = SwapPool(num_cpu_blocks, self, enable_prefix_caching and cpu_cache,
+                                  cpu_eviction_policy or eviction_policy)
+        self.offloads, self.reloads = [], []  # a plan's copies to the CPU tier and back
+
+    def lookup(self, seq):
+        """seq's longest run of leading full blocks that a tier holds: (block, its cache) each,
+        the device's block, or the CPU tier's to copy back (but none the plan is writing)."""
+        tier = self.swap_pool
+        return self.prefix_cache.lookup(seq, tier.prefix_cache, tier.taken)
 
     def num_blocks_to_allocate(self, seq):
-        """Free blocks allocate(seq) would take: cache misses, and cache hits now free."""
-        hits = self.prefix_cache.lookup(seq)
+        """Free blocks allocate(seq) would take: misses and the CPU tier's hits (copied into
+        fresh blocks), and the device's hits now free."""
+        hits = [b for b, cache in self.lookup(seq) if cache is self.prefix_cache]
         return (cdiv(len(seq), self.block_size) - len(hits)
                 + sum(self.blocks[b].ref_count == 0 for b in hits))
 
@@ -560,18 +575,23 @@ class BlockAllocator(BlockPool):
         if num_taken > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {num_taken} blocks, "
                                    f"{self.num_free_blocks} are free")
-        hits, table = self.prefix_cache.lookup(seq), seq.block_table
+        found, table = self.lookup(seq), seq.block_table
         table.journal = self.journal
-        for block_id in hits:  # share before taking, so take() cannot evict a hit
-            self.share(block_id)
+        for block_id, cache in found:  # share before taking, so take() cannot evict a hit
+            if cache is self.prefix_cache:
+                self.share(block_id)
+        for i, (block_id, cache) in enumerate(found):
+            if cache is not self.prefix_cache:  # the CPU tier's: copied back into a fresh block
+                block_id = self.swap_pool.reload(seq, i, block_id)
             table.append(block_id)
-        for _ in range(cdiv(len(seq), self.block_size) - len(hits)):
+        for _ in range(cdiv(len(seq), self.block_size) - len(found)):
             table.append(self.take())
-        self.journal.set(seq, "num_computed_tokens", len(hits) * self.block_size)
-        self.journal.set(seq, "num_cached_blocks", len(hits))
-        self.prefix_cache.count(seq, hits)
+        self.journal.set(seq, "num_computed_tokens", len(found) * self.block_size)
+        self.journal.set(seq, "num_cached_blocks", len(found))
+        hits = [b for b, cache in found if cache is self.prefix_cache]
+        self.prefix_cache.count(seq, hits, len(found) - len(hits))
         notify(self, "allocate", seq=seq.seq_id, request=seq.request_id, table=table.tolist(),
-               hits=len(hits))
+               hits=len(found))
 
     def num_blocks_to_append(self, seqs):
         """Free blocks append_slot needs to give each of seqs a slot for its newest token."""
@@ -658,6 +678,12 @@ class BlockAllocator(BlockPool):
             cache.publish(seq, i, seq.block_table[i])
         self.journal.set(seq, "num_cached_blocks", num_full)
 
+    def evict(self):
+        """The device gives up a cached block: its K/V go to the CPU tier first, if it has room
+        (section 4), so that a prefix that comes back is copied in, not computed again."""
+        self.swap_pool.offload(self.blocks[self.prefix_cache.next_victim()])
+        return super().evict()
+
     # -- a step's plan, undone -----------------------------------------------------------
 
     def begin(self):
@@ -665,6 +691,7 @@ class BlockAllocator(BlockPool):
         at the start of every step, rollback() if the step fails, end() once it stands)."""
         self.journal.open()
         self.taken, self.swap_pool.taken = set(), set()
+        self.offloads, self.reloads = [], []
 
     def end(self):
         self.journal.close()
@@ -672,8 +699,8 @@ class BlockAllocator(BlockPool):
     def rollback(self):
         """Put every block, block table, sequence's paging state and queue back as begin() found
         them, but keep no prefix in a block handed out since: its slots may hold writes of the
-        failed step. Returns the device blocks handed out."""
-        taken = self.taken
+        failed step. Returns the blocks handed out: the device's, and the CPU pool's."""
+        taken = self.taken, self.swap_pool.taken
         self.journal.rollback()
         for pool in (self, self.swap_pool):
             for block_id in pool.taken:
@@ -710,7 +737,8 @@ EVICTION_POLICIES = {"lru": lambda block: 0,  # all tie: least recently used fir
 @dataclass
 class HitCounts:  # the hit rate is hit_tokens / queried_tokens
     queried_tokens: int = 0  # prompt tokens of sequences allocated with caching on
-    hit_tokens: int = 0  # of those, the tokens found in the cache
+    hit_tokens: int = 0  # of those, the tokens found in the cache (in either tier)
+    cpu_hit_tokens: int = 0  # of those, the tokens the CPU tier held (copied back)
 
 
 class PrefixCache:
@@ -719,9 +747,11 @@ class PrefixCache:
     from them after an undo."""
     observer = None  # see notify
 
-    def __init__(self, blocks, block_size, journal, enabled=True, eviction_policy="lru"):
+    def __init__(self, blocks, block_size, journal, enabled=True, eviction_policy="lru",
+                 tier=""):
         self.blocks, self.block_size, self.journal = blocks, block_size, journal
         self.enabled, self.score = enabled, EVICTION_POLICIES[eviction_policy]
+        self.tier = tier  # what its events begin with: "" on the device, "cpu_" in CPU memory
         self.blocks_by_key = {}  # key -> the blocks that hold it (a dict: first published first)
         self.evictable = {}  # cached free block -> its entry in heap (other entries are stale)
         self.heap = []  # (score, freed_at, block_id), smallest first
@@ -741,53 +771,71 @@ class PrefixCache:
         for i in range(len(keys), len(seq) // bs):
             keys.append(chain_hash(keys[-1] if i else None, seq.token_ids[i * bs:(i + 1) * bs]))
 
-    def lookup(self, seq):
-        """The blocks holding the longest cached run of seq's full leading blocks."""
-        hits = []
+    def lookup(self, seq, lower=None, unreadable=()):
+        """The longest cached run of seq's full leading blocks, as (block, the cache that holds
+        it): this cache's blocks, or where it lacks one, the lower tier's (the CPU's), but for
+        the lower tier's blocks in unreadable."""
+        found = []
         # A cached block has no logits: a sequence still owed prompt logprobs computes its whole
         # prompt (as vLLM does), and publishes its blocks for others as usual.
         if not self.enabled or seq.prompt_logprob_positions(0, len(seq)):
-            return hits
+            return found
         self.key_blocks(seq)  # the engine keyed them already; a caller of its own may not have
         # The last token is always computed again, because sampling needs its logits; so its
         # block is never taken from the cache and never written while shared.
         for i in range((len(seq) - 1) // self.block_size):
-            block_id = self.find(seq.block_hashes[i], seq, i)
-            if block_id is None:
+            key, cache = seq.block_hashes[i], self
+            block_id = self.find(key, seq, i)
+            if block_id is None and lower is not None and lower.enabled:
+                block_id, cache = lower.find(key, seq, i), lower
+            if block_id is None or cache is lower and block_id in unreadable:
                 break
-            hits.append(block_id)
-        return hits
+            found.append((block_id, cache))
+        return found
 
-    def count(self, seq, hits):
-        """A sequence was allocated on these hits: count them for the hit rate and the policy."""
+    def count(self, seq, hits, num_lower=0):
+        """A sequence was allocated on these hits, and num_lower more of its blocks copied back
+        from the lower tier: count them for the hit rate and the policy."""
         if not self.enabled:
             return
         for block_id in hits:
             self.blocks[block_id].num_hits += 1
-        c = self.counts
+        c, bs = self.counts, self.block_size
         self.journal.set(c, "queried_tokens", c.queried_tokens + len(seq))
-        self.journal.set(c, "hit_tokens", c.hit_tokens + len(hits) * self.block_size)
+        self.journal.set(c, "hit_tokens", c.hit_tokens + (len(hits) + num_lower) * bs)
+        self.journal.set(c, "cpu_hit_tokens", c.cpu_hit_tokens + num_lower * bs)
 
     def find(self, key, seq, i):
         """The cached block that holds seq's block i under key, or None: the first published of
         its holders (the others, twins, wait to take its place). Under SHA-256 keys the key would
         do; its tokens and place are compared too, so that were every key to collide, no block
         would be shared at another place (other prefixes are SHA-256's to tell apart)."""
+        if key not in self.blocks_by_key:
+            return None
+        bs = self.block_size
+        return self.find_block(key, tuple(seq.token_ids[i * bs:(i + 1) * bs]), i)
+
+    def find_block(self, key, token_ids, index):
+        """The cached block that holds token_ids as block index of its sequence, under key."""
         holders = self.blocks_by_key.get(key)
         if not holders:
             return None
-        block_id, bs = next(iter(holders)), self.block_size
+        block_id = next(iter(holders))
         block = self.blocks[block_id]
-        held = block.token_ids == tuple(seq.token_ids[i * bs:(i + 1) * bs])
-        return block_id if held and block.logical_index == i else None
+        held = block.token_ids == token_ids and block.logical_index == index
+        return block_id if held else None
 
     def publish(self, seq, i, block_id):
         """Cache block_id as the holder of seq's block i, under its key."""
-        block, bs = self.blocks[block_id], self.block_size
-        block.hash, block.logical_index = seq.block_hashes[i], i
-        block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-        self.blocks_by_key.setdefault(block.hash, {})[block_id] = None
-        notify(self, "publish", block=block_id, index=i, tokens=list(block.token_ids))
+        bs = self.block_size
+        self.insert(block_id, seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]), i)
+
+    def insert(self, block_id, key, token_ids, index):
+        """Cache block_id as a holder of token_ids, block index of its sequence, under key."""
+        block = self.blocks[block_id]
+        block.hash, block.token_ids, block.logical_index = key, token_ids, index
+        self.blocks_by_key.setdefault(key, {})[block_id] = None
+        notify(self, self.tier + "publish", block=block_id, index=index, tokens=list(token_ids))
 
     def revive(self, block):  # a hit on a cached block nobody held
         del self.evictable[block.block_id]
@@ -799,18 +847,22 @@ class PrefixCache:
         if len(self.heap) > 2 * len(self.blocks):  # mostly stale entries
             self.heap = sorted(self.evictable.values())  # a sorted list is a heap
 
+    def next_victim(self):
+        """The cached free block the policy gives up next."""
+        while self.evictable.get(self.heap[0][-1]) != self.heap[0]:  # stale: hit since freed
+            heappop(self.heap)
+        return self.heap[0][-1]
+
     def evict(self):
         """The cached free block the policy gives up, its prefix forgotten."""
-        entry = heappop(self.heap)
-        while self.evictable.get(entry[-1]) != entry:  # stale: that block was hit since freed
-            entry = heappop(self.heap)
-        block = self.blocks[entry[-1]]
+        block = self.blocks[self.next_victim()]
+        heappop(self.heap)
         holders = self.blocks_by_key[block.hash]
         del self.evictable[block.block_id], holders[block.block_id]
         if not holders:
             del self.blocks_by_key[block.hash]
         block.hash, block.token_ids = None, ()
-        notify(self, "evict", block=block.block_id)
+        notify(self, self.tier + "evict", block=block.block_id)
         return block.block_id
 
     def rebuild(self):  # the index and the eviction order, from the blocks alone
@@ -822,20 +874,61 @@ class PrefixCache:
                           if b.ref_count == 0}
         self.heap = sorted(self.evictable.values())
 # -----------------------------------------------------------------------------
-# 4. The swap pool (paper, section 4.5): CPU blocks for sequences preempted by swap, and
-#    the moves between the pools
+# 4. The CPU pool: blocks for sequences preempted by swap (paper, section 4.5), and a second
+#    tier of the prefix cache (vLLM's CPU offloading, SGLang's hierarchical cache)
+#
+# One pool of CPU blocks serves both, as one pool of device blocks serves sequences and the
+# prefix cache: a block a swapped-out sequence holds is held, a cached block nobody holds is
+# free, and a swap-out takes blocks the way a device allocation does, evicting cached ones by
+# the tier's policy when none holding nothing is left. So a preempted sequence always has the
+# room it had without the tier, the tier has all the room nobody's swap needs, and no memory is
+# set aside for either. A cached block the device evicts is copied to a CPU block first, under
+# the same key, if the pool has room and does not hold that prefix yet (offload); a swapped-out
+# sequence's full blocks are cached there too, as they move. A lookup walks the device's cache,
+# then this one; a block found here is copied back into a fresh device block (reload), in the
+# step that admits its request, before the forward. The copies are the plan's, made in the run.
 
 
 class SwapPool(BlockPool):
     """A second pool of blocks, in CPU memory, with ref counts and a free list as the device pool
-    has (no cache); and the moves of whole sequences between the two pools, through the device
-    allocator's take, share and release. A block the sequences share maps to one block on the
-    other side, so sharing survives a swap."""
+    has, and a prefix cache of its own when it is a tier; and the moves between the pools,
+    through the device allocator's take, share and release. A block the sequences share maps to
+    one block on the other side, so sharing survives a swap."""
     observer = None  # see notify
 
-    def __init__(self, num_blocks, allocator):
-        super().__init__(num_blocks, allocator.block_size, allocator.journal)
+    def __init__(self, num_blocks, allocator, enable_caching=False, eviction_policy="lru"):
+        super().__init__(num_blocks, allocator.block_size, allocator.journal, enable_caching,
+                         eviction_policy, tier="cpu_")
         self.allocator = allocator  # the device pool's
+        self.num_offloaded_blocks = self.num_reloaded_blocks = 0  # copies each way, ever
+
+    def offload(self, block):
+        """Before the device gives up cached block: copy its K/V to a CPU block, cached under
+        its key, if the pool has room and holds no copy yet (so each block is written to the
+        tier at most once while it stays)."""
+        cache = self.prefix_cache
+        if (not cache.enabled or not self.num_free_blocks
+                or cache.find_block(block.hash, block.token_ids, block.logical_index) is not None):
+            return
+        cpu_block = self.take()  # may evict the tier's own least valuable block
+        cache.insert(cpu_block, block.hash, block.token_ids, block.logical_index)
+        self.release(cpu_block)  # held by nobody: a cached free block, evictable by the policy
+        self.allocator.offloads.append((block.block_id, cpu_block))
+        self.journal.set(self, "num_offloaded_blocks", self.num_offloaded_blocks + 1)
+        notify(self, "offload", block=block.block_id, cpu_block=cpu_block)
+
+    def reload(self, seq, i, cpu_block):
+        """seq's block i, found in this tier: a fresh device block, cached under its key on the
+        device again, into which the step copies cpu_block's K/V before the forward."""
+        a = self.allocator
+        block_id = a.take()
+        a.prefix_cache.publish(seq, i, block_id)
+        a.reloads.append((cpu_block, block_id))
+        self.share(cpu_block)  # a use: its eviction order starts again
+        self.release(cpu_block)
+        self.journal.set(self, "num_reloaded_blocks", self.num_reloaded_blocks + 1)
+        notify(self, "reload", cpu_block=cpu_block, block=block_id)
+        return block_id
 
     def can_swap_out(self, seqs):
         return len(blocks_held(seqs)) <= self.num_free_blocks
@@ -849,7 +942,15 @@ class SwapPool(BlockPool):
         for seq in seqs:
             self.journal.set(seq, "num_cached_blocks", 0)
             notify(self, "swap_out", seq=seq.seq_id, table=seq.block_table.tolist())
+            self.cache_full_blocks(seq)
         return copies
+
+    def cache_full_blocks(self, seq):
+        """A tier caches the full blocks of a sequence swapped out to it, as it does the device's
+        evicted blocks: its prefix is found here for others, and after it swaps back in."""
+        cache = self.prefix_cache
+        for i in range(seq.num_computed_tokens // self.block_size if cache.enabled else 0):
+            cache.publish(seq, i, seq.block_table[i])
 
     def _still_cached(self, seqs):
         """CPU block -> the device block that still holds its prefix in the cache: swapping in
@@ -945,6 +1046,8 @@ class SchedulerOutput:
     blocks_to_swap_out: list = field(default_factory=list)  # (device block, cpu block)
     blocks_to_swap_in: list = field(default_factory=list)  # (cpu block, device block)
     blocks_to_copy: list = field(default_factory=list)  # (src, dst) device blocks, copy-on-write
+    blocks_to_offload: list = field(default_factory=list)  # (device, cpu block) to the CPU tier
+    blocks_to_reload: list = field(default_factory=list)  # (cpu, device block) from the CPU tier
     admitted: list = field(default_factory=list)  # groups admitted from waiting
     preempted: list = field(default_factory=list)  # groups preempted
     lookahead: list = field(default_factory=list)  # (seq, slots) for proposals: see speculative
@@ -992,6 +1095,9 @@ class Scheduler:
         self._admit(out, num_seqs)
         if self.num_lookahead_slots:
             self._reserve_lookahead(out)
+        # the CPU tier's copies, which the plan's takes and hits asked for along the way
+        out.blocks_to_offload = self.allocator.offloads
+        out.blocks_to_reload = self.allocator.reloads
         return out
 
     def _move(self, group, source, target):
@@ -1133,10 +1239,12 @@ class Scheduler:
             notify(self, "preempt", request=group.request_id, mode="recompute")
 
     def preempt_by_recompute(self, group):
-        """Outside a step (the undo of a failed one): free a running group's blocks and send it
-        back to the waiting queue."""
-        self._recompute(group, self.running)
-        self.count_preemption(group)
+        """Outside a step (the undo of a failed one): free a running or swapped-out group's
+        blocks and send it back to the waiting queue (a running one is preempted once more)."""
+        running = group in self.running
+        self._recompute(group, self.running if running else self.swapped)
+        if running:
+            self.count_preemption(group)
         notify(self, "preempt", request=group.request_id, mode="recompute")
 
     def count_preemption(self, group):  # the one place preemptions are counted
@@ -1499,13 +1607,13 @@ def kv_block_shape(config, block_size):
 
 
 def pool_sizes(config, device, block_size, bytes_per_block, num_blocks, kv_cache_bytes,
-               max_num_seqs, num_cpu_blocks, swap_space):
-    """The blocks of the device pool and of the CPU swap pool. The device pool is sized like
-    vLLM's: by a byte budget, by default 90% of free GPU memory (but no more than max_num_seqs
-    full-length sequences use); the swap pool by swap_space GiB (vLLM's), or the device pool's
-    size if smaller: more rarely helps, as a group that finds it full is recomputed instead.
-    Each rank holds its own K/V heads: one budget makes tp times the blocks, and every rank
-    takes the least."""
+               max_num_seqs, num_cpu_blocks, swap_space, cpu_cache_bytes=0):
+    """The blocks of the device pool and of the CPU pool. The device pool is sized like vLLM's:
+    by a byte budget, by default 90% of free GPU memory (but no more than max_num_seqs
+    full-length sequences use). The CPU pool holds swap_space GiB (vLLM's), or the device pool's
+    size if smaller (more rarely helps, as a group that finds it full is recomputed instead),
+    and cpu_cache_bytes more for the second tier. Each rank holds its own K/V heads: one budget
+    makes tp times the blocks, and every rank takes the least."""
     if num_blocks is None:
         if kv_cache_bytes is None:
             free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 30
@@ -1518,6 +1626,7 @@ def pool_sizes(config, device, block_size, bytes_per_block, num_blocks, kv_cache
                          f"block ({bytes_per_block} bytes at block_size={block_size})")
     if num_cpu_blocks is None:
         num_cpu_blocks = min(num_blocks, int(swap_space * 2**30) // bytes_per_block)
+    num_cpu_blocks += cpu_cache_bytes // bytes_per_block
     return num_blocks, tp_min(num_cpu_blocks, device)
 
 
@@ -1579,18 +1688,22 @@ class ModelRunner:
             return self.model(batch.input_ids, batch, self.kv_cache)  # (R, V)
 
     def copy_blocks(self, plan):
-        # Order matters: blocks swapped out may be handed to others this very step, and
-        # copy-on-write may copy a block that was just swapped in.
-        if plan.blocks_to_swap_out:
-            src, dst = zip(*plan.blocks_to_swap_out)
-            staged = self.kv_cache[:, :, list(src)].movedim(2, 0).contiguous()  # (n, 2, L, ...)
-            for block, cpu_block in zip(staged, dst):
+        """The plan's block copies, each kind in one indexing op, in an order where each reads
+        what it should: the copies to CPU memory (swap-out, offload) read their device blocks
+        before anything writes them, the copies from it (swap-in, reload) read their CPU blocks
+        before the copies to it land, and copy-on-write, last, may copy a block just swapped in.
+        They run on the step's stream, before the forward."""
+        to_cpu = plan.blocks_to_swap_out + plan.blocks_to_offload
+        from_cpu = plan.blocks_to_swap_in + plan.blocks_to_reload
+        if to_cpu:
+            staged = self.kv_cache[:, :, [b for b, _ in to_cpu]].movedim(2, 0).contiguous()
+        if from_cpu:  # (n, 2, L, ...), each block by one direct non_blocking copy (DMA)
+            staged_in = torch.stack([self.cpu_kv_cache[b].to(self.device, non_blocking=True)
+                                     for b, _ in from_cpu])
+            self.kv_cache[:, :, [b for _, b in from_cpu]] = staged_in.movedim(0, 2)
+        if to_cpu:
+            for block, (_, cpu_block) in zip(staged, to_cpu):
                 self.cpu_kv_cache[cpu_block].copy_(block, non_blocking=True)
-        if plan.blocks_to_swap_in:
-            src, dst = zip(*plan.blocks_to_swap_in)
-            staged = torch.stack([self.cpu_kv_cache[b].to(self.device, non_blocking=True)
-                                  for b in src])                              # (n, 2, L, ...)
-            self.kv_cache[:, :, list(dst)] = staged.movedim(0, 2)
         if plan.blocks_to_copy:  # copy-on-write, every block of the step in one batched copy
             src, dst = zip(*plan.blocks_to_copy)
             self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
@@ -2257,13 +2370,14 @@ class Engine:
                  max_num_seqs=256, max_num_batched_tokens=2048, device=None,
                  attention_backend=None, swap_space=4, allocator_cls=None, scheduler_cls=None,
                  scheduling_policy="fcfs", eviction_policy="lru", kv_cache_dtype="auto",
-                 speculative_config=None, tokenizer=None, observer=None, prefix_cache_cls=None):
+                 speculative_config=None, tokenizer=None, observer=None, prefix_cache_cls=None,
+                 cpu_cache_bytes=0, cpu_eviction_policy=None):
         device, backend, dtype = check_engine_settings(
             model, device, attention_backend, preemption_mode, enable_prefix_caching, swap_space,
-            kv_cache_dtype, scheduling_policy, eviction_policy,
+            kv_cache_dtype, scheduling_policy, eviction_policy, cpu_eviction_policy,
             block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             num_cpu_blocks=num_cpu_blocks, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens)
+            max_num_batched_tokens=max_num_batched_tokens, cpu_cache_bytes=cpu_cache_bytes)
         self.model, self.config = model.to(device).eval(), model.config
         self.device, self.block_size = device, block_size
         proposer = None
@@ -2275,12 +2389,14 @@ class Engine:
         bytes_per_block += proposer.bytes_per_block(block_size, dtype) if proposer else 0  # draft
         num_blocks, num_cpu_blocks = pool_sizes(
             self.config, device, block_size, bytes_per_block, num_blocks, kv_cache_bytes,
-            max_num_seqs, num_cpu_blocks, swap_space if preemption_mode == "swap" else 0)
+            max_num_seqs, num_cpu_blocks, swap_space if preemption_mode == "swap" else 0,
+            cpu_cache_bytes)
         # Replaceable parts (vLLM's scheduler_cls): your copy passes its subclass, edits nothing
         # else
         allocator = (allocator_cls or BlockAllocator)(
             num_blocks, block_size, num_cpu_blocks, enable_prefix_caching, eviction_policy,
-            prefix_cache_cls=prefix_cache_cls)
+            prefix_cache_cls=prefix_cache_cls, cpu_cache=cpu_cache_bytes > 0,
+            cpu_eviction_policy=cpu_eviction_policy)
         self.scheduler = (scheduler_cls or Scheduler)(
             allocator, max_num_seqs, max_num_batched_tokens, preemption_mode,
             scheduling_policy=scheduling_policy,
@@ -2305,7 +2421,8 @@ class Engine:
     def set_observer(self, observer):
         """observer(event: dict) hears every change to paging (notify); None: nobody listens."""
         a = self.allocator
-        for part in (self, self.scheduler, a, a.prefix_cache, a.swap_pool):
+        for part in (self, self.scheduler, a, a.prefix_cache, a.swap_pool,
+                     a.swap_pool.prefix_cache):
             part.observer = observer
 
     @property
@@ -2383,17 +2500,20 @@ class Engine:
     def rollback(self):
         """Undo a failed step's plan (the allocator's journal). Its writes into the KV cache
         cannot be undone, and they land only in blocks it handed out: a request that held such a
-        block before the step (its blocks were taken from it by a preemption in the step) is
-        left preempted by recompute. An observer hears of the undo, but cannot stop it."""
+        block before the step (its blocks were taken from it by a preemption in the step, or
+        its CPU blocks by the CPU tier) is left preempted by recompute. An observer hears of the
+        undo, but cannot stop it."""
         observer = self.observer
         self.set_observer(observer and quiet(observer))
         try:
-            taken = self.allocator.rollback()
-            notify(self, "rollback", step=self.num_steps, uncached=sorted(taken))
+            taken, cpu_taken = self.allocator.rollback()
+            notify(self, "rollback", step=self.num_steps, uncached=sorted(taken),
+                   cpu_uncached=sorted(cpu_taken))
             s = self.scheduler
-            for group in list(s.running):  # a copy: groups leave s.running
-                if any(taken.intersection(seq.block_table) for seq in group.seqs):
-                    s.preempt_by_recompute(group)
+            for queue, written in ((s.running, taken), (s.swapped, cpu_taken)):
+                for group in list(queue):  # a copy: groups leave the queue
+                    if any(written.intersection(seq.block_table) for seq in group.seqs):
+                        s.preempt_by_recompute(group)
         finally:
             self.set_observer(observer)
 
@@ -2475,7 +2595,7 @@ class Engine:
 
 def check_engine_settings(model, device, attention_backend, preemption_mode,
                           enable_prefix_caching, swap_space, kv_cache_dtype, scheduling_policy,
-                          eviction_policy, **counts):
+                          eviction_policy, cpu_eviction_policy, **counts):
     """Engine's settings, or a ValueError naming the one that cannot work and its range. Returns
     the torch.device, the kernel.AttentionBackend and the KV cache's dtype, defaults filled in."""
     try:
@@ -2490,7 +2610,7 @@ def check_engine_settings(model, device, attention_backend, preemption_mode,
     # The Triton kernel on a GPU; on the CPU the torch path (the interpreter is ~1000x slower).
     attention_backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
     for name, value in counts.items():  # None: it follows from the other settings
-        least = 0 if name == "num_cpu_blocks" else 1  # no swap space is fine
+        least = 0 if name in ("num_cpu_blocks", "cpu_cache_bytes") else 1  # none is fine
         if value is not None and (not integer(value) or value < least):
             raise ValueError(f"Engine: {name} must be an integer >= {least}, got {value!r}")
     if not isinstance(enable_prefix_caching, bool):
@@ -2500,9 +2620,14 @@ def check_engine_settings(model, device, attention_backend, preemption_mode,
     if not number(swap_space) or not 0 <= swap_space <= 0.7 * host_gib:  # vLLM's: 70% of host
         raise ValueError(f"Engine: swap_space must be a number of GiB in [0, {0.7 * host_gib:.1f}]"
                          f" (70% of this host's {host_gib:.1f} GiB), got {swap_space!r}")
+    if counts["cpu_cache_bytes"] and not enable_prefix_caching:
+        raise ValueError("Engine: cpu_cache_bytes is a second tier of the prefix cache: it needs "
+                         "enable_prefix_caching=True")
     for name, value, allowed in [("preemption_mode", preemption_mode, ("recompute", "swap")),
                                  ("scheduling_policy", scheduling_policy, SCHEDULING_POLICIES),
                                  ("eviction_policy", eviction_policy, EVICTION_POLICIES),
+                                 ("cpu_eviction_policy", cpu_eviction_policy or eviction_policy,
+                                  EVICTION_POLICIES),
                                  ("attention_backend", attention_backend,
                                   kernel.ATTENTION_BACKENDS)]:
         if not isinstance(value, str) or value not in allowed:
@@ -2613,6 +2738,11 @@ def engine_stats(engine):
         kv_cache_dtype=str(engine.kv_cache.dtype).removeprefix("torch."),
         num_cached_blocks=a.prefix_cache.num_evictable,  # free blocks that keep a prefix
         num_cpu_blocks=a.swap_pool.num_blocks, num_free_cpu_blocks=a.swap_pool.num_free_blocks,
+        # the CPU tier: its blocks that hold a prefix (free, or a swapped-out sequence's), and
+        # the blocks copied to it and back
+        num_cpu_cached_blocks=sum(b.hash is not None for b in a.swap_pool.blocks),
+        num_offloaded_blocks=a.swap_pool.num_offloaded_blocks,
+        num_reloaded_blocks=a.swap_pool.num_reloaded_blocks,
         num_running=len(running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
         num_preemptions=s.num_preemptions,
         kv_utilization=sum(filled.values()) / (num_used * bs) if num_used else 0.0,
@@ -2623,6 +2753,7 @@ def engine_stats(engine):
         num_proposed_tokens=proposer.num_proposed_tokens if proposer else 0,
         num_accepted_tokens=proposer.num_accepted_tokens if proposer else 0,
         prefix_cache_hit_tokens=hits.hit_tokens, prefix_cache_queried_tokens=hits.queried_tokens,
+        prefix_cache_cpu_hit_tokens=hits.cpu_hit_tokens,
     )
 
 

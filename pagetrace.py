@@ -5,10 +5,11 @@ page that shows it.
 An Engine built with observer=Trace() (or `python nanopaged.py --trace FILE.jsonl`) tells the
 trace each change to paging as it happens (nanopaged.notify): a block table allocated, grown,
 copied on write, forked, trimmed, freed, swapped out or in; a block published to the prefix cache
-or evicted from it; a request added, admitted, preempted, resumed, finished or aborted; each
-step's schedule, and the undo of a step that failed. replay() rebuilds, from those events alone,
-the pool at the end of every step: every block table, each block's owners and ref count, and
-what the prefix cache holds. The tests check the replay against the engine's own state at every
+or evicted from it, on the device or in the CPU tier, and copied between them; a request added,
+admitted, preempted, resumed, finished or aborted; each step's schedule, and the undo of a step
+that failed. replay() rebuilds, from those events alone, the pool at the end of every step:
+every block table, each block's owners and ref count, and what each tier of the prefix cache
+holds. The tests check the replay against the engine's own state at every
 step, so the trace is complete by construction, not by hope. It imports nothing of the project.
 
 describe() puts an event in words ("seq 7.2 copied block 31 to 44 before writing"), and
@@ -69,6 +70,7 @@ class Pool:
     def __init__(self):
         self.tables, self.cpu_tables = {}, {}  # seq -> block ids
         self.cached = {}  # block -> (its index in its sequence, its tokens)
+        self.cpu_cached = {}  # the CPU tier's: CPU block -> (index, tokens)
         self.requests = {}  # request -> waiting, running, swapped, finished or aborted
         self.request_of, self.tokens = {}, {}  # seq -> request; seq -> token ids
         self.saved = None  # the state at the start of the step, for a rollback
@@ -121,6 +123,8 @@ class Pool:
         vars(self).update(fresh(self.saved))
         for block in e["uncached"]:  # the failed step may have written into them
             self.cached.pop(block, None)
+        for block in e.get("cpu_uncached", ()):
+            self.cpu_cached.pop(block, None)
 
     # block tables
     def on_allocate(self, e):
@@ -158,6 +162,19 @@ class Pool:
 
     def on_evict(self, e):
         del self.cached[e["block"]]
+
+    # the CPU tier (the copies themselves change no table or key: on_publish's say where they go)
+    def on_cpu_publish(self, e):
+        self.cpu_cached[e["block"]] = (e["index"], list(e["tokens"]))
+
+    def on_cpu_evict(self, e):
+        del self.cpu_cached[e["block"]]
+
+    def on_offload(self, e):
+        pass
+
+    def on_reload(self, e):
+        pass
 
 
 def by_step(events):
@@ -264,6 +281,13 @@ WORDS = {
     "swap_in": lambda e, seq: f"{seq(e['seq'])} swapped in to blocks {_ids(e['table'])}",
     "publish": lambda e, seq: f"block {e['block']} cached as block {e['index']} of its prefix",
     "evict": lambda e, seq: f"block {e['block']} evicted from the prefix cache, to be reused",
+    "offload": lambda e, seq: f"block {e['block']} copied to CPU block {e['cpu_block']} before "
+                              "its eviction: the CPU tier keeps its prefix",
+    "reload": lambda e, seq: f"CPU block {e['cpu_block']} copied back into block {e['block']}: "
+                             "a hit in the CPU tier",
+    "cpu_publish": lambda e, seq: f"CPU block {e['block']} caches block {e['index']} of its "
+                                  "prefix",
+    "cpu_evict": lambda e, seq: f"CPU block {e['block']} evicted from the CPU tier",
 }
 
 
@@ -329,7 +353,8 @@ def _counts(pool, blocks, config):
                 logical=sum(map(len, pool.tables.values())),  # each sequence its own blocks
                 # a contiguous cache reserves max_seq_len for every sequence it runs
                 reserved=len(pool.tables) * -(-most // bs) if most and bs else None,
-                running=status["running"], waiting=status["waiting"], swapped=status["swapped"])
+                running=status["running"], waiting=status["waiting"], swapped=status["swapped"],
+                cpu_cached=len(pool.cpu_cached))
 
 
 def frame(step, pool, run, config, names, text):
@@ -527,7 +552,8 @@ function show(i) {
   $("stats").textContent = `running ${c.running} \u00b7 waiting ${c.waiting} \u00b7 swapped ` +
     `${c.swapped} requests \u00b7 ${c.used} of ${C.num_blocks} blocks in use; without sharing ` +
     `${c.logical}` + (c.reserved === null ? "" : `; a contiguous cache reserving max_seq_len ` +
-    `= ${C.max_seq_len} tokens per sequence would need ${c.reserved}`);
+    `= ${C.max_seq_len} tokens per sequence would need ${c.reserved}`) +
+    (c.cpu_cached ? `; the CPU tier caches ${c.cpu_cached} blocks` : "");
   drawPool(f);
   drawTables(f);
   $("events").innerHTML = "";

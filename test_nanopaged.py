@@ -1790,18 +1790,20 @@ def test_prefix_sharing_from_the_first_step_changes_no_output(batch):
 
 
 def cached_kv_is_recomputed_kv(engine, prefixes):
-    """Every block the prefix cache holds holds the K/V its tokens produce: each one's whole
-    prefix (found among prefixes by its key) prefilled again in a fresh engine, in one step."""
-    cached = [b for b in engine.allocator.blocks if b.hash is not None]
+    """Every block either tier of the prefix cache holds holds the K/V its tokens produce: each
+    one's whole prefix (found among prefixes by its key) prefilled again in a fresh engine, in
+    one step."""
+    a, cpu_kv = engine.allocator, engine.model_runner.cpu_kv_cache
+    cached = [(b, engine.kv_cache[:, :, b.block_id]) for b in a.blocks if b.hash is not None]
+    cached += [(b, cpu_kv[b.block_id]) for b in a.swap_pool.blocks if b.hash is not None]
     fresh = Engine(engine.model, block_size=engine.block_size, num_blocks=512,
                    max_num_batched_tokens=4096, enable_prefix_caching=False)
-    for block in cached:
+    for block, _ in cached:
         fresh.add_request(prefixes[block.hash], SamplingParams(max_tokens=2, temperature=0))
     fresh.step()  # every prefill, whole: each prompt token's K/V stored
     seqs = [g.seqs[0] for g in fresh.scheduler.running]
-    for block, seq in zip(cached, seqs):
-        torch.testing.assert_close(engine.kv_cache[:, :, block.block_id],
-                                   fresh.kv_cache[:, :, seq.block_table[block.logical_index]],
+    for (block, kv), seq in zip(cached, seqs):
+        torch.testing.assert_close(kv, fresh.kv_cache[:, :, seq.block_table[block.logical_index]],
                                    rtol=1e-9, atol=1e-9)
 
 
@@ -1913,6 +1915,186 @@ def test_a_swap_space_the_host_cannot_hold_is_a_clear_error(swap_space):
                                          r"\(70% of this host's [0-9.]+ GiB\), "
                                          rf"got {re.escape(repr(swap_space))}"):
         Engine(MODEL, block_size=4, num_blocks=8, preemption_mode="swap", swap_space=swap_space)
+
+
+# -- the CPU tier: cached prefixes the device evicts wait in CPU memory  (-m tier)
+
+
+def bytes_per_block(engine):
+    return engine.kv_cache[:, :, 0].numel() * engine.kv_cache.itemsize
+
+
+@pytest.mark.tier
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_the_cpu_pool_holds_the_swap_space_and_the_tier_beside_it(mode):
+    """One CPU pool: the swap space (in swap mode) and cpu_cache_bytes more, in blocks."""
+    engine = Engine(MODEL, block_size=4, num_blocks=16, preemption_mode=mode,
+                    swap_space=2**-20, cpu_cache_bytes=10_000)
+    swap = 2**10 // bytes_per_block(engine) if mode == "swap" else 0
+    assert engine.allocator.swap_pool.num_blocks == swap + 10_000 // bytes_per_block(engine)
+    assert engine.model_runner.cpu_kv_cache.shape[0] == engine.allocator.swap_pool.num_blocks
+
+
+@pytest.mark.tier
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(cpu_cache_bytes=-1), "cpu_cache_bytes must be an integer >= 0, got -1"),
+    (dict(cpu_cache_bytes=1.5), "cpu_cache_bytes must be an integer >= 0, got 1.5"),
+    (dict(cpu_cache_bytes=True), "cpu_cache_bytes must be an integer >= 0, got True"),
+    (dict(cpu_cache_bytes=4096, enable_prefix_caching=False), "needs enable_prefix_caching"),
+    (dict(cpu_cache_bytes=4096, cpu_eviction_policy="mfu"), "cpu_eviction_policy must be one"),
+])
+def test_bad_cpu_tier_settings_are_clear_errors(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Engine(MODEL, block_size=4, num_blocks=16, **kwargs)
+
+
+def returning_conversation(engine, max_tokens=3):
+    """A conversation's first turn, then other requests that push its blocks out of a 12-block
+    device pool, then its second turn: the first turn's prompt and answer and one new token.
+    Returns the second turn's output, and every request's tokens."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    first = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]  # three blocks of 4
+    texts = [first + engine.generate([first], params)[0].outputs[0].token_ids]
+    for i in range(3):  # 3 x 4 blocks: every cached block is evicted
+        texts.append([10 + i] * 14 + engine.generate([[10 + i] * 14], params)[0].outputs[0].token_ids)
+    out = engine.generate([texts[0] + [7]], params)[0]
+    return out, texts + [out.prompt_token_ids + out.outputs[0].token_ids]
+
+
+@pytest.mark.tier
+def test_a_conversation_that_comes_back_is_served_from_the_cpu_tier():
+    """Its history was evicted from the device: without the tier it is computed again; with it,
+    its blocks are copied back (counted as hits, the CPU tier's), the output is the same, and
+    both tiers hold exactly the K/V their tokens produce."""
+    plain = Engine(MODEL, block_size=4, num_blocks=12)
+    tiered = Engine(MODEL, block_size=4, num_blocks=12, cpu_cache_bytes=64 * 4096)
+    (without, _), (with_tier, texts) = returning_conversation(plain), returning_conversation(tiered)
+    assert without.outputs[0].token_ids == with_tier.outputs[0].token_ids
+    assert without.num_cached_tokens == 0 and with_tier.num_cached_tokens == 12
+    s = tiered.stats()
+    assert s["prefix_cache_cpu_hit_tokens"] == 12 and s["num_reloaded_blocks"] == 3
+    assert s["num_offloaded_blocks"] >= 3 and s["num_cpu_cached_blocks"] >= 3
+    prefixes = {}
+    for tokens in texts:
+        prefixes |= keys_of(tokens, 4)
+    cached_kv_is_recomputed_kv(tiered, prefixes)
+
+
+@pytest.mark.tier
+def test_a_swap_out_takes_room_from_the_tier_never_the_other_way():
+    """The CPU pool is full of cached prefixes when a request must be preempted by swap: the
+    swap evicts cached blocks (the tier's policy) and the request is swapped, not recomputed."""
+    per_block = bytes_per_block(Engine(MODEL, block_size=2, num_blocks=1))
+    engine = Engine(MODEL, block_size=2, num_blocks=10, preemption_mode="swap", swap_space=0,
+                    cpu_cache_bytes=8 * per_block, max_num_batched_tokens=64)
+    trace = pagetrace.Trace()
+    engine.set_observer(trace)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    for i in range(6):  # each prompt leaves 3 cached blocks; the device evicts them to the tier
+        engine.generate([[i] * 7], params)
+    tier = engine.allocator.swap_pool
+    assert tier.num_blocks == 8 and sum(b.hash is not None for b in tier.blocks) == 8
+    # two requests that grow past the pool together: one of them is preempted, by swap
+    prompts = [[20, 21, 22], [23, 24, 25]]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    assert [o.outputs[0].token_ids for o in outs] == [naive_greedy(MODEL, p, 12) for p in prompts]
+    preempts = [e for e in trace.events if e["event"] == "preempt"]
+    assert preempts and all(e["mode"] == "swap" for e in preempts)
+    assert any(e["event"] == "cpu_evict" for e in trace.events)
+
+
+@st.composite
+def conversation_rounds(draw):
+    """Multi-turn chats in rounds: each round sends some conversations' next turns at once
+    (the conversation so far, earlier answers included, and new tokens), so conversations come
+    back after others have pushed their history out of a small device pool."""
+    num_convs = draw(st.integers(2, 4))
+    rounds = draw(st.lists(st.lists(st.tuples(st.integers(0, num_convs - 1),
+                                              st.lists(st.integers(0, 15), min_size=1,
+                                                       max_size=5)),
+                                    min_size=1, max_size=3, unique_by=lambda t: t[0]),
+                           min_size=2, max_size=5))
+    return num_convs, rounds
+
+
+@pytest.mark.tier
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chats=conversation_rounds(), block_size=st.sampled_from([1, 2, 4]),
+       spare=st.integers(0, 4), mode=st.sampled_from(["recompute", "swap"]),
+       tier_blocks=st.sampled_from([2, 6, 32]), policy=st.sampled_from(EVICTION),
+       fail_at=st.sets(st.integers(1, 40), max_size=2))
+def test_the_cpu_tier_changes_no_output_and_counts_the_copies_it_makes(
+        chats, block_size, spare, mode, tier_blocks, policy, fail_at):
+    """Returning conversations on a small device pool, preemption in both modes, steps that fail
+    (after the forward) and are retried: greedy outputs with the tier equal those without it.
+    After every step, the tier's counters are the copies the steps that stood made (offloads,
+    reloads, the CPU hits as reloaded tokens); no offload wrote a prefix the tier held before
+    the step (each is written once while it stays); and at the end both tiers hold exactly the
+    K/V their tokens produce."""
+    num_convs, rounds = chats
+    params = SamplingParams(max_tokens=3, temperature=0)
+    longest = 6 * 5 + 3 * 4  # every round's new tokens and answers
+    worst = -(-longest // block_size) + 1
+
+    def serve(engine, fail):
+        histories, answers, real_forward, calls = [[] for _ in range(num_convs)], [], GPT.forward, [0]
+
+        def forward(self, *args, **kwargs):
+            logits = real_forward(self, *args, **kwargs)
+            calls[0] += 1
+            if fail and calls[0] in fail_at:
+                raise RuntimeError("injected")
+            return logits
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(GPT, "forward", forward)
+            for turns in rounds:
+                ids = [engine.add_request(histories[c] + new, params) for c, new in turns]
+                outputs = {}
+                for _ in range(300):  # bounded: see drain
+                    if not engine.requests:
+                        break
+                    try:
+                        outputs.update({o.request_id: o for o in checked_step(engine)})
+                    except RuntimeError as e:
+                        assert "injected" in str(e)
+                for (c, new), i in zip(turns, ids):
+                    histories[c] += new + outputs[i].outputs[0].token_ids
+                    answers.append(outputs[i].outputs[0].token_ids)
+        return answers, histories
+
+    def checked_step(engine):
+        tier, copies = engine.allocator.swap_pool, []
+        real_copy = engine.model_runner.copy_blocks
+        engine.model_runner.copy_blocks = lambda plan: copies.append(plan) or real_copy(plan)
+        held_before = {b.hash for b in tier.blocks if b.hash is not None}
+        before = engine.stats()
+        try:
+            outputs = engine.step()
+        finally:
+            engine.model_runner.copy_blocks = real_copy
+        s, (plan,) = engine.stats(), copies or [nanopaged.SchedulerOutput()]
+        offloaded, reloaded = len(plan.blocks_to_offload), len(plan.blocks_to_reload)
+        assert s["num_offloaded_blocks"] - before["num_offloaded_blocks"] == offloaded
+        assert s["num_reloaded_blocks"] - before["num_reloaded_blocks"] == reloaded
+        assert s["prefix_cache_cpu_hit_tokens"] - before["prefix_cache_cpu_hit_tokens"] == \
+            reloaded * engine.block_size
+        assert not {tier.blocks[c].hash for _, c in plan.blocks_to_offload} & held_before
+        return outputs
+
+    settings_ = dict(block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
+                     max_num_batched_tokens=8, max_num_seqs=3)
+    expected, _ = serve(Engine(MODEL, **settings_), fail=False)
+    engine = Engine(MODEL, **settings_, eviction_policy=policy,
+                    cpu_cache_bytes=tier_blocks * bytes_per_block(Engine(MODEL, **settings_)))
+    answers, histories = serve(engine, fail=True)
+    assert answers == expected
+    assert_all_blocks_free(engine)
+    prefixes = {}
+    for tokens in histories:
+        for n in range(len(tokens) + 1):
+            prefixes |= keys_of(tokens[:n], block_size)
+    cached_kv_is_recomputed_kv(engine, prefixes)
+    event(f"reloaded: {engine.stats()['num_reloaded_blocks'] > 0}")
 
 
 # -----------------------------------------------------------------------------
@@ -3932,7 +4114,8 @@ FAILURE_POINTS = [(nanopaged.Scheduler, "schedule"), (BlockAllocator, "allocate"
                   (nanopaged.OutputProcessor, "stop_check"),
                   (nanopaged.OutputProcessor, "prompt_logprob_entries"),
                   (nanopaged, "beam_search_step"), (UserProcessor, "__call__"),
-                  (UserTokenizer, "decode"), (UserObserver, "__call__")]
+                  (UserTokenizer, "decode"), (UserObserver, "__call__"),
+                  (nanopaged.SwapPool, "offload"), (nanopaged.SwapPool, "reload")]
 
 
 @pytest.mark.engine
@@ -3944,14 +4127,16 @@ FAILURE_POINTS = [(nanopaged.Scheduler, "schedule"), (BlockAllocator, "allocate"
        point=st.sampled_from(FAILURE_POINTS), call=st.integers(1, 12), after=st.booleans(),
        block_size=st.sampled_from([1, 2, 4]), spare=st.integers(0, 6),
        mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
-       scheduling=st.sampled_from(SCHEDULING), eviction=st.sampled_from(EVICTION))
+       tier=st.sampled_from([0, 0, 3, 12]), scheduling=st.sampled_from(SCHEDULING),
+       eviction=st.sampled_from(EVICTION))
 def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, after, block_size,
-                                                      spare, mode, caching, scheduling, eviction):
+                                                      spare, mode, caching, tier, scheduling,
+                                                      eviction):
     """Raise once, at a random call of a random function inside a step's plan or run, the user's
-    code included: the step leaves every request, queue and block as it found them (but for K/V
-    the failed step may have overwritten: blocks it handed out leave the prefix cache, and a
-    request that held one is recomputed); the next steps serve every request to the same output
-    as a run without the failure."""
+    code included: the step leaves every request, queue and block, in both tiers, as it found
+    them (but for K/V the failed step may have overwritten: blocks it handed out leave the
+    prefix cache, and a request that held one is recomputed); the next steps serve every
+    request to the same output as a run without the failure."""
     params = [SamplingParams(max_tokens=m, temperature=0 if kind == "greedy" else 1.0, seed=i,
                              n=2 if kind == "n=2" else 1,
                              beam_width=2 if kind == "beam=2" else None,
@@ -3973,8 +4158,9 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
                 break
             before = engine_state(engine)
             held_or_cached.clear()
-            held_or_cached.update(b.block_id for b in engine.allocator.blocks
-                                  if b.ref_count or b.hash is not None)
+            for pool in (engine.allocator, engine.allocator.swap_pool):
+                held_or_cached.update((pool, b.block_id) for b in pool.blocks
+                                      if b.ref_count or b.hash is not None)
             try:
                 outputs.update({o.request_id: o for o in engine.step()})
             except RuntimeError as e:
@@ -3992,8 +4178,8 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
     settings_ = dict(block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
                      enable_prefix_caching=caching, max_num_batched_tokens=6, max_num_seqs=4,
                      scheduling_policy=scheduling, eviction_policy=eviction,
-                     tokenizer=UserTokenizer())
-    held_or_cached = set()  # before each step: the blocks held or cached
+                     tokenizer=UserTokenizer(), cpu_cache_bytes=tier * 4096 if caching else 0)
+    held_or_cached = set()  # before each step: (pool, block) held or cached
     expected = run(Engine(MODEL, **settings_), inject=False)
     owner, name = point
     real, calls, fired, taken, exact = getattr(owner, name), [0], [], set(), []
@@ -4013,20 +4199,22 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
 
     def rollback(self):  # what the failed step handed out, and which block held or cached then
         taken.clear()
-        taken.update(self.taken & held_or_cached)
+        taken.update({(pool, b) for pool in (self, self.swap_pool) for b in pool.taken}
+                     & held_or_cached)
         return real_rollback(self)
 
     def engine_rollback(self):  # no queued request keeps a block the failed step handed out
         real_engine_rollback(self)
-        held = {b for g in self.scheduler.running for q in g.seqs for b in q.block_table}
-        assert not held & rolled_back_taken, "a request kept a block written over"
+        s = self.scheduler
+        for queue, written in zip((s.running, s.swapped), rolled_back_taken):
+            held = {b for g in queue for q in g.seqs for b in q.block_table}
+            assert not held & written, "a request kept a block written over"
 
-    rolled_back_taken = set()
+    rolled_back_taken = [set(), set()]  # the device's, the CPU pool's
 
     def allocator_rollback(self):
-        rolled_back_taken.clear()
-        rolled_back_taken.update(rollback(self))
-        return set(rolled_back_taken)
+        rolled_back_taken[:] = rollback(self)
+        return rolled_back_taken
 
     real_engine_rollback = Engine.rollback
     with pytest.MonkeyPatch.context() as mp:
@@ -4055,8 +4243,9 @@ def test_a_failed_step_recomputes_every_request_whose_blocks_it_handed_out():
         return out
 
     def rollback(self):
-        taken.update(real_rollback(self))
-        return taken
+        device, cpu = real_rollback(self)
+        taken.update(device)
+        return device, cpu
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(GPT, "forward", forward)
@@ -6306,6 +6495,8 @@ def assert_replay_is_the_engine(pool, engine):
                                          if b.ref_count})
     assert {b: tuple(tokens) for b, (_, tokens) in pool.cached.items()} == \
         {b.block_id: b.token_ids for b in a.blocks if b.hash is not None}
+    assert {b: tuple(tokens) for b, (_, tokens) in pool.cpu_cached.items()} == \
+        {b.block_id: b.token_ids for b in a.swap_pool.blocks if b.hash is not None}
     for g in [*s.running, *s.swapped, *s.waiting]:
         for seq in g.seqs:
             computed = seq.token_ids[:seq.num_computed_tokens]
@@ -6325,15 +6516,18 @@ def assert_replay_is_the_engine(pool, engine):
                          min_size=1, max_size=6),
        block_size=st.sampled_from([1, 2, 4]), spare=st.integers(0, 8),
        mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
+       tier=st.sampled_from([0, 4, 16]),
        fail_at=st.sets(st.integers(0, 30), max_size=3), abort_at=st.sets(st.integers(0, 30),
                                                                            max_size=2),
        point=st.sampled_from([(GPT, "forward"), (nanopaged, "sample"),
-                              (nanopaged.PrefixCache, "publish"), (nanopaged.Scheduler, "_admit")]))
+                              (nanopaged.PrefixCache, "publish"), (nanopaged.Scheduler, "_admit"),
+                              (nanopaged.SwapPool, "offload")]))
 def test_replaying_the_trace_rebuilds_the_pool_at_every_step(requests, block_size, spare, mode,
-                                                             caching, fail_at, abort_at, point):
-    """Over random workloads (both preemption modes, prefix caching on and off, samples, beams,
-    aborts, steps that fail and are rolled back), the pool replayed from the trace alone equals
-    the engine's after every step, failed or not."""
+                                                             caching, tier, fail_at, abort_at,
+                                                             point):
+    """Over random workloads (both preemption modes, prefix caching on and off, the CPU tier on
+    and off, samples, beams, aborts, steps that fail and are rolled back), the pool replayed
+    from the trace alone equals the engine's after every step, failed or not, in both tiers."""
     params = [SamplingParams(max_tokens=m, temperature=0 if kind == "greedy" else 1.0, seed=i,
                              n=2 if kind == "n=2" else 1,
                              beam_width=2 if kind == "beam=2" else None)
@@ -6343,7 +6537,7 @@ def test_replaying_the_trace_rebuilds_the_pool_at_every_step(requests, block_siz
     trace = pagetrace.Trace()
     engine = Engine(MODEL, block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
                     enable_prefix_caching=caching, max_num_batched_tokens=6, max_num_seqs=4,
-                    observer=trace)
+                    observer=trace, cpu_cache_bytes=tier * 1024 if caching else 0)
     ids = [engine.add_request(r[0], p) for r, p in zip(requests, params)]
     owner, name = point
     real, calls = getattr(owner, name), [0]
@@ -6418,9 +6612,9 @@ def test_an_observer_that_raises_in_a_commit_is_heard_at_the_next_step():
 @pytest.mark.trace
 def test_with_nobody_listening_nothing_is_recorded():
     engine = Engine(MODEL, block_size=2, num_blocks=24)
+    a = engine.allocator
     assert all(part.observer is None for part in (
-        engine, engine.scheduler, engine.allocator, engine.allocator.prefix_cache,
-        engine.allocator.swap_pool))
+        engine, engine.scheduler, a, a.prefix_cache, a.swap_pool, a.swap_pool.prefix_cache))
 
 
 @pytest.mark.trace
