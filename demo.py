@@ -115,8 +115,22 @@ def block_map(engine):
     return cells, letters
 
 
-def render_block_map(cells, letters, width=64):
-    lines = ["".join(cells[i:i + width]) for i in range(0, len(cells), width)]
+def cpu_block_map(engine, letters):
+    """The CPU pool as cells: a swapped-out request's block (its letter, upper-case when its
+    sequences share it), a free block the CPU tier caches a prefix in (:), or a free one (.)."""
+    owners = {b: g.request_id for g in engine.scheduler.swapped for seq in g.seqs
+              for b in seq.block_table}
+    letters.update({g.request_id: CELLS[(len(letters) + i) % len(CELLS)]
+                    for i, g in enumerate(engine.scheduler.swapped)})
+    return [":" if b.ref_count == 0 and b.hash is not None else "." if b.ref_count == 0 else
+            letters[owners[b.block_id]].upper() if b.ref_count > 1 else
+            letters[owners[b.block_id]] for b in engine.allocator.swap_pool.blocks]
+
+
+def render_block_map(cells, letters, width=64, cpu_cells=()):
+    def grid(cells):
+        return ["".join(cells[i:i + width]) for i in range(0, len(cells), width)]
+    lines = grid(cells) + (["CPU pool:", *grid(cpu_cells)] if cpu_cells else [])
     by_letter = [f"{letter}={request_id}" for request_id, letter in letters.items()]
     lines += ["legend: a-z one sequence's block, A-Z shared by the sequences of one request "
               "(fork / beams),",
@@ -166,8 +180,10 @@ def run_demo(engine, prompts, params, arrivals_per_step=2, progress=True, priori
                              running=s["num_running"], utilization=s["kv_utilization"],
                              shared=num_shared))
         if num_shared and (snapshot is None or num_shared > snapshot["shared"]):
-            snapshot = dict(step=len(timeline), shared=num_shared, map=block_map(engine),
-                            text=render_block_map(*block_map(engine)))
+            cells, letters = block_map(engine)
+            cpu_cells = cpu_block_map(engine, letters)
+            snapshot = dict(step=len(timeline), shared=num_shared, map=(cells, letters),
+                            text=render_block_map(cells, letters, cpu_cells=cpu_cells))
         if progress and (len(timeline) % 10 == 0 or not engine.scheduler.has_unfinished()):
             print("\r" + progress_line(engine, len(outputs), len(ids), time.perf_counter() - start)
                   + "\x1b[K", end="", file=sys.stderr, flush=True)
@@ -283,6 +299,12 @@ def add_engine_flags(p):
                    help="which free cached block is reused first: a name in "
                    f"nanopaged.EVICTION_POLICIES ({', '.join(nanopaged.EVICTION_POLICIES)}; "
                    "default lru)")
+    p.add_argument("--cpu-cache-gib", type=float, default=0,
+                   help="GiB of CPU memory for a second tier of the prefix cache: cached blocks "
+                   "the pool evicts wait there, and come back on a hit (default 0: none)")
+    p.add_argument("--cpu-eviction-policy",
+                   help="which cached block the CPU tier gives up first: a name in "
+                   "nanopaged.EVICTION_POLICIES (default: --eviction-policy's)")
     p.add_argument("--attention-backend",
                    help=f"a name in kernel.ATTENTION_BACKENDS ({', '.join(ATTENTION_BACKENDS)};"
                    " default triton on a GPU, torch on a CPU)")
@@ -396,6 +418,8 @@ def load(args):
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     scheduling_policy=args.scheduling_policy,
                     eviction_policy=args.eviction_policy, kv_cache_dtype=args.kv_cache_dtype,
+                    cpu_cache_bytes=int(args.cpu_cache_gib * 2**30),
+                    cpu_eviction_policy=args.cpu_eviction_policy,
                     attention_backend=args.attention_backend,
                     speculative_config=speculative_config(args), tokenizer=tokenizer,
                     observer=pagetrace.Trace() if traced else None)

@@ -971,6 +971,15 @@ def metrics_text(s, model):
          "cached tokens.", hits),
         ("vllm:gpu_prefix_cache_hit_rate", "gauge", "Prefix cache hits / queries, in tokens, "
          "since the start.", hits / queried if queried else 0.0),
+        ("nanopaged:cpu_cache_blocks", "gauge", "CPU blocks that hold a cached prefix (the "
+         "prefix cache's second tier).", s["num_cpu_cached_blocks"]),
+        ("nanopaged:cpu_prefix_cache_hits_total", "counter", "Prefix cache hits served from "
+         "the CPU tier (copied back), in terms of number of cached tokens.",
+         s["prefix_cache_cpu_hit_tokens"]),
+        ("nanopaged:offloaded_blocks_total", "counter", "Cached blocks copied to the CPU tier "
+         "before their eviction.", s["num_offloaded_blocks"]),
+        ("nanopaged:reloaded_blocks_total", "counter", "Blocks copied back from the CPU tier on "
+         "a hit.", s["num_reloaded_blocks"]),
         ("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions.",
          s["num_preemptions"]),
         ("vllm:prompt_tokens_total", "counter", "Prompt tokens of the requests prefilled.",

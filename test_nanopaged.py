@@ -5663,6 +5663,32 @@ def served(tmp_path_factory):
         yield url, str(folder), GPT.from_pretrained(str(folder))
 
 
+@pytest.mark.server
+def test_server_serves_a_returning_prompt_from_the_cpu_tier(tmp_path):
+    """--cpu-cache-gib: a prompt whose blocks a 12-block device pool evicted (three other
+    prompts came between) comes back from the CPU tier: /metrics counts the copies and the
+    hits, and the answers are those of a server without the tier (the engine's own)."""
+    import server
+    first = list(range(40, 52))  # three blocks of 4
+    prompts = [first, *[[60 + i] * 14 for i in range(3)], first + [7]]
+    answers, metrics = [], []
+    for tier in ("0", "0.001"):
+        flags = ["--num-blocks", "12", "--block-size", "4", "--cpu-cache-gib", tier,
+                 "--temperature", "0", "--uvicorn-log-level", "warning"]
+        with open(tmp_path / "server.log", "w+") as log, server.running_server(
+                flags, timeout_s=60, log=log) as url:
+            client = served_client(url)
+            answers.append([client.completions.create(model="pydoc-gpt", prompt=p, max_tokens=3
+                                                      ).choices[0].text for p in prompts])
+            metrics.append(served_metrics(url))
+    assert answers[0] == answers[1]
+    assert metrics[0]["nanopaged:cpu_prefix_cache_hits_total"] == 0
+    assert metrics[1]["nanopaged:cpu_prefix_cache_hits_total"] == 12
+    assert metrics[1]["nanopaged:reloaded_blocks_total"] == 3
+    assert metrics[1]["nanopaged:offloaded_blocks_total"] >= 3
+    assert metrics[1]["vllm:prefix_cache_hits_total"] == 12
+
+
 def served_client(url):
     import openai
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
