@@ -1956,7 +1956,8 @@ def returning_conversation(engine, max_tokens=3):
     first = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]  # three blocks of 4
     texts = [first + engine.generate([first], params)[0].outputs[0].token_ids]
     for i in range(3):  # 3 x 4 blocks: every cached block is evicted
-        texts.append([10 + i] * 14 + engine.generate([[10 + i] * 14], params)[0].outputs[0].token_ids)
+        prompt = [10 + i] * 14
+        texts.append(prompt + engine.generate([prompt], params)[0].outputs[0].token_ids)
     out = engine.generate([texts[0] + [7]], params)[0]
     return out, texts + [out.prompt_token_ids + out.outputs[0].token_ids]
 
@@ -2037,7 +2038,8 @@ def test_the_cpu_tier_changes_no_output_and_counts_the_copies_it_makes(
     worst = -(-longest // block_size) + 1
 
     def serve(engine, fail):
-        histories, answers, real_forward, calls = [[] for _ in range(num_convs)], [], GPT.forward, [0]
+        histories, answers = [[] for _ in range(num_convs)], []
+        real_forward, calls = GPT.forward, [0]
 
         def forward(self, *args, **kwargs):
             logits = real_forward(self, *args, **kwargs)
