@@ -587,7 +587,10 @@ class BlockAllocator(BlockPool):
         for _ in range(cdiv(len(seq), self.block_size) - len(found)):
             table.append(self.take())
         self.journal.set(seq, "num_computed_tokens", len(found) * self.block_size)
-        self.journal.set(seq, "num_cached_blocks", len(found))
+        # the device's leading hits are cached; the blocks copied back are published with the
+        # blocks seq computes, as it is scheduled (cache_full_blocks)
+        cached = [cache is self.prefix_cache for _, cache in found] + [False]
+        self.journal.set(seq, "num_cached_blocks", cached.index(False))
         hits = [b for b, cache in found if cache is self.prefix_cache]
         self.prefix_cache.count(seq, hits, len(found) - len(hits))
         notify(self, "allocate", seq=seq.seq_id, request=seq.request_id, table=table.tolist(),
@@ -918,11 +921,10 @@ class SwapPool(BlockPool):
         notify(self, "offload", block=block.block_id, cpu_block=cpu_block)
 
     def reload(self, seq, i, cpu_block):
-        """seq's block i, found in this tier: a fresh device block, cached under its key on the
-        device again, into which the step copies cpu_block's K/V before the forward."""
+        """seq's block i, found in this tier: a fresh device block, into which the step copies
+        cpu_block's K/V before the forward (and publishes it, as seq is scheduled)."""
         a = self.allocator
         block_id = a.take()
-        a.prefix_cache.publish(seq, i, block_id)
         a.reloads.append((cpu_block, block_id))
         self.share(cpu_block)  # a use: its eviction order starts again
         self.release(cpu_block)
