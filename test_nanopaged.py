@@ -2963,6 +2963,30 @@ def test_paged_greedy_generation_equals_hugging_face_generate(hf_folder, name):
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("windows, message", [
+    (dict(sliding_window=0), "sliding_window must be None or an int >= 1, got 0"),
+    (dict(sliding_window=4.0), "sliding_window must be None or an int >= 1, got 4.0"),
+    (dict(sliding_window=4, layer_types=["sliding_attention"]), "layer_types must list 2"),
+    (dict(sliding_window=4, layer_types=["sliding_attention", "chunked_attention"]),
+     "layer_types must list 2 (n_layer) of ('sliding_attention', 'full_attention')"),
+    (dict(layer_types=["full_attention", "sliding_attention"]),
+     "layer_types has sliding_attention layers but sliding_window is None"),
+])
+def test_a_window_the_model_cannot_honour_is_a_clear_error(windows, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GPTConfig(n_layer=2, n_head=2, n_embd=16, **windows)
+
+
+@pytest.mark.model
+def test_gpt2_and_llama_see_the_whole_context_unless_told_otherwise():
+    for model in MODELS.values():
+        assert model.config.windows == [None, None]
+        assert model.config.layer_types == ["full_attention"] * 2
+    config = GPTConfig(n_layer=3, n_head=2, n_embd=16, sliding_window=8)  # Mistral: every layer
+    assert config.windows == [8, 8, 8]
+
+
+@pytest.mark.model
 def test_gqa_model_generates_like_naive():
     model = tiny_model(n_kv_head=2, seed=1)
     engine = Engine(model, block_size=4, num_blocks=64)
@@ -3027,6 +3051,79 @@ def test_rotary_positions_do_not_depend_on_how_a_prompt_is_served(prompt, block_
 def naive_logits(model, tokens):
     with torch.no_grad():
         return model(torch.tensor([tokens]))[0, -1]
+
+
+# -- sliding windows: each layer's own, from the contiguous path to every backend
+
+
+def windowed_model(window, kinds, seed=2, dtype=torch.float64):
+    """A tiny Llama-family model (head size 16, as Triton takes); layer i is windowed if
+    kinds[i] is "s", full if "f". Its weights are made large enough for attention to be sharp,
+    so that which keys a token sees changes what it generates."""
+    torch.manual_seed(seed)
+    names = {"s": "sliding_attention", "f": "full_attention"}
+    config = GPTConfig(n_layer=len(kinds), n_head=4, n_kv_head=2, n_embd=64, vocab_size=32,
+                       max_seq_len=96, rope_theta=1e4, norm="rmsnorm", mlp="swiglu", bias=False,
+                       intermediate_size=48, sliding_window=window,
+                       layer_types=[names[k] for k in kinds])
+    model = GPT(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model.to(dtype)
+
+
+@pytest.mark.model
+@settings(max_examples=examples(30), deadline=None)
+@given(st.lists(st.integers(0, 31), min_size=1, max_size=60), st.integers(1, 20))
+def test_a_windowed_layer_sees_exactly_the_last_window_of_tokens(tokens, window):
+    # one windowed layer with rotary positions, which only relative positions move: the next
+    # token after a sequence is the next token after its last `window` tokens alone, wherever
+    # the sequence starts; a window one token wider sees one more, which changes it (unless
+    # that token repeats one in the window: a value already averaged in)
+    # (rotary angles are fp32, as transformers': equal up to their rounding at other positions)
+    model = windowed_model(window, "s")
+    torch.testing.assert_close(naive_logits(model, tuple(tokens)),
+                               naive_logits(model, tuple(tokens[-window:])), atol=1e-6, rtol=0)
+    if len(tokens) > window and tokens[-window - 1] not in tokens[-window:]:
+        wider = windowed_model(window + 1, "s")  # the same weights (same seed)
+        assert not torch.allclose(naive_logits(wider, tuple(tokens)),
+                                  naive_logits(wider, tuple(tokens[-window:])), atol=1e-4)
+
+
+@pytest.mark.model
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(request_mixes(), st.integers(1, 12), st.sampled_from(["ss", "sf", "fs"]))
+def test_windowed_models_generate_like_naive_contiguous(mix, window, kinds):
+    # windowed and hybrid models served paged (chunked prefills, prefix hits, both preemptions,
+    # tight pools) generate what the contiguous path does, past several windows; the engine
+    # keeps every block, the attention skips what a window leaves behind
+    prompts, max_tokens, priorities, engine_args = mix
+    model = windowed_model(window, kinds)
+    engine = Engine(model, **engine_args)
+    params = [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens]
+    for _ in range(2):  # the second time, the prompts hit the prefix cache if it is on
+        outputs = engine.generate(prompts, params, priority=priorities)
+        assert [o.outputs[0].token_ids for o in outputs] == \
+            [naive_greedy(model, p, m) for p, m in zip(prompts, max_tokens)]
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("backend", ["triton", "torch", "flex"])
+def test_a_hybrid_model_generates_like_naive_on_every_backend(backend):
+    # a window of 5 over prompts up to 3 windows long and 12 new tokens, in blocks of 4:
+    # windows end mid-block; chunked prefills (7 tokens a step) and a prefix hit (prompt 2
+    # starts as prompt 0 does); fp32, the kernels' dtype
+    model = windowed_model(5, "sfs", seed=3, dtype=torch.float32)
+    prompts = [list(range(1, 14)), [8, 9], list(range(1, 9)) + [30] * 7]
+    engine = Engine(model, block_size=4, num_blocks=40, attention_backend=backend,
+                    max_num_batched_tokens=7)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    assert [o.outputs[0].token_ids for o in outputs] == \
+        [naive_greedy(model, p, 12) for p in prompts]
+    assert sum(o.num_cached_tokens for o in outputs) > 0
+    assert_all_blocks_free(engine)
 
 
 # -----------------------------------------------------------------------------
