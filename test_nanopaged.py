@@ -292,7 +292,7 @@ def hf_folder(tmp_path_factory):
 
     @functools.cache
     def build(name):
-        config_class, kwargs = (HF_MODELS | TP_HF_MODELS)[name]
+        config_class, kwargs = (HF_MODELS | TP_HF_MODELS | WINDOWED_HF_MODELS)[name]
         torch.manual_seed(0)
         config = getattr(transformers, config_class)(**kwargs)
         hf = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -2986,6 +2986,77 @@ def test_gpt2_and_llama_see_the_whole_context_unless_told_otherwise():
     assert config.windows == [8, 8, 8]
 
 
+# Windows of 16 to 32 tokens over contexts of a few hundred: Mistral's on every layer, Qwen2's on
+# the layers from max_window_layers on, and Qwen2's layer_types mixing them in any order
+WINDOWED_HF_MODELS = {
+    "mistral-window": ("MistralConfig", dict(LLAMA_FAMILY, num_key_value_heads=2, head_dim=16,
+                                             max_position_embeddings=512, sliding_window=16,
+                                             rope_parameters=dict(rope_theta=1e4))),
+    "qwen2-window": ("Qwen2Config", dict(LLAMA_FAMILY, num_hidden_layers=3, num_key_value_heads=3,
+                                         max_position_embeddings=512, use_sliding_window=True,
+                                         sliding_window=24, max_window_layers=1,
+                                         rope_parameters=dict(rope_theta=1e6))),
+    "qwen2-layer-types": ("Qwen2Config", dict(
+        LLAMA_FAMILY, num_hidden_layers=3, num_key_value_heads=2, max_position_embeddings=512,
+        use_sliding_window=True, sliding_window=32, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+}
+
+
+def hf_windows(config):
+    """Each layer's sliding window (None: full attention) as transformers' model applies it:
+    Mistral's on every layer, Qwen2's and Ministral's by their layer_types, none in GPT-2 and
+    Llama."""
+    n, window = config.num_hidden_layers, getattr(config, "sliding_window", None)
+    kinds = {"mistral": ["sliding_attention"] * n}.get(config.model_type, [None] * n)
+    if config.model_type in ("qwen2", "ministral"):
+        kinds = config.layer_types
+    return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", WINDOWED_HF_MODELS)
+def test_windowed_logits_match_hugging_face(hf_folder, name):
+    path, hf = hf_folder(name)
+    model = GPT.from_pretrained(str(path))
+    assert model.config.windows == hf_windows(hf.config) and any(model.config.windows)
+    idx = torch.randint(hf.config.vocab_size, (2, 300))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", WINDOWED_HF_MODELS)
+def test_windowed_paged_greedy_generation_equals_hugging_face_generate(hf_folder, name):
+    # prompts of 1 to 3 windows sharing a prefix, 48 new tokens: past several windows, served
+    # in prefill chunks of 8 tokens, with prefix hits (the shared prefix; then the same prompts
+    # again), and preempted by recompute and by swap in a tight pool of blocks of 5
+    path, hf = hf_folder(name)
+    model, hf64 = GPT.from_pretrained(str(path), dtype=torch.float64), _double(hf)
+    shared = [(5 * j + 1) % 97 for j in range(20)]
+    prompts = [shared + [(7 * i + 3 * j) % 97 for j in range(n)] for i, n in enumerate([3, 19, 45])]
+    expected = []
+    for p in prompts:  # token 0 is not padding here, so the mask is explicit
+        mask = torch.ones(1, len(p), dtype=torch.long)
+        out = hf64.generate(torch.tensor([p]), attention_mask=mask, max_new_tokens=48,
+                            do_sample=False, pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    unwindowed = copy.deepcopy(model)
+    for block in unwindowed.transformer.h:
+        block.attn.window = None
+    assert [naive_greedy(unwindowed, p, 48) for p in prompts] != expected, "windows matter here"
+    for mode in ["recompute", "swap"]:
+        engine = Engine(model, block_size=5, num_blocks=45, preemption_mode=mode,
+                        max_num_batched_tokens=8)
+        params = SamplingParams(max_tokens=48, temperature=0)
+        for _ in range(2):
+            outputs = engine.generate(prompts, params)
+            assert [o.outputs[0].token_ids for o in outputs] == expected
+        assert engine.stats()["num_preemptions"] > 0
+        assert engine.stats()["prefix_cache_hit_tokens"] > 0
+        assert_all_blocks_free(engine)
+
+
 @pytest.mark.model
 def test_gqa_model_generates_like_naive():
     model = tiny_model(n_kv_head=2, seed=1)
@@ -4633,6 +4704,27 @@ SETTINGS_LOADED_EXACTLY = [
     ("mistral", dict(rope_parameters=dict(rope_type="default", rope_theta=50.0)), ()),
     ("qwen2", dict(tie_word_embeddings=False), ("tie_word_embeddings",)),  # Qwen2's default
     ("qwen2", dict(rms_norm_eps=0.5, rope_parameters=dict(rope_theta=100.0)), ()),
+    # sliding windows, over 30 tokens: Mistral's on every layer (4096 where config.json is
+    # silent); Qwen2's only with use_sliding_window, on the layers from max_window_layers on
+    # (28 where silent) unless layer_types lists them
+    ("mistral", dict(sliding_window=7), ()),
+    ("mistral", dict(sliding_window=1), ()),  # each token sees itself alone
+    ("mistral", dict(sliding_window=16), ("sliding_window",)),
+    # a Mistral folder with layer_types: transformers reads it as Ministral, which follows them
+    ("mistral", dict(sliding_window=7, layer_types=["full_attention", "sliding_attention"]), ()),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=7, max_window_layers=1),
+     ("layer_types",)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=7, max_window_layers=1),
+     ("layer_types", "max_window_layers")),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=0), ()),
+    ("qwen2", dict(use_sliding_window=True, max_window_layers=0),
+     ("layer_types", "sliding_window")),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=7,
+                   layer_types=["sliding_attention", "full_attention"]), ("max_window_layers",)),
+    ("qwen2", dict(use_sliding_window=False, sliding_window=7, max_window_layers=0),
+     ("layer_types",)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=7, max_window_layers=0),
+     ("layer_types", "use_sliding_window")),
 ]
 
 
@@ -4656,10 +4748,11 @@ def test_from_pretrained_loads_each_setting_as_transformers_does(tmp_path, name,
     # what the folder means is what transformers reads from it (eager: reorder_and_upcast_attn)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
     idx = torch.randint(hf.config.vocab_size, (2, 30))
+    model = GPT.from_pretrained(str(tmp_path))
+    assert model.config.windows == hf_windows(hf.config)  # windows too long for 30 tokens too
     with torch.no_grad():
         expected = hf.float().eval()(idx).logits
-        torch.testing.assert_close(GPT.from_pretrained(str(tmp_path))(idx), expected,
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(model(idx), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.checkpoints
@@ -4672,9 +4765,21 @@ def test_from_pretrained_loads_each_setting_as_transformers_does(tmp_path, name,
     ("qwen2", dict(rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.5)),
      "partial_rotary_factor=0.5"),
     ("llama", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),  # older dialect
-    ("mistral", dict(sliding_window=16), "sliding_window=16, below max_position_embeddings=64"),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=16),
-     "use_sliding_window=True; this model takes only False"),
+    ("mistral", dict(sliding_window=0), "sliding_window=0; a window is a number of positions"),
+    ("mistral", dict(sliding_window=16.0), "sliding_window=16.0"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=-4), "sliding_window=-4"),
+    # transformers itself fails on these
+    ("mistral", dict(sliding_window=None, layer_types=["full_attention"] * 2),
+     "layer_types and sliding_window=None; transformers reads it as Ministral"),
+    ("qwen2", dict(use_sliding_window=False, layer_types=["full_attention", "sliding_attention"]),
+     "layer_types with sliding_attention layers, but no window (use_sliding_window=False"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8,
+                   layer_types=["chunked_attention", "full_attention"]),
+     "layer_types=['chunked_attention', 'full_attention']; this model takes 2"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention"]),
+     "layer_types=['full_attention']; this model takes 2 (num_hidden_layers)"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, layer_types=None,
+                   max_window_layers=None), "max_window_layers=None"),
     ("llama", dict(hidden_act="quick_gelu"), "hidden_act='quick_gelu'"),
     ("llama", dict(attention_bias=True), "attention_bias=True"),
     ("llama", dict(mlp_bias=True), "mlp_bias=True"),
