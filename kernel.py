@@ -137,8 +137,11 @@ def _paged_attention_kernel(
         k, v = k.to(DOT_DTYPE), v.to(DOT_DTYPE)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) fp32
-        seen = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(pos_mask[None, :] & seen, s, float("-inf"))
+        if DECODE:  # one new token, and the loop runs over exactly the keys it sees
+            s = tl.where(pos_mask[None, :], s, float("-inf"))
+        else:  # causal and within the window, 0 <= q_pos - pos < window: one unsigned compare
+            behind = (q_pos[:, None] - pos[None, :]).to(tl.uint32)
+            s = tl.where(pos_mask[None, :] & (behind < window.to(tl.uint32)), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no visible key yet (only possible in a split) keeps exp2 at 0, not NaN
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
