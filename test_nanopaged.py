@@ -3146,20 +3146,29 @@ def windowed_model(window, kinds, seed=2, dtype=torch.float64):
 
 @pytest.mark.model
 @settings(max_examples=examples(30), deadline=None)
-@given(st.lists(st.integers(0, 31), min_size=1, max_size=60), st.integers(1, 20))
-def test_a_windowed_layer_sees_exactly_the_last_window_of_tokens(tokens, window):
-    # one windowed layer with rotary positions, which only relative positions move: the next
-    # token after a sequence is the next token after its last `window` tokens alone, wherever
-    # the sequence starts; a window one token wider sees one more, which changes it (unless
-    # that token repeats one in the window: a value already averaged in)
-    # (rotary angles are fp32, as transformers': equal up to their rounding at other positions)
-    model = windowed_model(window, "s")
-    torch.testing.assert_close(naive_logits(model, tuple(tokens)),
-                               naive_logits(model, tuple(tokens[-window:])), atol=1e-6, rtol=0)
-    if len(tokens) > window and tokens[-window - 1] not in tokens[-window:]:
-        wider = windowed_model(window + 1, "s")  # the same weights (same seed)
+@given(st.lists(st.integers(0, 31), min_size=1, max_size=60), st.integers(1, 20),
+       st.integers(1, 2))
+def test_windowed_layers_see_exactly_the_last_tokens_their_windows_reach(tokens, window, layers):
+    # a model without positions (GPT-2's, its learned positions zeroed): n layers of windows of
+    # W reach back n * (W - 1) positions, so the next token after a sequence is the next token
+    # after its last n * (W - 1) + 1 tokens alone; windows one wider reach further, which
+    # changes it (unless the token they reach repeats one already seen: a value averaged in)
+    def model(window):
+        torch.manual_seed(4)
+        gpt = GPT(GPTConfig(n_layer=layers, n_head=4, n_embd=64, vocab_size=32, max_seq_len=64,
+                            sliding_window=window)).double()
+        with torch.no_grad():
+            for p in gpt.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+            gpt.transformer.wpe.weight.zero_()
+        return gpt
+    reach = layers * (window - 1) + 1
+    exact, wider = model(window), model(window + 1)
+    torch.testing.assert_close(naive_logits(exact, tuple(tokens)),
+                               naive_logits(exact, tuple(tokens[-reach:])), atol=1e-12, rtol=0)
+    if len(tokens) > reach and tokens[-reach - 1] not in tokens[-reach:]:
         assert not torch.allclose(naive_logits(wider, tuple(tokens)),
-                                  naive_logits(wider, tuple(tokens[-window:])), atol=1e-4)
+                                  naive_logits(wider, tuple(tokens[-reach:])), atol=1e-9)
 
 
 @pytest.mark.model
