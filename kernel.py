@@ -709,16 +709,15 @@ def paged_attention_flex(q, k_cache, v_cache, block_tables, seq_lens, scale, win
     """Decode (one new token a sequence: q [B, n_head, D]) with torch's flex_attention compiled
     by Inductor for the CPU, reading K/V straight from the cache through the block table: no
     gather. The whole cache is the key axis of every sequence; a block mask lists, per sequence,
-    the physical blocks it uses (torch's own paged attention helper does the same): those wholly
-    seen as full blocks, and its last block, and the first of a sliding window (paged_attention's
-    window) if the window starts inside it, as partial ones that a mask_mod cuts. flex reads
-    whole blocks, and on the CPU it has no log-sum-exp to merge a separately computed tail, so
-    this writes zeros into the slots past each sequence's end in its last block (slots no
-    sequence reads: a shared block is copied before a write) where 0 * NaN would spoil the
-    result; the slots before a window's start in its first block hold real K/V, which stay.
-    Opt-in: paged_attention_torch(..., decode_attention=paged_attention_flex)."""
+    the physical blocks it uses (torch's own paged attention helper does the same): see
+    _flex_block_mask. flex reads whole blocks, and on the CPU it has no log-sum-exp to merge a
+    separately computed tail, so this writes zeros into the slots past each sequence's end in
+    its last block (slots no sequence reads: a shared block is copied before a write) where
+    0 * NaN would spoil the result; the slots before a sliding window's start in its first
+    block hold real K/V, which stay. Opt-in: paged_attention_torch(...,
+    decode_attention=paged_attention_flex)."""
     global _flex
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
     if _flex is None:
         _flex = torch.compile(flex_attention, dynamic=True)
     num_blocks, block_size, n_kv_head, head_dim = k_cache.shape
@@ -731,6 +730,23 @@ def paged_attention_flex(q, k_cache, v_cache, block_tables, seq_lens, scale, win
     tail_slots = (last_block * block_size + tail)[tail >= last_len[:, None]]
     for cache in (k_cache, v_cache):
         cache.flatten(0, 1).index_fill_(0, tail_slots, 0)
+    mask = _flex_block_mask(block_tables, seq_lens, num_blocks, block_size, window)
+    k, v = (c.view(1, -1, n_kv_head, head_dim).transpose(1, 2).expand(B, -1, -1, -1)
+            for c in (k_cache, v_cache))                                        # (B, nkv, slots, D)
+    with torch.no_grad():  # flex compiles for inference only on the CPU
+        o = _flex(q.view(B, -1, 1, head_dim), k, v, block_mask=mask, scale=scale, enable_gqa=True)
+    return o.view(B, -1, head_dim)                                                 # (B, nh, D)
+
+
+def _flex_block_mask(block_tables, seq_lens, num_blocks, block_size, window):
+    """The decodes' flex BlockMask over the whole cache: per sequence, the blocks it sees wholly
+    as full blocks; its last block, and the first of its window if the window starts inside it,
+    as partial ones that the mask_mod cuts to the sequence's end and the window's start."""
+    from torch.nn.attention.flex_attention import BlockMask
+    B, width = block_tables.shape
+    num_used = (seq_lens + block_size - 1) // block_size                          # (B,)
+    last_block = block_tables.gather(1, (num_used - 1)[:, None]).long()           # (B, 1)
+    last_len = seq_lens - (num_used - 1) * block_size                              # (B,)
     # the window's first position, its block, and whether the window starts inside that block
     start = (seq_lens - window).clamp(min=0) if window else torch.zeros_like(seq_lens)
     first, first_off = start // block_size, start % block_size                      # (B,)
@@ -738,13 +754,9 @@ def paged_attention_flex(q, k_cache, v_cache, block_tables, seq_lens, scale, win
     cut = (first_off > 0) & (first < num_used - 1)  # a partial first block, not the last one
     # full blocks: from the window's first whole block to the one before the last
     full_from = first + cut.long()
-    idx = (full_from[:, None] + torch.arange(block_tables.shape[1], device=q.device)).clamp(
-        max=block_tables.shape[1] - 1)
-    full = block_tables.gather(1, idx).clamp_(min=0).int()
-    full = F.pad(full, (0, num_blocks - full.shape[1]))
-    partial = torch.cat((last_block, first_block), 1).int()  # the last; the first if cut
-    partial = F.pad(partial, (0, num_blocks - 2))
-
+    at = (full_from[:, None] + torch.arange(width, device=seq_lens.device)).clamp(max=width - 1)
+    full = F.pad(block_tables.gather(1, at).clamp(min=0), (0, num_blocks - width)).int()
+    partial = F.pad(torch.cat((last_block, first_block), 1), (0, num_blocks - 2)).int()
     # slots hidden: the last block's past the sequence's end, the first's before the window.
     # A tensor of static size (B padded to a power of two: a compile per size): Inductor's CPU
     # flex template renames its split-size symbols in the mask's code by text replacement, so
@@ -758,16 +770,11 @@ def paged_attention_flex(q, k_cache, v_cache, block_tables, seq_lens, scale, win
     def seen(b, h, q_idx, kv_idx):
         return (((kv_idx < bounds[0, b]) | (kv_idx >= bounds[1, b]))
                 & ((kv_idx < bounds[2, b]) | (kv_idx >= bounds[3, b])))
-    mask = BlockMask.from_kv_blocks(
+    return BlockMask.from_kv_blocks(
         (1 + cut.int()).view(B, 1, 1), partial.view(B, 1, 1, num_blocks),
         (num_used - 1 - full_from).int().view(B, 1, 1), full.view(B, 1, 1, num_blocks),
         BLOCK_SIZE=(128, block_size), mask_mod=seen,
         seq_lengths=(1, num_blocks * block_size), compute_q_blocks=False)
-    k, v = (c.view(1, -1, n_kv_head, head_dim).transpose(1, 2).expand(B, -1, -1, -1)
-            for c in (k_cache, v_cache))                                        # (B, nkv, slots, D)
-    with torch.no_grad():  # flex compiles for inference only on the CPU
-        o = _flex(q.view(B, -1, 1, head_dim), k, v, block_mask=mask, scale=scale, enable_gqa=True)
-    return o.view(B, -1, head_dim)                                                 # (B, nh, D)
 
 
 # -----------------------------------------------------------------------------
