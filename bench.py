@@ -736,8 +736,32 @@ def check_against_sdpa(calls, shape, case):  # before timing (llm.c's rule)
                                    msg=lambda m: f"{label} disagrees with SDPA at {case}: {m}")
 
 
+KERNEL_WINDOW = 256  # the sliding window of the last column (--quick's grid times it too)
 KERNEL_COLUMNS = ["batch", "context", "MB moved", "paged ms", "GB/s", "% peak", "SDPA ms",
-                  "GB/s", "paged/SDPA", "flex/SDPA", "split-KV speedup", "naive ms"]
+                  "GB/s", "paged/SDPA", "flex/SDPA", "split-KV speedup", "naive ms",
+                  f"window {KERNEL_WINDOW}/full"]
+
+
+def windowed_calls(paged, on_gpu, scale, case):
+    """{"paged, window": the decode of paged_case's case with a sliding window of KERNEL_WINDOW
+    positions (the blocks before it skipped)}, checked first against SDPA masked to the same
+    window; {} where every context fits in the window."""
+    q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, k, v = case
+    batch, n_kv, context, D = k.shape
+    if context <= KERNEL_WINDOW:
+        return {}
+    plan = {}
+
+    def call():
+        return paged(q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, scale, max_q_len=1,
+                     window=KERNEL_WINDOW, **({} if on_gpu else dict(plan=plan)))
+    pos = torch.arange(context, device=q.device)
+    band = (pos < seq_lens[:, None]) & (pos >= seq_lens[:, None] - KERNEL_WINDOW)   # (B, L)
+    expected = F.scaled_dot_product_attention(q.view(batch, n_kv, -1, D), k, v, scale=scale,
+                                              attn_mask=band[:, None, None])
+    tol = 1e-4 if q.dtype == torch.float32 else 5e-3
+    torch.testing.assert_close(call().reshape(expected.shape), expected, atol=tol, rtol=tol)
+    return {"paged, window": call}
 
 
 def kernel_row(batch, context, moved, r, peak):
@@ -746,7 +770,8 @@ def kernel_row(batch, context, moved, r, peak):
             pct, f"{r['sdpa']:.3f}", f"{r['sdpa_GBps']:.0f}", f"{r['paged'] / r['sdpa']:.2f}x",
             f"{r['flex'] / r['sdpa']:.2f}x" if "flex" in r else "-",
             f"{r['paged, no split'] / r['paged']:.2f}x" if "paged, no split" in r else "-",
-            f"{r['naive']:.2f}" if "naive" in r else "-"]
+            f"{r['naive']:.2f}" if "naive" in r else "-",
+            f"{r['paged, window'] / r['paged']:.2f}x" if "paged, window" in r else "-"]
 
 
 def bench_kernel(grid=None):
@@ -764,11 +789,11 @@ def bench_kernel(grid=None):
     scale, results, rows = D ** -0.5, {}, []  # results: what results.json keeps
     for batch, context, mixed in grid:
         try:
-            q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, k, v = paged_case(
-                batch, context, dtype, device, mixed)
+            case = paged_case(batch, context, dtype, device, mixed)
         except torch.cuda.OutOfMemoryError:
             print(f"batch {batch} x context {context}: skipped, out of GPU memory")
             continue
+        q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, k, v = case
         plan, flex_plan = {}, {}  # CPU: indices the first call builds, once for all layers
         calls = {
             "paged": lambda: paged(q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, scale,
@@ -794,6 +819,7 @@ def bench_kernel(grid=None):
             calls["paged, no split"] = lambda: paged(q, k_cache, v_cache, tables, seq_lens,
                                                      cu_seqlens_q, scale, max_q_len=1, num_splits=1)
         check_against_sdpa(calls, (batch, n_head, D), f"batch {batch} x {context}")
+        calls |= windowed_calls(paged, on_gpu, scale, case)  # checked against SDPA of its own
         # K, V read once; q in, out
         moved = (2 * int(seq_lens.sum()) * n_kv * D + 2 * q.numel()) * q.element_size()
         r = time_ms(calls)
@@ -817,11 +843,13 @@ def bench_kernel(grid=None):
 # compute capability -> (shared memory per SM, most per program, threads per SM), from CUDA's
 # programming guide; every one of them has 64K registers per SM
 AOT_GPUS = {80: (167936, 166912, 2048), 86: (102400, 101376, 1536), 90: (233472, 232448, 2048)}
-AOT_STEPS = {  # step -> (q_len of each sequence, its context, num_splits), batched as by the engine
-    "decode": ([1] * 32, [1000] * 32, 1),
-    "split decode": ([1] * 2, [3000, 2000], 8),
-    "prefill": ([300, 200], [300, 500], 1),
-    "mixed": ([1] * 30 + [256, 100], [800] * 30 + [256, 900], 4),
+# step -> (q_len of each sequence, its context, num_splits, a sliding window or None), batched as
+# by the engine; the window is a runtime argument (one binary for every window), taken here too
+AOT_STEPS = {
+    "decode": ([1] * 32, [1000] * 32, 1, None),
+    "split decode": ([1] * 2, [3000, 2000], 8, 1024),
+    "prefill": ([300, 200], [300, 500], 1, None),
+    "mixed": ([1] * 30 + [256, 100], [800] * 30 + [256, 900], 4, 512),
 }
 
 
@@ -967,11 +995,12 @@ def aot_config(cc, dtype, head_dim, group, block_size, step, cache_dtype=None):
     """Every distinct kernel one engine step of this shape launches, compiled for cc: a list
     of aot_compile's rows, tagged with the configuration. An 8-bit cache_dtype: its launches,
     and the KV store's that quantizes into it."""
-    q_lens, contexts, num_splits = AOT_STEPS[step]
+    q_lens, contexts, num_splits, window = AOT_STEPS[step]
     args = engine_step(dtype, head_dim, group, block_size, q_lens, contexts,
                        cache_dtype=cache_dtype)
     scales = kv_scale_args(args)
-    launches = capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits, **scales)
+    launches = capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits, window=window,
+                                **scales)
     if scales:  # k and v of the step's new tokens, as views of q's fused qkv like the engine's
         k = torch.zeros(sum(q_lens), 3, *args[1].shape[2:], dtype=dtype)[:, 1]  # (T, nkv, D)
         launches += capture_launches((k, k, args[1], args[2], torch.arange(sum(q_lens))),

@@ -15,7 +15,7 @@ import os
 import torch
 
 import nanopaged
-from nanopaged import ACTIVATIONS, GPTConfig, tp_shard, tp_split_dim
+from nanopaged import ACTIVATIONS, LAYER_TYPES, GPTConfig, tp_shard, tp_split_dim
 
 # Checkpoints: GPT-2's names are ours less "transformer."; the Llama family's are below, per layer
 # "transformer.h.N." -> "model.layers.N."; three names are q, k, v, stacked in that order in c_attn.
@@ -102,13 +102,11 @@ def llama_config(hf, path):
     reject(path, hf, "hidden_act", "silu", tuple(ACTIVATIONS))
     # Only Llama reads attention_bias (q, k, v and o) and mlp_bias; pretraining_tp changes nothing
     biases = ("attention_bias", "mlp_bias") if hf["model_type"] == "llama" else ()
-    for key in (*biases, "use_sliding_window"):  # Qwen2's window is off unless this is on
+    for key in biases:
         reject(path, hf, key, False, (False,))
     max_seq_len = hf.get("max_position_embeddings", 2048)
-    if hf["model_type"] == "mistral" and (hf.get("sliding_window") or max_seq_len) < max_seq_len:
-        raise ValueError(f"{path}: config.json sets sliding_window={hf['sliding_window']}, below "
-                         f"max_position_embeddings={max_seq_len}; this model sees all the context")
     rope.setdefault("original_max_position_embeddings", max_seq_len)  # as transformers, for llama3
+    sliding_window, layer_types = windows(hf, path)
     return GPTConfig(
         vocab_size=hf["vocab_size"], max_seq_len=max_seq_len, n_layer=hf["num_hidden_layers"],
         n_head=hf["num_attention_heads"], n_kv_head=hf.get("num_key_value_heads"),
@@ -117,7 +115,49 @@ def llama_config(hf, path):
         rope_scaling=rope if rope["rope_type"] == "llama3" else None, norm="rmsnorm", mlp="swiglu",
         intermediate_size=hf["intermediate_size"], bias=False, qkv_bias=hf["model_type"] == "qwen2",
         tie_word_embeddings=hf.get("tie_word_embeddings", False),  # the default of all three
-        activation=hf.get("hidden_act", "silu"))
+        activation=hf.get("hidden_act", "silu"), sliding_window=sliding_window,
+        layer_types=layer_types)
+
+
+def windows(hf, path):
+    """The sliding window and each layer's attention (GPTConfig's sliding_window, layer_types) as
+    transformers 5 reads them. Llama has none (transformers ignores the keys there). Mistral
+    windows every layer by sliding_window (4096 where config.json is silent, null for none);
+    with layer_types, transformers reads the folder as Ministral, whose layers follow them.
+    Qwen2's window is off unless use_sliding_window (then sliding_window, 4096 if silent); its
+    layer_types, or where there are none, full attention for the first max_window_layers layers
+    (28 if silent) and the window for the rest."""
+    kind, n = hf["model_type"], hf["num_hidden_layers"]
+    if kind == "llama":
+        return None, None
+    window = hf.get("sliding_window", 4096)
+    if kind == "qwen2" and not hf.get("use_sliding_window", False):
+        window = None
+    if window is not None and (type(window) is not int or window < 1):
+        raise ValueError(f"{path}: config.json sets sliding_window={window!r}; a window is a "
+                         "number of positions >= 1 (or null for none)")
+    types = hf.get("layer_types")
+    if kind == "mistral" and types is None:
+        return window, None  # every layer windowed, or none
+    if kind == "mistral" and window is None:
+        raise ValueError(f"{path}: config.json sets layer_types and sliding_window=None; "
+                         "transformers reads it as Ministral, whose masks need a window")
+    if types is None:
+        first = hf.get("max_window_layers", 28)
+        if window is not None and type(first) is not int:
+            raise ValueError(f"{path}: config.json sets max_window_layers={first!r}; "
+                             "a number of layers")
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                 for i in range(n)]
+    if (not isinstance(types, list) or len(types) != n
+            or any(t not in LAYER_TYPES for t in types)):
+        raise ValueError(f"{path}: config.json sets layer_types={types!r}; this model takes "
+                         f"{n} (num_hidden_layers) of {LAYER_TYPES}")
+    if window is None and "sliding_attention" in types:
+        raise ValueError(f"{path}: config.json sets layer_types with sliding_attention layers, but "
+                         f"no window (use_sliding_window={hf.get('use_sliding_window', False)!r}, "
+                         f"sliding_window={hf.get('sliding_window')!r})")
+    return window, types
 
 
 def read_hf_weights(path):

@@ -31,14 +31,21 @@ except ImportError:  # no Triton wheel (macOS, Windows): the torch path below st
 # A step launches it twice at most, with tile shapes of their own: once over the decoding
 # sequences (one new token each, optionally split along the context), once over the query
 # tiles of all the others, numbered across sequences as in vLLM's unified attention.
+# A sliding window (Jiang et al., "Mistral 7B", 2023, after Beltagy et al., "Longformer", 2020)
+# limits each token to the last `window` positions, its own included, as transformers'
+# sliding_window_causal_mask_function has it: key k is seen from position p iff
+# p - window < k <= p. A program's loop starts at the window of its first new token, so blocks
+# wholly before it are never read, not even their block-table entries: they may be given back.
 
 
-# the sequence and split counts, the block tables' width and the split partials' strides change
-# from step to step: Triton's specialization of integers (== 1, divisible by 16) would recompile
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "stride_lt", "stride_lh", "stride_bt"])
+# the sequence and split counts, the block tables' width, the window and the split partials'
+# strides change from step to step or layer to layer: Triton's specialization of integers (== 1,
+# divisible by 16) would recompile
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "window", "stride_lt", "stride_lh",
+                               "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
-    block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, num_splits,
+    block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, num_splits, window,
     k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
@@ -83,7 +90,7 @@ def _paged_attention_kernel(
     q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD
     head = kv_head * GROUP + rows % GROUP_PAD
     row_mask = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
-    q_pos = seq_len - q_len + q_idx  # position in the sequence: sees keys 0..q_pos
+    q_pos = seq_len - q_len + q_idx  # its position: it sees keys q_pos - window < k <= q_pos
     # row of q and out; int64, a long batch * stride can pass 2**31
     token = (q_start + q_idx).to(tl.int64)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -98,11 +105,14 @@ def _paged_attention_kernel(
         # the scores once per tile, and V the output once at the end, not every loaded element
         qk_scale *= tl.load(k_scale_ptr)
 
-    # keys past the tile's last new token are masked for every row: never load them
+    # keys past the tile's last new token are masked for every row, and so are keys before the
+    # window of its first one: never load them
     kv_end = seq_len - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
-    # split-KV (Flash-Decoding): this program takes one BLOCK_N-aligned chunk of 0..kv_end
-    chunk = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    kv_start = tl.maximum(seq_len - q_len + q_tile * BLOCK_Q - window + 1, 0)
+    # split-KV (Flash-Decoding): this program takes one chunk of kv_start..kv_end, a whole number
+    # of BLOCK_N-key tiles
+    chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, num_splits), BLOCK_N) * BLOCK_N
+    lo = kv_start + split * chunk
     hi = tl.minimum(lo + chunk, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of scores (log2 units)
@@ -127,7 +137,11 @@ def _paged_attention_kernel(
         k, v = k.to(DOT_DTYPE), v.to(DOT_DTYPE)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) fp32
-        s = tl.where(pos_mask[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        if DECODE:  # one new token, and the loop runs over exactly the keys it sees
+            s = tl.where(pos_mask[None, :], s, float("-inf"))
+        else:  # causal and within the window, 0 <= q_pos - pos < window: one unsigned compare
+            behind = (q_pos[:, None] - pos[None, :]).to(tl.uint32)
+            s = tl.where(pos_mask[None, :] & (behind < window.to(tl.uint32)), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no visible key yet (only possible in a split) keeps exp2 at 0, not NaN
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -251,8 +265,18 @@ def _resident_programs(q, args, config):
     return _resident[key]
 
 
+# full attention, to the kernel: a window no context reaches (an int32, as every window)
+NO_WINDOW = 2**31 - 1
+
+
+def check_window(window):
+    """A sliding window is None or 0 (full attention) or a number of positions below 2**31."""
+    assert window is None or (type(window) is int and 0 <= window < NO_WINDOW), \
+        f"window must be None or an int in 0..{NO_WINDOW - 1} (0: full attention), got {window!r}"
+
+
 def check_launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, num_splits=None,
-                 k_scale=None, v_scale=None):
+                 k_scale=None, v_scale=None, window=None):
     """paged_attention's arguments as the kernel needs them: shapes, dtypes, devices, strides."""
     assert q.dim() == 3 and k_cache.dim() == 4, \
         "q is [num_tokens, n_head, head_dim], caches are 4-D"
@@ -280,19 +304,23 @@ def check_launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, num_
     assert q.stride(2) == k_cache.stride(3) == v_cache.stride(3) == 1, "head_dim must be contiguous"
     assert block_tables.stride(1) == 1 and seq_lens.is_contiguous() and cu_seqlens_q.is_contiguous()
     assert num_splits is None or 1 <= num_splits <= MAX_SPLITS, f"num_splits is in 1..{MAX_SPLITS}"
+    check_window(window)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                    max_q_len=None, num_splits=None, k_scale=None, v_scale=None):
+                    max_q_len=None, num_splits=None, k_scale=None, v_scale=None, window=None):
     """Causal attention of the packed new tokens q over their sequences' paged K/V.
     q [num_tokens, n_head, head_dim]; caches [num_blocks, block_size, n_kv_head, head_dim];
     block_tables int32 [num_seqs, max_blocks] (-1 past the end); seq_lens int32 [num_seqs]
     (context including the new tokens); cu_seqlens_q int32 [num_seqs + 1].
     max_q_len (>= every q_len; if known) saves a device->host sync; num_splits (1..64) forces
     the split-KV of the decoding sequences (default: split_count, on a GPU). An 8-bit cache
-    comes with k_scale and v_scale, one-element fp32 tensors on q's device (see quantize)."""
+    comes with k_scale and v_scale, one-element fp32 tensors on q's device (see quantize).
+    window: a sliding window of that many positions (a token at p sees p - window < k <= p), or
+    None / 0 for full attention. Table entries of blocks wholly before the window of a
+    sequence's first new token are never read: they may be anything (-1 for a freed block)."""
     check_launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, num_splits, k_scale,
-                 v_scale)
+                 v_scale, window)
     num_tokens, n_head, head_dim = q.shape
     block_size, n_kv_head = k_cache.shape[1:3]
     num_seqs = seq_lens.shape[0]
@@ -305,7 +333,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
 
     def args(out, lse, num_splits):
         return (q, k_cache, v_cache, out, lse, block_tables, seq_lens, cu_seqlens_q,
-                num_seqs, num_splits, k_scale, v_scale,
+                num_seqs, num_splits, window or NO_WINDOW, k_scale, v_scale,
                 q.stride(0), q.stride(1), *k_cache.stride()[:3],
                 *out.stride()[:3], *lse.stride()[:2], block_tables.stride(0),
                 scale * 1.4426950408889634)  # log2(e): the kernel uses exp2, cheaper than exp
@@ -315,7 +343,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
                            cache_dtype=k_cache.dtype)
     if num_splits is None:
         resident = _resident_programs(q, args(out[:, :, None], out, 1), decode) if q.is_cuda else 0
-        num_splits = split_count(num_seqs, n_kv_head, block_tables.shape[1] * block_size, resident)
+        context = block_tables.shape[1] * block_size  # the longest a decode can see
+        num_splits = split_count(num_seqs, n_kv_head, min(context, window or context), resident)
     if num_splits == 1:
         _paged_attention_kernel[(num_seqs, n_kv_head, 1)](*args(out[:, :, None], out, 1), **decode)
     else:  # partials of the decoding sequences, in buffers reused across calls (for CUDA graphs)
@@ -555,38 +584,44 @@ def _attend(q, k, v, mask, scale):
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
                           max_q_len=None, decode_attention=None, k_scale=None, v_scale=None,
-                          plan=None):
+                          plan=None, window=None):
     """paged_attention in plain torch: the decoding sequences (q_len == 1) in one batched call,
     those with a few new tokens (2 to SHORT_Q_LEN: speculative verification, short prompts) in
     another, then one call per sequence with more; a batched call that would gather more than
     CHUNK_BYTES of K/V is cut into several. Accepts float64 (the tests run models in
     it). max_q_len is accepted for the same signature; this path reads the lengths on the host.
-    K/V are gathered only from positions < seq_len, so unused slots (even NaN) are never read.
-    decode_attention: a function (q, k_cache, v_cache, block_tables, seq_lens, scale) of the
-    decoding rows alone that replaces their batched call (paged_attention_flex, opt-in).
+    K/V are gathered only from positions < seq_len, so unused slots (even NaN) are never read;
+    with a sliding window (paged_attention's), only from the window of each sequence's first new
+    token on, so blocks wholly before it are not read and their table entries may be anything.
+    decode_attention: a function (q, k_cache, v_cache, block_tables, seq_lens, scale, window) of
+    the decoding rows alone that replaces their batched call (paged_attention_flex, opt-in).
     An 8-bit cache comes with k_scale and v_scale: what is gathered is dequantized to q's dtype.
-    plan: a dict that every layer of one step passes (Batch.attn_plan): the first call fills it
-    with the step's gather indices and masks, the others reuse them (as vLLM builds its
-    attention metadata once per step), so a layer is a few ops: gather, attend, scatter."""
+    plan: a dict that every layer of one step with this window passes (the backend keeps it in
+    Batch.scratch): the first call fills it with the step's gather indices and masks, the others
+    reuse them (as vLLM builds its attention metadata once per step), so a layer is a few ops:
+    gather, attend, scatter."""
     n_head, head_dim = q.shape[1:]
     n_kv_head = k_cache.shape[2]
     assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim
     assert n_head % n_kv_head == 0, "n_head must be a multiple of n_kv_head"
     check_scales(q, k_cache, v_cache, k_scale, v_scale)
+    check_window(window)
     if decode_attention is not None and k_scale is not None:
         raise ValueError("paged_attention_flex reads the cache in place: it takes no 8-bit cache")
     plan = {} if plan is None else plan
     if not plan:  # this step's first layer: the indices every layer reuses
         token_bytes = 2 * n_kv_head * head_dim * q.element_size()  # K and V, as attended
         plan.update(_attention_plan(block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1],
-                                    n_head // n_kv_head, decode_attention is None, token_bytes))
+                                    n_head // n_kv_head, decode_attention is None, token_bytes,
+                                    window))
+    assert plan["window"] == (window or None), "a plan serves the layers of one window"
     out = None if plan["whole"] else torch.empty_like(q)
     if decode_attention is not None and plan["decode"] is not None:
         idx = plan["decode"]
         rows = cu_seqlens_q.index_select(0, idx).long()              # (B,) their one new token
         o = decode_attention(q.index_select(0, rows), k_cache, v_cache,
                              block_tables.index_select(0, idx), seq_lens.index_select(0, idx),
-                             scale)                                              # (B, nh, D)
+                             scale, window)                                      # (B, nh, D)
         out.index_copy_(0, rows, o.to(q.dtype))
     for rows, slots, (B, Q, L), mask, kept, written in plan["calls"]:
         k, v = _gather_kv(k_cache, v_cache, slots, (B, L), (k_scale, v_scale), q.dtype)
@@ -605,72 +640,84 @@ SHORT_Q_LEN = 16  # sequences with at most this many new tokens share one padded
 CHUNK_BYTES = 8 << 20  # K/V one call gathers, at most, unless one sequence alone has more
 
 
-def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes, token_bytes):
+def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes, token_bytes,
+                    window=None):
     """The step's calls, each a group of sequences padded to its most new tokens, Q, and its
-    longest context, L: the decodes (unless decode_attention takes them), those with 2 to
-    SHORT_Q_LEN new tokens when there are several, then each other sequence alone. A group whose
-    gathered K/V (token_bytes a position) would pass CHUNK_BYTES is cut, shortest contexts
-    first, into calls that stay within it: each call pads only to its own longest context,
-    and its copy stays small (README: the budget's sweep). A call is
+    longest span, L: the positions a sequence's new tokens see, from the window of its first
+    one (0 without a window) to its end. The decodes (unless decode_attention takes them),
+    those with 2 to SHORT_Q_LEN new tokens when there are several, then each other sequence
+    alone. A group whose gathered K/V (token_bytes a position) would pass CHUNK_BYTES is cut,
+    shortest spans first, into calls that stay within it: each call pads only to its own
+    longest span, and its copy stays small (README: the budget's sweep). A call is
     (rows of q, slots to gather, (B, Q, L), mask (B, 1, G*Q, L) or None, rows of o kept, rows of
     out written): a padding row repeats its sequence's last and is not written back; positions
     past a sequence's end re-read its last token, real values that the mask hides. Indices are
     built on the host, which knows the lengths."""
     cu, lens, dev = cu_seqlens_q.tolist(), seq_lens.tolist(), block_tables.device
+    window = window or None
     q_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
+    starts = [max(0, n - q - window + 1) if window else 0 for n, q in zip(lens, q_lens)]
+    spans = [n - start for n, start in zip(lens, starts)]
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     short = [i for i, n in enumerate(q_lens) if 1 < n <= SHORT_Q_LEN]
     short = [short] if len(short) > 1 else [[i] for i in short]
     groups = ([decode] if decode and decodes else []) + short + \
         [[i] for i, n in enumerate(q_lens) if n > SHORT_Q_LEN]
     chunks = []
-    for group in groups:  # to be cut, shortest first: a call's contexts are then alike
-        if len(group) * max(lens[i] for i in group) * token_bytes > CHUNK_BYTES:
-            group = sorted(group, key=lambda i: lens[i])
+    for group in groups:  # to be cut, shortest first: a call's spans are then alike
+        if len(group) * max(spans[i] for i in group) * token_bytes > CHUNK_BYTES:
+            group = sorted(group, key=lambda i: spans[i])
         chunks.append(group[:1])
-        for i in group[1:]:  # the longest context so far, so the one the call would pad to
-            if (len(chunks[-1]) + 1) * lens[i] * token_bytes > CHUNK_BYTES:
+        for i in group[1:]:  # the longest span so far, so the one the call would pad to
+            if (len(chunks[-1]) + 1) * spans[i] * token_bytes > CHUNK_BYTES:
                 chunks.append([])
             chunks[-1].append(i)
     calls = []
     for seqs in chunks:
-        B, Q, L = len(seqs), max(q_lens[i] for i in seqs), max(lens[i] for i in seqs)
+        B, Q, L = len(seqs), max(q_lens[i] for i in seqs), max(spans[i] for i in seqs)
         last = [(i, min(j, q_lens[i] - 1)) for i in seqs for j in range(Q)]  # row j, or the last
         rows = torch.tensor([cu[i] + j for i, j in last], device=dev)             # (B*Q,)
-        ctx = torch.tensor([lens[i] for i in seqs], device=dev)[:, None]          # (B, 1)
+        span = torch.tensor([spans[i] for i in seqs], device=dev)[:, None]        # (B, 1)
+        start = torch.tensor([starts[i] for i in seqs], device=dev)[:, None]      # (B, 1)
         pos = torch.arange(L, device=dev)[None]                                   # (1, L)
-        positions = torch.minimum(pos, ctx - 1)                                   # (B, L)
+        positions = start + torch.minimum(pos, span - 1)                          # (B, L)
         blocks = block_tables[seqs].gather(1, positions // block_size).long()     # (B, L)
         slots = (blocks * block_size + positions % block_size).flatten()          # (B*L,)
-        mask = None  # decodes of one length: nothing to hide
-        if Q > 1 or any(lens[i] < L for i in seqs):
-            # causal: new token j of a sequence sits at position len - q_len + j, sees up to there
-            q_pos = torch.tensor([lens[i] - q_lens[i] + j for i, j in last], device=dev)
-            mask = pos[:, None, :] <= q_pos.view(B, Q)[:, :, None]                  # (B, Q, L)
+        mask = None  # decodes of one span: nothing to hide
+        if Q > 1 or any(spans[i] < L for i in seqs):
+            # causal: new token j of a sequence sits at position len - q_len + j, sees up to
+            # there, and within a window the last `window` positions; pos counts from start
+            q_pos = torch.tensor([lens[i] - q_lens[i] + j - starts[i] for i, j in last],
+                                 device=dev).view(B, Q)[:, :, None]
+            mask = pos[:, None, :] <= q_pos                                          # (B, Q, L)
+            if window:
+                mask &= pos[:, None, :] > q_pos - window
             mask = mask[:, None].repeat(1, 1, G, 1)                                # (B,1,G*Q,L)
         kept = [b * Q + j for b, i in enumerate(seqs) for j in range(q_lens[i])]
         kept = None if len(kept) == B * Q else torch.tensor(kept, device=dev)
         calls.append((rows, slots, (B, Q, L), mask, kept, rows if kept is None else rows[kept]))
     # one call of every sequence in order, no padding rows: its q is q, its output the output
     whole = chunks == [list(range(len(lens)))] and calls[0][4] is None
-    return dict(calls=calls, whole=whole,
+    return dict(calls=calls, whole=whole, window=window,
                 decode=torch.tensor(decode, device=dev) if decode and not decodes else None)
 
 
 _flex = None  # flex_attention compiled by Inductor, made on first use (tens of seconds)
 
 
-def paged_attention_flex(q, k_cache, v_cache, block_tables, seq_lens, scale):
+def paged_attention_flex(q, k_cache, v_cache, block_tables, seq_lens, scale, window=None):
     """Decode (one new token a sequence: q [B, n_head, D]) with torch's flex_attention compiled
     by Inductor for the CPU, reading K/V straight from the cache through the block table: no
     gather. The whole cache is the key axis of every sequence; a block mask lists, per sequence,
-    the physical blocks it uses (torch's own paged attention helper does the same). flex reads
-    whole blocks, and on the CPU it has no log-sum-exp to merge a separately computed tail, so
-    this writes zeros into the slots past each sequence's end in its last block (slots no
-    sequence reads: a shared block is copied before a write) where 0 * NaN would spoil the
-    result. Opt-in: paged_attention_torch(..., decode_attention=paged_attention_flex)."""
+    the physical blocks it uses (torch's own paged attention helper does the same): see
+    _flex_block_mask. flex reads whole blocks, and on the CPU it has no log-sum-exp to merge a
+    separately computed tail, so this writes zeros into the slots past each sequence's end in
+    its last block (slots no sequence reads: a shared block is copied before a write) where
+    0 * NaN would spoil the result; the slots before a sliding window's start in its first
+    block hold real K/V, which stay. Opt-in: paged_attention_torch(...,
+    decode_attention=paged_attention_flex)."""
     global _flex
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
     if _flex is None:
         _flex = torch.compile(flex_attention, dynamic=True)
     num_blocks, block_size, n_kv_head, head_dim = k_cache.shape
@@ -683,17 +730,7 @@ def paged_attention_flex(q, k_cache, v_cache, block_tables, seq_lens, scale):
     tail_slots = (last_block * block_size + tail)[tail >= last_len[:, None]]
     for cache in (k_cache, v_cache):
         cache.flatten(0, 1).index_fill_(0, tail_slots, 0)
-    # every block but the last is read whole; the last one up to the sequence's end
-    full = F.pad(block_tables, (0, num_blocks - block_tables.shape[1])).clamp_(min=0).int()
-    last = F.pad(last_block, (0, num_blocks - 1)).int()
-
-    def in_last_block(b, h, q_idx, kv_idx):
-        return kv_idx % block_size < last_len[b]
-    mask = BlockMask.from_kv_blocks(
-        torch.ones(B, 1, 1, dtype=torch.int32), last.view(B, 1, 1, num_blocks),
-        (num_used - 1).int().view(B, 1, 1), full.view(B, 1, 1, num_blocks),
-        BLOCK_SIZE=(128, block_size), mask_mod=in_last_block,
-        seq_lengths=(1, num_blocks * block_size), compute_q_blocks=False)
+    mask = _flex_block_mask(block_tables, seq_lens, num_blocks, block_size, window)
     k, v = (c.view(1, -1, n_kv_head, head_dim).transpose(1, 2).expand(B, -1, -1, -1)
             for c in (k_cache, v_cache))                                        # (B, nkv, slots, D)
     with torch.no_grad():  # flex compiles for inference only on the CPU
@@ -701,13 +738,54 @@ def paged_attention_flex(q, k_cache, v_cache, block_tables, seq_lens, scale):
     return o.view(B, -1, head_dim)                                                 # (B, nh, D)
 
 
+def _flex_block_mask(block_tables, seq_lens, num_blocks, block_size, window):
+    """The decodes' flex BlockMask over the whole cache: per sequence, the blocks it sees wholly
+    as full blocks; its last block, and the first of its window if the window starts inside it,
+    as partial ones that the mask_mod cuts to the sequence's end and the window's start."""
+    from torch.nn.attention.flex_attention import BlockMask
+    B, width = block_tables.shape
+    num_used = (seq_lens + block_size - 1) // block_size                          # (B,)
+    last_block = block_tables.gather(1, (num_used - 1)[:, None]).long()           # (B, 1)
+    last_len = seq_lens - (num_used - 1) * block_size                              # (B,)
+    # the window's first position, its block, and whether the window starts inside that block
+    start = (seq_lens - window).clamp(min=0) if window else torch.zeros_like(seq_lens)
+    first, first_off = start // block_size, start % block_size                      # (B,)
+    first_block = block_tables.gather(1, first[:, None]).long()                    # (B, 1)
+    cut = (first_off > 0) & (first < num_used - 1)  # a partial first block, not the last one
+    # full blocks: from the window's first whole block to the one before the last
+    full_from = first + cut.long()
+    at = (full_from[:, None] + torch.arange(width, device=seq_lens.device)).clamp(max=width - 1)
+    full = F.pad(block_tables.gather(1, at).clamp(min=0), (0, num_blocks - width)).int()
+    partial = F.pad(torch.cat((last_block, first_block), 1), (0, num_blocks - 2)).int()
+    # slots hidden: the last block's past the sequence's end, the first's before the window.
+    # A tensor of static size (B padded to a power of two: a compile per size): Inductor's CPU
+    # flex template renames its split-size symbols in the mask's code by text replacement, so
+    # a dynamic size there can be a symbol that one contains (ks5 in ks56) and fail to compile
+    last_start, first_start = last_block.view(-1) * block_size, first_block.view(-1) * block_size
+    bounds = torch.stack((last_start + last_len, last_start + block_size, first_start,
+                          first_start + first_off))                                    # (4, B)
+    bounds = F.pad(bounds, (0, (1 << (B - 1).bit_length()) - B))
+    torch._dynamo.mark_static(bounds)
+
+    def seen(b, h, q_idx, kv_idx):
+        return (((kv_idx < bounds[0, b]) | (kv_idx >= bounds[1, b]))
+                & ((kv_idx < bounds[2, b]) | (kv_idx >= bounds[3, b])))
+    return BlockMask.from_kv_blocks(
+        (1 + cut.int()).view(B, 1, 1), partial.view(B, 1, 1, num_blocks),
+        (num_used - 1 - full_from).int().view(B, 1, 1), full.view(B, 1, 1, num_blocks),
+        BLOCK_SIZE=(128, block_size), mask_mod=seen,
+        seq_lengths=(1, num_blocks * block_size), compute_q_blocks=False)
+
+
 # -----------------------------------------------------------------------------
 # Naive reference: contiguous K/V, one sequence at a time, nothing clever
 
 
-def naive_attention(q, k, v, cu_seqlens_q, seq_lens, scale):
+def naive_attention(q, k, v, cu_seqlens_q, seq_lens, scale, window=None):
     """q [num_tokens, n_head, D] packed new tokens; k, v [sum(seq_lens), n_kv_head, D] with
-    each sequence's whole context concatenated in order. Returns [num_tokens, n_head, D]."""
+    each sequence's whole context concatenated in order. Returns [num_tokens, n_head, D].
+    window: a sliding window of that many positions (paged_attention's), or None / 0; the K/V
+    before the window of a sequence's first new token are not read (they may be NaN)."""
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     n_head, n_kv_head = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
@@ -715,15 +793,19 @@ def naive_attention(q, k, v, cu_seqlens_q, seq_lens, scale):
     for i, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = cu_seqlens_q[i].item(), cu_seqlens_q[i + 1].item()
         q_len = q_end - q_start
+        lo = max(0, seq_len - q_len - window + 1) if window else 0  # what the first one sees
         qs = q[q_start:q_end].to(acc)                                             # (q_len, nh, D)
-        ks = k[kv_start : kv_start + seq_len].to(acc)                # (seq_len, nkv, D)
-        vs = v[kv_start : kv_start + seq_len].to(acc)
-        ks = ks.repeat_interleave(n_head // n_kv_head, dim=1)                     # (seq_len, nh, D)
+        ks = k[kv_start + lo : kv_start + seq_len].to(acc)                        # (L, nkv, D)
+        vs = v[kv_start + lo : kv_start + seq_len].to(acc)
+        ks = ks.repeat_interleave(n_head // n_kv_head, dim=1)                     # (L, nh, D)
         vs = vs.repeat_interleave(n_head // n_kv_head, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale        # (nh, q_len, seq_len)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale                     # (nh, q_len, L)
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        k_pos = torch.arange(seq_len)[None, :]
-        scores = scores.masked_fill((k_pos > q_pos).to(scores.device), float("-inf"))
+        k_pos = torch.arange(lo, seq_len)[None, :]
+        hidden = k_pos > q_pos  # causal; and transformers' sliding window: k > q - window
+        if window:
+            hidden |= k_pos <= q_pos - window
+        scores = scores.masked_fill(hidden.to(scores.device), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, vs).to(q.dtype)
         kv_start += seq_len
@@ -739,17 +821,20 @@ def naive_attention(q, k, v, cu_seqlens_q, seq_lens, scale):
 @dataclass(frozen=True)
 class AttentionBackend:
     store: Callable  # (k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None)
-    # (q, k_cache, v_cache, meta, scale, k_scale=None, v_scale=None) -> [num_tokens, n_head, D]:
-    # meta has block_tables, seq_lens, cu_seqlens_q, max_q_len, and scratch, a dict the step's
-    # layers share, where a backend keeps what it builds once per step
+    # (q, k_cache, v_cache, meta, scale, window=None, k_scale=None, v_scale=None) ->
+    # [num_tokens, n_head, D]: meta has block_tables, seq_lens, cu_seqlens_q, max_q_len, and
+    # scratch, a dict the step's layers share, where a backend keeps what it builds once per
+    # step. window: the layer's sliding window (paged_attention's), passed by windowed layers
+    # only, so a backend written without windows still serves every model that has none
     attend: Callable
     # (dtype, head_dim, kv_cache_dtype) -> why this backend cannot run them, or None
     unsupported: Callable = lambda dtype, head_dim, kv_cache_dtype: None
 
 
-def _triton_attend(q, k_cache, v_cache, meta, scale, **scales):
+def _triton_attend(q, k_cache, v_cache, meta, scale, window=None, **scales):
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                           meta.cu_seqlens_q, scale, max_q_len=meta.max_q_len, **scales)
+                           meta.cu_seqlens_q, scale, max_q_len=meta.max_q_len, window=window,
+                           **scales)
 
 
 def _triton_unsupported(dtype, head_dim, kv_cache_dtype):
@@ -761,15 +846,17 @@ def _triton_unsupported(dtype, head_dim, kv_cache_dtype):
     return None
 
 
-def _torch_attend(q, k_cache, v_cache, meta, scale, **scales):
+def _torch_attend(q, k_cache, v_cache, meta, scale, window=None, **scales):
+    # one plan per window: the layers of a hybrid model share two
     return paged_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                 meta.cu_seqlens_q, scale, plan=meta.scratch, **scales)
+                                 meta.cu_seqlens_q, scale, plan=meta.scratch.setdefault(window, {}),
+                                 window=window, **scales)
 
 
-def _flex_attend(q, k_cache, v_cache, meta, scale):
+def _flex_attend(q, k_cache, v_cache, meta, scale, window=None):
     return paged_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                 meta.cu_seqlens_q, scale, plan=meta.scratch,
-                                 decode_attention=paged_attention_flex)
+                                 meta.cu_seqlens_q, scale, plan=meta.scratch.setdefault(window, {}),
+                                 decode_attention=paged_attention_flex, window=window)
 
 
 ATTENTION_BACKENDS = {

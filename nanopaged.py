@@ -1379,6 +1379,7 @@ def tp_shard(name, tensor, config):
 ACTIVATIONS = dict(gelu=F.gelu, relu=F.relu, silu=F.silu,
                    gelu_new=lambda x: F.gelu(x, approximate="tanh"))
 ACTIVATIONS["gelu_pytorch_tanh"] = ACTIVATIONS["gelu_new"]
+LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names for a layer's attention
 
 
 @dataclass
@@ -1403,6 +1404,12 @@ class GPTConfig:
     tie_word_embeddings: bool = True  # the output head is wte (GPT-2, the small Qwen2 models)
     activation: str | None = None  # a key of ACTIVATIONS; None: gelu_new (GPT-2), silu (swiglu)
     attn_scale: float | None = None  # scores times this; None: 1/sqrt(head_dim). GPT-2 may use 1
+    # Mistral's sliding window: a windowed layer's token at position p sees keys p - W < k <= p
+    # (transformers' rule), the last W positions; None: every layer sees the whole context
+    sliding_window: int | None = None
+    # per layer "sliding_attention" (the window) or "full_attention", transformers' layer_types;
+    # None: every layer windowed if sliding_window is set (Mistral), else none
+    layer_types: list[str] | None = None
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
@@ -1421,6 +1428,27 @@ class GPTConfig:
             self.attn_scale = 1 / math.sqrt(self.head_dim)
         self.intermediate_size = self.intermediate_size or 4 * self.n_embd
         self.qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
+        self.check_windows()
+
+    def check_windows(self):
+        window, kinds = self.sliding_window, self.layer_types
+        if window is not None and (type(window) is not int or window < 1):
+            raise ValueError(f"sliding_window must be None or an int >= 1, got {window!r}")
+        if kinds is None:
+            kinds = ["full_attention" if window is None else "sliding_attention"] * self.n_layer
+        if (not isinstance(kinds, (list, tuple)) or len(kinds) != self.n_layer
+                or any(kind not in LAYER_TYPES for kind in kinds)):
+            raise ValueError(f"layer_types must list {self.n_layer} (n_layer) of {LAYER_TYPES}, "
+                             f"got {kinds!r}")
+        if window is None and "sliding_attention" in kinds:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+        self.layer_types = list(kinds)
+
+    @property
+    def windows(self):
+        """Each layer's sliding window, or None where it sees the whole context."""
+        return [self.sliding_window if kind == "sliding_attention" else None
+                for kind in self.layer_types]
 
     @property
     def eos_token_ids(self):
@@ -1458,12 +1486,13 @@ def apply_rope(x, cos, sin):
 
 class CausalSelfAttention(nn.Module):
 
-    def __init__(self, config):
+    def __init__(self, config, layer):
         super().__init__()
         # this rank's heads (all of them without tensor parallelism): see TP_SPLIT_DIM
         self.n_head = config.n_head // tp.world_size
         self.n_kv_head = config.n_kv_head // tp.world_size
         self.head_dim, self.scale = config.head_dim, config.attn_scale
+        self.window = config.windows[layer]  # a sliding window, or None: the whole context
         qkv_dim = (self.n_head + 2 * self.n_kv_head) * self.head_dim  # q, k, v: one matmul
         self.c_attn = nn.Linear(config.n_embd, qkv_dim, bias=config.qkv_bias)
         self.c_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=config.bias)
@@ -1479,15 +1508,23 @@ class CausalSelfAttention(nn.Module):
         if batch is None:
             # contiguous (B, T, C): training and the reference path, no cache involved
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hs)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                               enable_gqa=True)
+            mask = None
+            if self.window is not None:  # causal, and the last window positions only
+                pos = torch.arange(q.shape[2], device=q.device)
+                mask = (pos <= pos[:, None]) & (pos > pos[:, None] - self.window)       # (T, T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                               scale=self.scale, enable_gqa=True)
             return all_reduce(self.c_proj(y.transpose(1, 2).flatten(2)))
         # paged (T, C): first write the new K/V into their slots, then every new token attends
-        # to its sequence's whole context, gathered block by block through the block table, by
-        # the attention backend the engine chose (kernel.ATTENTION_BACKENDS)
+        # to its sequence's context (its window's, in a windowed layer), gathered block by block
+        # through the block table, by the attention backend the engine chose
+        # (kernel.ATTENTION_BACKENDS; only windowed layers pass a window, so a backend without
+        # windows still serves every model that has none)
         k_cache, v_cache, scales = kv_cache                   # (num_blocks, block_size, nkv, hs)
         batch.backend.store(k, v, k_cache, v_cache, batch.slot_mapping, **scales)
-        y = batch.backend.attend(q, k_cache, v_cache, batch, self.scale, **scales)  # (T, nh, hs)
+        window = {} if self.window is None else {"window": self.window}
+        y = batch.backend.attend(q, k_cache, v_cache, batch, self.scale, **window,
+                                 **scales)                                          # (T, nh, hs)
         return all_reduce(self.c_proj(y.flatten(1)))
 
 
@@ -1517,10 +1554,10 @@ def norm(config):
 
 class TransformerBlock(nn.Module):
 
-    def __init__(self, config):
+    def __init__(self, config, layer):
         super().__init__()
         self.ln_1 = norm(config)
-        self.attn = CausalSelfAttention(config)
+        self.attn = CausalSelfAttention(config, layer)
         self.ln_2 = norm(config)
         self.mlp = MLP(config)
 
@@ -1541,7 +1578,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=None if config.rope_theta else nn.Embedding(config.max_seq_len, config.n_embd),
-            h=nn.ModuleList(TransformerBlock(config) for _ in range(config.n_layer)),
+            h=nn.ModuleList(TransformerBlock(config, i) for i in range(config.n_layer)),
             ln_f=norm(config),
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)

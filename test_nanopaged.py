@@ -38,8 +38,9 @@ from collections import Counter, deque
 from fractions import Fraction
 from types import SimpleNamespace
 
-import torch
+import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -288,7 +289,7 @@ def hf_folder(tmp_path_factory):
 
     @functools.cache
     def build(name):
-        config_class, kwargs = (HF_MODELS | TP_HF_MODELS)[name]
+        config_class, kwargs = (HF_MODELS | TP_HF_MODELS | WINDOWED_HF_MODELS)[name]
         torch.manual_seed(0)
         config = getattr(transformers, config_class)(**kwargs)
         hf = transformers.AutoModelForCausalLM.from_config(config).eval()
@@ -322,14 +323,21 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfl
 @st.composite
 def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, min_seqs=1,
                   long_prefills=0, head_dims=HEAD_DIMS, block_sizes=(1, 3, 4, 5, 16),
-                  groups=(1, 2, 3, 4, 8), cache_dtypes=(None,)):
+                  groups=(1, 2, 3, 4, 8), cache_dtypes=(None,), windows=False,
+                  poison_before_window=True):
     """A packed batch of sequences in a paged cache, and the same K/V laid out contiguously.
     Tables are shuffled, later sequences may share a prefix of sequence 0's blocks (as after
     a fork or a prefix-cache hit), and every cache slot no sequence uses holds NaN.
     long_prefills: that many more sequences, prefilling 2-4x max_seq_len tokens, anywhere.
     cache_dtypes: None (q's dtype) or 8-bit ones: the cache is quantized with per-batch scales
     from its amax times 0.5-2 (k_scale, v_scale in the batch), k and v are what it holds
-    dequantized to q's dtype, and k_full, v_full what was quantized."""
+    dequantized to q's dtype, and k_full, v_full what was quantized.
+    windows: a sliding window in the batch ("window": None, 1, a few tokens, or any size up
+    to past every context), else None. A block wholly before the window of a sequence's first
+    new token is -1 in its table (a freed block's placeholder) and its slots NaN; positions
+    before that window are NaN in the contiguous copy, and in the cache too unless another
+    sequence needs the slot (poison_before_window=False leaves real K/V there: flex reads a
+    window's first block whole)."""
     num_seqs = draw(st.integers(min_seqs, max_seqs))
     block_size = draw(st.sampled_from(block_sizes))
     n_kv_head = draw(st.sampled_from([1, 2]))
@@ -355,6 +363,11 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, 
         q_lens.insert(at, q_len)
         num_seqs += 1
 
+    window = None
+    if windows:  # 1, a few tokens, or any size up to past every context; often mid-block
+        window = draw(st.one_of(st.none(), st.just(1), st.integers(2, 24),
+                                st.integers(1, 2 * max(seq_lens))))
+
     # block tables: shuffled physical ids; sequence i > 0 may start with sequence 0's blocks
     num_blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(num_blocks_per_seq) + 2
@@ -364,31 +377,38 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, 
         shared = draw(st.integers(0, min(n, num_blocks_per_seq[0]) - 1)) if i > 0 else 0
         tables.append((tables[0][:shared] if i > 0 else []) + free[:n - shared])
         free = free[n - shared:]
+    # the first position any new token of a sequence sees; blocks wholly before it are -1
+    starts = [max(0, n - q - window + 1) if window else 0 for n, q in zip(seq_lens, q_lens)]
+    tables = [[-1 if (j + 1) * block_size <= start else b for j, b in enumerate(table)]
+              for table, start in zip(tables, starts)]
     max_blocks = max(num_blocks_per_seq) + 1  # at least one -1 column of padding
     block_tables = torch.tensor([t + [-1] * (max_blocks - len(t)) for t in tables],
                                 dtype=torch.int32)
 
-    # fill the used slots (shared ones once) and gather the contiguous copy slot by slot
+    # fill the slots a sequence sees (shared ones once) and gather the contiguous copy slot by
+    # slot, NaN before the sequence's window
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     k_cache = torch.full((num_blocks, block_size, n_kv_head, head_dim), float("nan"), dtype=dtype)
     v_cache = k_cache.clone()
+    nan = torch.full((n_kv_head, head_dim), float("nan"), dtype=dtype)
     k_ctx, v_ctx = [], []
-    for table, seq_len in zip(tables, seq_lens, strict=True):
+    for table, seq_len, start in zip(tables, seq_lens, starts, strict=True):
+        first = start if poison_before_window else start // block_size * block_size
         for t in range(seq_len):
             b, o = table[t // block_size], t % block_size
-            if k_cache[b, o].isnan().any():
+            if t >= first and k_cache[b, o].isnan().any():
                 k_cache[b, o] = torch.randn(n_kv_head, head_dim, generator=g).to(dtype)
                 v_cache[b, o] = torch.randn(n_kv_head, head_dim, generator=g).to(dtype)
-            k_ctx.append(k_cache[b, o])
-            v_ctx.append(v_cache[b, o])
+            k_ctx.append(k_cache[b, o] if t >= start else nan)
+            v_ctx.append(v_cache[b, o] if t >= start else nan)
     q = torch.randn(sum(q_lens), n_kv_head * group, head_dim, generator=g).to(dtype)
     cu_seqlens_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     k, v = torch.stack(k_ctx), torch.stack(v_ctx)
     scales, cache_dtype = {}, draw(st.sampled_from(cache_dtypes))
     if cache_dtype is not None:  # an 8-bit cache: unused slots stay NaN (clamp keeps NaN)
         for name, x in (("k", k), ("v", v)):
-            scales[name] = kernel.kv_scales(x.abs().amax() * draw(st.sampled_from([0.5, 1, 2])),
-                                            cache_dtype)
+            amax = x.nan_to_num(0).abs().amax()  # NaN: positions before a window
+            scales[name] = kernel.kv_scales(amax * draw(st.sampled_from([0.5, 1, 2])), cache_dtype)
         # the quantized cache, and the contiguous copy of what it holds, dequantized
         k_cache, v_cache = (kernel.quantize(c, scales[n], cache_dtype)
                             for c, n in ((k_cache, "k"), (v_cache, "v")))
@@ -400,7 +420,7 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, 
     return dict(
         q=to(q), k_cache=to(k_cache), v_cache=to(v_cache), block_tables=to(block_tables),
         seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)), cu_seqlens_q=to(cu_seqlens_q),
-        scale=head_dim**-0.5, k=to(k), v=to(v),
+        scale=head_dim**-0.5, k=to(k), v=to(v), window=window,
         **({} if cache_dtype is None else dict(
             k_scale=to(scales["k"]), v_scale=to(scales["v"]), **full)),
     )
@@ -420,40 +440,45 @@ def scales(b):
 
 
 def reference(b):
-    return naive_attention(b["q"], b["k"], b["v"], b["cu_seqlens_q"], b["seq_lens"], b["scale"])
+    return naive_attention(b["q"], b["k"], b["v"], b["cu_seqlens_q"], b["seq_lens"], b["scale"],
+                           window=b["window"])
 
 
 def assert_close(out, ref):
     tol = TOL[ref.dtype]
     assert out.dtype == ref.dtype and out.shape == ref.shape
-    assert not out.isnan().any(), "NaN in the output: a slot past seq_len was read"
+    assert not out.isnan().any(), "NaN in the output: a slot past seq_len or the window was read"
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.kernel
 @settings(max_examples=examples(40), deadline=None)
 @given(
-    paged_batches(dtypes=[torch.float32, torch.float16, torch.bfloat16]),
+    paged_batches(dtypes=[torch.float32, torch.float16, torch.bfloat16], windows=True),
     st.sampled_from([None, 1, 2, 3]), st.booleans(),
 )
 def test_triton_matches_naive(b, num_splits, pass_max_q_len):
     # the engine passes max_q_len to avoid a sync; without it the launcher reads cu_seqlens_q
     max_q_len = (int((b["cu_seqlens_q"][1:] - b["cu_seqlens_q"][:-1]).max()) if pass_max_q_len
                  else None)
-    out = paged_attention(*paged_args(b), max_q_len=max_q_len, num_splits=num_splits)
+    out = paged_attention(*paged_args(b), max_q_len=max_q_len, num_splits=num_splits,
+                          window=b["window"])
     assert_close(out, reference(b))
 
 
 @pytest.mark.kernel
 @settings(max_examples=examples(18), deadline=None)
 @given(paged_batches(dtypes=[torch.float32], max_seqs=2, max_seq_len=300, decode_only=True,
-                     cache_dtypes=(None, None, *FP8)),
+                     cache_dtypes=(None, None, *FP8), windows=True),
        st.integers(2, 64))
 def test_split_kv_agrees_with_one_split(b, num_splits):
     # the split path must give the same result as one program per sequence, including
-    # splits left empty because the context is shorter than num_splits tiles (8-bit caches too)
-    one = paged_attention(*paged_args(b), max_q_len=1, num_splits=1, **scales(b))
-    split = paged_attention(*paged_args(b), max_q_len=1, num_splits=num_splits, **scales(b))
+    # splits left empty because the context (or the window) is shorter than num_splits tiles
+    # (8-bit caches too)
+    one = paged_attention(*paged_args(b), max_q_len=1, num_splits=1, window=b["window"],
+                          **scales(b))
+    split = paged_attention(*paged_args(b), max_q_len=1, num_splits=num_splits,
+                            window=b["window"], **scales(b))
     assert_close(split, one)
 
 
@@ -461,25 +486,26 @@ def test_split_kv_agrees_with_one_split(b, num_splits):
 @settings(max_examples=examples(8), deadline=None)
 @given(paged_batches(dtypes=[torch.float32, torch.float16, torch.bfloat16], min_seqs=8, max_seqs=24,
                      max_seq_len=60, long_prefills=2, head_dims=(16, 32, 64, 80),
-                     cache_dtypes=(None, None, *FP8)),
+                     cache_dtypes=(None, None, *FP8), windows=True),
        st.integers(1, 64))
 def test_triton_mixed_batches_many_decodes_few_long_prefills(b, num_splits):
     # the engine's usual step: the decode launch (split or not) and the prefill launch, whose
     # query tiles are numbered across sequences, each take their own rows and only those
     max_q_len = int(b["cu_seqlens_q"].diff().max())
-    out = paged_attention(*paged_args(b), max_q_len=max_q_len, num_splits=num_splits, **scales(b))
+    out = paged_attention(*paged_args(b), max_q_len=max_q_len, num_splits=num_splits,
+                          window=b["window"], **scales(b))
     assert_close(out, reference(b))
 
 
 @pytest.mark.kernel
 @settings(max_examples=examples(200), deadline=None)
-@given(paged_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16]),
+@given(paged_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16], windows=True),
        st.sampled_from([kernel.CHUNK_BYTES, 0, 1 << 12, 1 << 15]))
 def test_torch_path_matches_naive(b, chunk_bytes):
     # small chunk budgets cut the decode and short groups into many calls (0: one sequence each)
     default, kernel.CHUNK_BYTES = kernel.CHUNK_BYTES, chunk_bytes
     try:
-        assert_close(paged_attention_torch(*paged_args(b)), reference(b))
+        assert_close(paged_attention_torch(*paged_args(b), window=b["window"]), reference(b))
     finally:
         kernel.CHUNK_BYTES = default
 
@@ -487,13 +513,16 @@ def test_torch_path_matches_naive(b, chunk_bytes):
 @pytest.mark.kernel
 @settings(max_examples=examples(100), deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 20), st.integers(0, 300)), min_size=1, max_size=40),
-       st.integers(0, 1 << 16), st.integers(1, 4))
-def test_torch_path_plan_calls_stay_within_chunk_bytes(seqs, chunk_bytes, block_size):
+       st.integers(0, 1 << 16), st.integers(1, 4), st.one_of(st.none(), st.integers(1, 300)))
+def test_torch_path_plan_calls_stay_within_chunk_bytes(seqs, chunk_bytes, block_size, window):
     # (new tokens, earlier context) per sequence: every new token is in exactly one call, a call
-    # gathers at most CHUNK_BYTES of K/V unless it holds one sequence, and pads to no context
-    # longer than its own sequences' longest
+    # gathers at most CHUNK_BYTES of K/V unless it holds one sequence, and pads to no span
+    # longer than its own sequences' longest; a span is what the sequence's new tokens see:
+    # from its first new token's window on, so nothing before a window is gathered
     q_lens = [q for q, _ in seqs]
     lens = [q + c for q, c in seqs]
+    starts = [max(0, c - window + 1) if window else 0 for _, c in seqs]
+    spans = [n - start for n, start in zip(lens, starts)]
     max_blocks = -(-max(lens) // block_size)
     tables = torch.arange(len(seqs) * max_blocks, dtype=torch.int32).view(len(seqs), -1)
     cu = torch.tensor([0] + q_lens).cumsum(0).int()
@@ -501,17 +530,27 @@ def test_torch_path_plan_calls_stay_within_chunk_bytes(seqs, chunk_bytes, block_
     default, kernel.CHUNK_BYTES = kernel.CHUNK_BYTES, chunk_bytes
     try:
         plan = kernel._attention_plan(tables, torch.tensor(lens, dtype=torch.int32), cu,
-                                      block_size, 2, True, token_bytes)
+                                      block_size, 2, True, token_bytes, window)
     finally:
         kernel.CHUNK_BYTES = default
     written, decode_calls = [], []
     for rows, slots, (B, Q, L), mask, kept, out_rows in plan["calls"]:
-        seqs_in = sorted({int(torch.searchsorted(cu, r, right=True)) - 1 for r in rows.tolist()})
+        order = torch.searchsorted(cu, rows.view(B, Q)[:, 0], right=True) - 1  # call's sequences
+        seqs_in = sorted(set(order.tolist()))
         assert len(seqs_in) == B
         assert B == 1 or B * L * token_bytes <= chunk_bytes
-        assert L == max(lens[i] for i in seqs_in) and Q == max(q_lens[i] for i in seqs_in)
-        # a mask only where something is hidden: padding, or later tokens of a chunk
-        assert (mask is None) == (Q == 1 and all(lens[i] == L for i in seqs_in))
+        assert L == max(spans[i] for i in seqs_in) and Q == max(q_lens[i] for i in seqs_in)
+        # each row gathers its own sequence's slots (tables: block i * max_blocks + j), of every
+        # position its new tokens see and no other (span distinct ones, from start to the end)
+        seq, pos = slots.view(B, L).div(max_blocks * block_size, rounding_mode="floor"), \
+            slots.view(B, L) % (max_blocks * block_size)
+        assert torch.equal(seq, order[:, None].expand(B, L))
+        assert pos.amin(1).tolist() == [starts[i] for i in order.tolist()]
+        assert pos.amax(1).tolist() == [lens[i] - 1 for i in order.tolist()]
+        assert [len(set(row)) for row in pos.tolist()] == [spans[i] for i in order.tolist()]
+        # a mask only where something is hidden: padding, later tokens of a chunk, or positions
+        # that slid out of a later token's window
+        assert (mask is None) == (Q == 1 and all(spans[i] == L for i in seqs_in))
         written += out_rows.tolist()
         decode_calls += [(seqs_in, L)] if Q == 1 else []
     assert sorted(written) == list(range(sum(q_lens)))
@@ -519,21 +558,22 @@ def test_torch_path_plan_calls_stay_within_chunk_bytes(seqs, chunk_bytes, block_
     calls = plan["calls"]
     assert plan["whole"] == (len(calls) == 1 and calls[0][2][0] == len(seqs)
                              and len(set(q_lens)) == 1)
-    # shortest contexts first, and no more calls than the budget needs: a decode call could not
+    # shortest spans first, and no more calls than the budget needs: a decode call could not
     # also take the next one's shortest sequence
     for (seqs_in, L), (after, _) in zip(decode_calls, decode_calls[1:]):
-        shortest = min(lens[i] for i in after)
+        shortest = min(spans[i] for i in after)
         assert L <= shortest and (len(seqs_in) + 1) * shortest * token_bytes > chunk_bytes
 
 
 @pytest.mark.kernel
 @settings(max_examples=examples(8), deadline=None)
 @given(paged_batches(dtypes=[torch.float32], max_seqs=6, head_dims=(64,), block_sizes=(16,),
-                     groups=(1, 3)))
+                     groups=(1, 3), windows=True, poison_before_window=False))
 def test_flex_decode_matches_naive(b):
     # the opt-in gather-free decode (flex_attention compiled by Inductor, one compile for these
     # shapes), in batches of decodes, prefills and chunked prefills with mixed lengths and GQA
-    out = paged_attention_torch(*paged_args(b), decode_attention=kernel.paged_attention_flex)
+    out = paged_attention_torch(*paged_args(b), decode_attention=kernel.paged_attention_flex,
+                                window=b["window"])
     assert_close(out, reference(b))
 
 
@@ -575,6 +615,103 @@ def test_store_kv_writes_exactly_the_given_slots(
                 torch.equal(v_cache.flatten(0, 1)[s].view(torch.uint8), v_want[i])
     assert k_cache.flatten(0, 1)[~written].float().isnan().all() and \
         v_cache.flatten(0, 1)[~written].float().isnan().all()
+
+
+@pytest.mark.kernel
+@settings(max_examples=examples(30), deadline=None)
+@given(st.integers(1, 40), st.integers(0, 40), st.integers(1, 90), st.sampled_from([1, 4, 5]))
+def test_every_path_sees_the_keys_transformers_sliding_window_mask_sees(q_len, cached, window,
+                                                                       block_size):
+    # which keys a new token sees, read off its attention weights: with q = 0 they are uniform
+    # over the keys seen, and v = one-hot positions returns them; against transformers' own
+    # mask function, which starts the window at its exact place (windows past the context too)
+    masking_utils = pytest.importorskip("transformers.masking_utils")
+    seq_len = q_len + cached
+    q_pos, k_pos = torch.arange(cached, seq_len)[:, None], torch.arange(seq_len)[None]
+    expected = masking_utils.sliding_window_causal_mask_function(window)(0, 0, q_pos, k_pos)
+    q = torch.zeros(q_len, 1, 128)
+    kv = torch.eye(seq_len, 128)[:, None]                                        # (L, 1, 128)
+    cu, lens = torch.tensor([0, q_len], dtype=torch.int32), torch.tensor([seq_len]).int()
+    num_blocks = -(-seq_len // block_size)
+    cache = torch.zeros(num_blocks * block_size, 1, 128)
+    cache[:seq_len] = kv
+    cache = cache.view(num_blocks, block_size, 1, 128)
+    table = torch.arange(num_blocks, dtype=torch.int32)[None]
+    paged = (q.to(DEVICE), cache.to(DEVICE), cache.to(DEVICE), table.to(DEVICE), lens.to(DEVICE),
+             cu.to(DEVICE), 1.0)
+    for name, out in [("naive", naive_attention(q, kv, kv, cu, lens, 1.0, window=window)),
+                      ("torch", paged_attention_torch(*paged, window=window)),
+                      ("triton", paged_attention(*paged, window=window))]:
+        assert torch.equal(out[:, 0, :seq_len].cpu() > 0, expected), name
+
+
+@contextlib.contextmanager
+def interpreter_reads():
+    """Under Triton's interpreter, record every address a kernel's loads read (the lanes their
+    masks keep) and count its tl.dot calls: what it reads, and how many K/V tiles it visits."""
+    from triton.runtime import interpreter
+    builder, record = interpreter.interpreter_builder, SimpleNamespace(addresses=[], dots=0)
+    load, dot = builder.create_masked_load, builder.create_dot
+
+    def recorded_load(ptrs, mask, *args):
+        record.addresses.append(ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)])
+        return load(ptrs, mask, *args)
+
+    def counted_dot(*args):
+        record.dots += 1
+        return dot(*args)
+    builder.create_masked_load, builder.create_dot = recorded_load, counted_dot
+    try:
+        yield record
+    finally:
+        del builder.create_masked_load, builder.create_dot  # the class's own again
+
+
+def read_slots(addresses, tensor):
+    """Which rows of tensor, flattened over its first two dims, the addresses read: for a cache,
+    the slots (block * block_size + offset)."""
+    base, size = tensor.data_ptr(), tensor.element_size()
+    ours = addresses[(addresses >= base) & (addresses < base + tensor.numel() * size)]
+    return set(((ours - base) // size // math.prod(tensor.shape[2:])).tolist())
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(not kernel.INTERPRETED, reason="reads are recorded in Triton's interpreter")
+@settings(max_examples=examples(16), deadline=None)
+@given(paged_batches(dtypes=[torch.float16], max_seqs=3, max_seq_len=300, head_dims=(16,),
+                     groups=(1, 4), windows=True),
+       st.sampled_from([1, 2, 3]))
+def test_triton_never_reads_a_block_before_the_window(b, num_splits):
+    # masking a score is not skipping its block: the kernel must not read the K/V of a position
+    # before the window of the sequence's first new token, nor its block-table entry (a freed
+    # block's placeholder), nor visit a tile that holds no key any of its rows sees
+    with interpreter_reads() as reads:
+        out = paged_attention(*paged_args(b), num_splits=num_splits, window=b["window"])
+    assert_close(out, reference(b))
+    window, bs = b["window"], b["k_cache"].shape[1]
+    lens, cu = b["seq_lens"].tolist(), b["cu_seqlens_q"].tolist()
+    q_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
+    starts = [max(0, n - q - window + 1) if window else 0 for n, q in zip(lens, q_lens)]
+    tables = b["block_tables"].tolist()
+    seen = {tables[i][t // bs] * bs + t % bs for i, n in enumerate(lens)
+            for t in range(starts[i], n)}
+    addresses = np.concatenate(reads.addresses)
+    for cache in (b["k_cache"], b["v_cache"]):
+        assert read_slots(addresses, cache) <= seen
+    max_blocks = b["block_tables"].shape[1]
+    entries = read_slots(addresses, b["block_tables"].view(-1, 1, 1))  # table row * width + col
+    assert all(starts[e // max_blocks] < (e % max_blocks + 1) * bs
+               and e % max_blocks * bs < lens[e // max_blocks] for e in entries)
+    # tiles: a program visits those of its first row's window start to its last row's position
+    n_kv_head, group = b["k_cache"].shape[2], b["q"].shape[1] // b["k_cache"].shape[2]
+    tiles = 0
+    for n, q_len in zip(lens, q_lens):
+        config = kernel.kernel_config(torch.float16, 16, group, bs, decode=q_len == 1)
+        for first in range(0, q_len, config["BLOCK_Q"]):
+            end = n - q_len + min(first + config["BLOCK_Q"], q_len)
+            start = max(0, n - q_len + first - window + 1) if window else 0
+            tiles += -(-(end - start) // config["BLOCK_N"])
+    assert reads.dots == 2 * n_kv_head * tiles  # q k^T and p v, per tile
 
 
 def small_batch(head_dim=64, dtype=torch.float32):
@@ -623,6 +760,14 @@ def with_arg(i, value):
 def test_launcher_rejects_bad_inputs(break_it, message):
     with pytest.raises(AssertionError, match=message):
         paged_attention(*break_it(small_batch()))
+
+
+@pytest.mark.kernel
+@pytest.mark.parametrize("window", [-1, 2.5, True, 2**31])
+def test_every_path_rejects_a_window_that_is_not_a_count_of_positions(window):
+    for attend in (paged_attention, paged_attention_torch):
+        with pytest.raises(AssertionError, match="window must be None or an int"):
+            attend(*small_batch(), window=window)
 
 
 @pytest.mark.kernel
@@ -720,7 +865,8 @@ def test_kernel_compiles_for_a_gpu():
 
 def jit_keys_of_steps(seed=0, steps=40):
     """The JIT cache keys (sm_90) of the launches of random engine steps of one model: many
-    sequences or few, short or long tables, decode, split decode, prefill and mixed."""
+    sequences or few, short or long tables, decode, split decode, prefill and mixed, in layers
+    of full attention or sliding windows (1, a multiple of 16 or not)."""
     import bench
     rng, keys = random.Random(seed), {}
     for _ in range(steps):
@@ -729,7 +875,9 @@ def jit_keys_of_steps(seed=0, steps=40):
         args = bench.engine_step(torch.float16, 128, 4, 16, q_lens, contexts)
         resident = rng.choice([132, 1000])  # an H100's SMs, or several programs on each
         num_splits = kernel.split_count(len(q_lens), 2, args[3].shape[1] * 16, resident)
-        launches = bench.capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits)
+        window = rng.choice([None, 0, 1, 100, 4096])
+        launches = bench.capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits,
+                                          window=window)
         for fn, _, a, k in launches:
             launch = (fn.__name__, k.get("DECODE"), k.get("SPLIT_KV"))
             keys.setdefault(launch, set()).add(bench.jit_key(90, fn, a, k))
@@ -739,7 +887,8 @@ def jit_keys_of_steps(seed=0, steps=40):
 @pytest.mark.kernel
 def test_kernel_compiles_once_per_launch_kind_not_per_step():
     # Triton specializes integers on == 1 and divisibility by 16: a block-table width or a
-    # sequence count that does it mid-serving would recompile (seconds) in the middle of a step
+    # sequence count that does it mid-serving would recompile (seconds) in the middle of a step,
+    # and a window that did would compile per layer kind
     import json
     counts = json.loads(run_without_interpreter(
         "import json, test_nanopaged as t; print(json.dumps(t.jit_keys_of_steps()))"))
@@ -3007,6 +3156,100 @@ def test_paged_greedy_generation_equals_hugging_face_generate(hf_folder, name):
 
 
 @pytest.mark.model
+@pytest.mark.parametrize("windows, message", [
+    (dict(sliding_window=0), "sliding_window must be None or an int >= 1, got 0"),
+    (dict(sliding_window=4.0), "sliding_window must be None or an int >= 1, got 4.0"),
+    (dict(sliding_window=4, layer_types=["sliding_attention"]), "layer_types must list 2"),
+    (dict(sliding_window=4, layer_types=["sliding_attention", "chunked_attention"]),
+     "layer_types must list 2 (n_layer) of ('sliding_attention', 'full_attention')"),
+    (dict(layer_types=["full_attention", "sliding_attention"]),
+     "layer_types has sliding_attention layers but sliding_window is None"),
+])
+def test_a_window_the_model_cannot_honour_is_a_clear_error(windows, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        GPTConfig(n_layer=2, n_head=2, n_embd=16, **windows)
+
+
+@pytest.mark.model
+def test_gpt2_and_llama_see_the_whole_context_unless_told_otherwise():
+    for model in MODELS.values():
+        assert model.config.windows == [None, None]
+        assert model.config.layer_types == ["full_attention"] * 2
+    config = GPTConfig(n_layer=3, n_head=2, n_embd=16, sliding_window=8)  # Mistral: every layer
+    assert config.windows == [8, 8, 8]
+
+
+# Windows of 16 to 32 tokens over contexts of a few hundred: Mistral's on every layer, Qwen2's on
+# the layers from max_window_layers on, and Qwen2's layer_types mixing them in any order
+WINDOWED_HF_MODELS = {
+    "mistral-window": ("MistralConfig", dict(LLAMA_FAMILY, num_key_value_heads=2, head_dim=16,
+                                             max_position_embeddings=512, sliding_window=16,
+                                             rope_parameters=dict(rope_theta=1e4))),
+    "qwen2-window": ("Qwen2Config", dict(LLAMA_FAMILY, num_hidden_layers=3, num_key_value_heads=3,
+                                         max_position_embeddings=512, use_sliding_window=True,
+                                         sliding_window=24, max_window_layers=1,
+                                         rope_parameters=dict(rope_theta=1e6))),
+    "qwen2-layer-types": ("Qwen2Config", dict(
+        LLAMA_FAMILY, num_hidden_layers=3, num_key_value_heads=2, max_position_embeddings=512,
+        use_sliding_window=True, sliding_window=32, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+}
+
+
+def hf_windows(config):
+    """Each layer's sliding window (None: full attention) as transformers' model applies it:
+    Mistral's on every layer, Qwen2's and Ministral's by their layer_types, none in GPT-2 and
+    Llama."""
+    n, window = config.num_hidden_layers, getattr(config, "sliding_window", None)
+    kinds = {"mistral": ["sliding_attention"] * n}.get(config.model_type, [None] * n)
+    if config.model_type in ("qwen2", "ministral"):
+        kinds = config.layer_types
+    return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name", WINDOWED_HF_MODELS)
+def test_windowed_logits_match_hugging_face(hf_folder, name):
+    path, hf = hf_folder(name)
+    model = GPT.from_pretrained(str(path))
+    assert model.config.windows == hf_windows(hf.config) and any(model.config.windows)
+    idx = torch.randint(hf.config.vocab_size, (2, 300))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("name, mode", zip(WINDOWED_HF_MODELS, ["recompute", "swap", "swap"]))
+def test_windowed_paged_greedy_generation_equals_hugging_face_generate(hf_folder, name, mode):
+    # prompts of 1 to 3 windows sharing a prefix, 48 new tokens: past several windows, served
+    # in prefill chunks of 8 tokens, with prefix hits (the shared prefix; then the same prompts
+    # again), and preempted (by recompute or by swap) in a tight pool of blocks of 5
+    path, hf = hf_folder(name)
+    model, hf64 = GPT.from_pretrained(str(path), dtype=torch.float64), _double(hf)
+    shared = [(5 * j + 1) % 97 for j in range(20)]
+    prompts = [shared + [(7 * i + 3 * j) % 97 for j in range(n)] for i, n in enumerate([3, 19, 45])]
+    expected = []
+    for p in prompts:  # token 0 is not padding here, so the mask is explicit
+        mask = torch.ones(1, len(p), dtype=torch.long)
+        out = hf64.generate(torch.tensor([p]), attention_mask=mask, max_new_tokens=48,
+                            do_sample=False, pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    unwindowed = copy.deepcopy(model)
+    for block in unwindowed.transformer.h:
+        block.attn.window = None
+    assert naive_greedy(unwindowed, prompts[-1], 48) != expected[-1], "windows matter here"
+    engine = Engine(model, block_size=5, num_blocks=45, preemption_mode=mode,
+                    max_num_batched_tokens=8)
+    params = SamplingParams(max_tokens=48, temperature=0)
+    for _ in range(2):
+        outputs = engine.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert engine.stats()["num_preemptions"] > 0
+    assert engine.stats()["prefix_cache_hit_tokens"] > 0
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.model
 def test_gqa_model_generates_like_naive():
     model = tiny_model(n_kv_head=2, seed=1)
     engine = Engine(model, block_size=4, num_blocks=64)
@@ -3071,6 +3314,88 @@ def test_rotary_positions_do_not_depend_on_how_a_prompt_is_served(prompt, block_
 def naive_logits(model, tokens):
     with torch.no_grad():
         return model(torch.tensor([tokens]))[0, -1]
+
+
+# -- sliding windows: each layer's own, from the contiguous path to every backend
+
+
+def windowed_model(window, kinds, seed=2, dtype=torch.float64):
+    """A tiny Llama-family model (head size 16, as Triton takes); layer i is windowed if
+    kinds[i] is "s", full if "f". Its weights are made large enough for attention to be sharp,
+    so that which keys a token sees changes what it generates."""
+    torch.manual_seed(seed)
+    names = {"s": "sliding_attention", "f": "full_attention"}
+    config = GPTConfig(n_layer=len(kinds), n_head=4, n_kv_head=2, n_embd=64, vocab_size=32,
+                       max_seq_len=96, rope_theta=1e4, norm="rmsnorm", mlp="swiglu", bias=False,
+                       intermediate_size=48, sliding_window=window,
+                       layer_types=[names[k] for k in kinds])
+    model = GPT(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return model.to(dtype)
+
+
+@pytest.mark.model
+@settings(max_examples=examples(30), deadline=None)
+@given(st.lists(st.integers(0, 31), min_size=1, max_size=60), st.integers(1, 20),
+       st.integers(1, 2))
+def test_windowed_layers_see_exactly_the_last_tokens_their_windows_reach(tokens, window, layers):
+    # a model without positions (GPT-2's, its learned positions zeroed): n layers of windows of
+    # W reach back n * (W - 1) positions, so the next token after a sequence is the next token
+    # after its last n * (W - 1) + 1 tokens alone; windows one wider reach further, which
+    # changes it (unless the token they reach repeats one already seen: a value averaged in)
+    def model(window):
+        torch.manual_seed(4)
+        gpt = GPT(GPTConfig(n_layer=layers, n_head=4, n_embd=64, vocab_size=32, max_seq_len=64,
+                            sliding_window=window)).double()
+        with torch.no_grad():
+            for p in gpt.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+            gpt.transformer.wpe.weight.zero_()
+        return gpt
+    reach = layers * (window - 1) + 1
+    exact, wider = model(window), model(window + 1)
+    torch.testing.assert_close(naive_logits(exact, tuple(tokens)),
+                               naive_logits(exact, tuple(tokens[-reach:])), atol=1e-12, rtol=0)
+    if len(tokens) > reach and tokens[-reach - 1] not in tokens[-reach:]:
+        assert not torch.allclose(naive_logits(wider, tuple(tokens)),
+                                  naive_logits(wider, tuple(tokens[-reach:])), atol=1e-9)
+
+
+@pytest.mark.model
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(request_mixes(), st.integers(1, 12), st.sampled_from(["ss", "sf", "fs"]))
+def test_windowed_models_generate_like_naive_contiguous(mix, window, kinds):
+    # windowed and hybrid models served paged (chunked prefills, prefix hits, both preemptions,
+    # tight pools) generate what the contiguous path does, past several windows; the engine
+    # keeps every block, the attention skips what a window leaves behind
+    prompts, max_tokens, priorities, engine_args = mix
+    model = windowed_model(window, kinds)
+    engine = Engine(model, **engine_args)
+    params = [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens]
+    for _ in range(2):  # the second time, the prompts hit the prefix cache if it is on
+        outputs = engine.generate(prompts, params, priority=priorities)
+        assert [o.outputs[0].token_ids for o in outputs] == \
+            [naive_greedy(model, p, m) for p, m in zip(prompts, max_tokens)]
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("backend", ["triton", "torch", "flex"])
+def test_a_hybrid_model_generates_like_naive_on_every_backend(backend):
+    # a window of 5 over prompts up to 3 windows long and 12 new tokens, in blocks of 4:
+    # windows end mid-block; chunked prefills (7 tokens a step) and a prefix hit (prompt 2
+    # starts as prompt 0 does); fp32, the kernels' dtype
+    model = windowed_model(5, "sfs", seed=3, dtype=torch.float32)
+    prompts = [list(range(1, 14)), [8, 9], list(range(1, 9)) + [30] * 7]
+    engine = Engine(model, block_size=4, num_blocks=40, attention_backend=backend,
+                    max_num_batched_tokens=7)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+    assert [o.outputs[0].token_ids for o in outputs] == \
+        [naive_greedy(model, p, 12) for p in prompts]
+    assert sum(o.num_cached_tokens for o in outputs) > 0
+    assert_all_blocks_free(engine)
 
 
 # -----------------------------------------------------------------------------
@@ -4738,6 +5063,27 @@ SETTINGS_LOADED_EXACTLY = [
     ("mistral", dict(rope_parameters=dict(rope_type="default", rope_theta=50.0)), ()),
     ("qwen2", dict(tie_word_embeddings=False), ("tie_word_embeddings",)),  # Qwen2's default
     ("qwen2", dict(rms_norm_eps=0.5, rope_parameters=dict(rope_theta=100.0)), ()),
+    # sliding windows, over 30 tokens: Mistral's on every layer (4096 where config.json is
+    # silent); Qwen2's only with use_sliding_window, on the layers from max_window_layers on
+    # (28 where silent) unless layer_types lists them
+    ("mistral", dict(sliding_window=7), ()),
+    ("mistral", dict(sliding_window=1), ()),  # each token sees itself alone
+    ("mistral", dict(sliding_window=16), ("sliding_window",)),
+    # a Mistral folder with layer_types: transformers reads it as Ministral, which follows them
+    ("mistral", dict(sliding_window=7, layer_types=["full_attention", "sliding_attention"]), ()),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=7, max_window_layers=1),
+     ("layer_types",)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=7, max_window_layers=1),
+     ("layer_types", "max_window_layers")),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=0), ()),
+    ("qwen2", dict(use_sliding_window=True, max_window_layers=0),
+     ("layer_types", "sliding_window")),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=7,
+                   layer_types=["sliding_attention", "full_attention"]), ("max_window_layers",)),
+    ("qwen2", dict(use_sliding_window=False, sliding_window=7, max_window_layers=0),
+     ("layer_types",)),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=7, max_window_layers=0),
+     ("layer_types", "use_sliding_window")),
 ]
 
 
@@ -4761,10 +5107,11 @@ def test_from_pretrained_loads_each_setting_as_transformers_does(tmp_path, name,
     # what the folder means is what transformers reads from it (eager: reorder_and_upcast_attn)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
     idx = torch.randint(hf.config.vocab_size, (2, 30))
+    model = GPT.from_pretrained(str(tmp_path))
+    assert model.config.windows == hf_windows(hf.config)  # windows too long for 30 tokens too
     with torch.no_grad():
         expected = hf.float().eval()(idx).logits
-        torch.testing.assert_close(GPT.from_pretrained(str(tmp_path))(idx), expected,
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(model(idx), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.checkpoints
@@ -4777,9 +5124,21 @@ def test_from_pretrained_loads_each_setting_as_transformers_does(tmp_path, name,
     ("qwen2", dict(rope_parameters=dict(rope_theta=1e4, partial_rotary_factor=0.5)),
      "partial_rotary_factor=0.5"),
     ("llama", dict(partial_rotary_factor=0.5), "partial_rotary_factor=0.5"),  # older dialect
-    ("mistral", dict(sliding_window=16), "sliding_window=16, below max_position_embeddings=64"),
-    ("qwen2", dict(use_sliding_window=True, sliding_window=16),
-     "use_sliding_window=True; this model takes only False"),
+    ("mistral", dict(sliding_window=0), "sliding_window=0; a window is a number of positions"),
+    ("mistral", dict(sliding_window=16.0), "sliding_window=16.0"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=-4), "sliding_window=-4"),
+    # transformers itself fails on these
+    ("mistral", dict(sliding_window=None, layer_types=["full_attention"] * 2),
+     "layer_types and sliding_window=None; transformers reads it as Ministral"),
+    ("qwen2", dict(use_sliding_window=False, layer_types=["full_attention", "sliding_attention"]),
+     "layer_types with sliding_attention layers, but no window (use_sliding_window=False"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8,
+                   layer_types=["chunked_attention", "full_attention"]),
+     "layer_types=['chunked_attention', 'full_attention']; this model takes 2"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, layer_types=["full_attention"]),
+     "layer_types=['full_attention']; this model takes 2 (num_hidden_layers)"),
+    ("qwen2", dict(use_sliding_window=True, sliding_window=8, layer_types=None,
+                   max_window_layers=None), "max_window_layers=None"),
     ("llama", dict(hidden_act="quick_gelu"), "hidden_act='quick_gelu'"),
     ("llama", dict(attention_bias=True), "attention_bias=True"),
     ("llama", dict(mlp_bias=True), "mlp_bias=True"),
