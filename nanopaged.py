@@ -80,7 +80,7 @@ def cdiv(n, d):
 
 def blocks_held(seqs):
     """The physical blocks the sequences point at, each once however many share it."""
-    return {b for seq in seqs for b in seq.block_table}
+    return {b for seq in seqs for table in seq.block_tables for b in table if b != NO_BLOCK}
 
 
 def integer(x):  # bool is an int to Python, never to a user
@@ -224,7 +224,9 @@ class Sequence:
         self.num_prompt_tokens = num_prompt_tokens
         # Its paging state, which a step's plan changes through the allocator (section 2):
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache: see the lifecycle above
-        self.block_table = BlockTable()  # device blocks, or CPU blocks while swapped out
+        # device blocks, or CPU blocks while swapped out: a table per KV cache group (one, but
+        # for models that mix attention types: section 7)
+        self.block_tables = [BlockTable()]
         self.num_cached_blocks = 0  # its leading full blocks offered to the prefix cache
         # The prefix-cache keys of its full blocks, one per block its tokens fill, computed as
         # the tokens arrive (with prefix caching on: section 3).
@@ -238,6 +240,14 @@ class Sequence:
 
     def __len__(self):
         return len(self.token_ids)
+
+    @property
+    def block_table(self):  # its first KV cache group's, the only one of most models
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table):
+        self.block_tables[0] = table
 
     @property
     def output_token_ids(self):
@@ -261,7 +271,7 @@ class Sequence:
         stay the parent's."""
         child = copy.copy(self)
         child.seq_id, child.index, child.prompt_logprobs = seq_id, index, []
-        child.block_table = BlockTable()
+        child.block_tables = [BlockTable() for _ in self.block_tables]
         child.token_ids = list(self.token_ids)
         child.block_hashes = list(self.block_hashes)
         child.logprobs = list(self.logprobs)
@@ -343,6 +353,10 @@ class RequestOutput:
 def notify(part, event, **details):
     if part.observer is not None:
         part.observer(dict(event=event, **details))
+
+
+def group_field(group):  # an event's KV cache group (section 7): said only past the first
+    return {"group": group} if group else {}
 # -----------------------------------------------------------------------------
 # 2. The block allocator. Paper: blocks and block tables (section 4.2), ref counts and
 #    copy-on-write (4.4). Later vLLM: its BlockPool; nano-vllm: its BlockManager.
@@ -444,6 +458,9 @@ class BlockTable:
     def tolist(self):
         return self.ids[:self.n].tolist()
 
+    def count(self, block_id):
+        return int((self.ids[:self.n] == block_id).sum())
+
     def append(self, block_id):
         if self.n == len(self.ids):
             self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
@@ -533,15 +550,20 @@ class BlockPool:
         self.prefix_cache.rebuild()
 
 
+NO_BLOCK = -1  # a block table's entry for a block a sliding window left behind: it holds nothing
+
+
 class BlockAllocator(BlockPool):
     """The device pool, and the block tables that point into it: whole sequences are allocated
     (on the prefix cache's hits), grown, forked, trimmed and freed, and a write into a shared
-    block copies it first. Its journal undoes a failed step's plan (rollback)."""
+    block copies it first. A model whose layers mix attention types keeps a table per KV cache
+    group (section 7) over this one pool, and a windowed group gives back the blocks its window
+    has left behind. Its journal undoes a failed step's plan (rollback)."""
     observer = None  # see notify
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
                  eviction_policy="lru", prefix_cache_cls=None, cpu_cache=False,
-                 cpu_eviction_policy=None):
+                 cpu_eviction_policy=None, windows=(None,)):
         for name, value, least in (("num_blocks", num_blocks, 1), ("block_size", block_size, 1),
                                    ("num_cpu_blocks", num_cpu_blocks, 0)):
             if not integer(value) or value < least:
@@ -553,116 +575,189 @@ class BlockAllocator(BlockPool):
         self.swap_pool = SwapPool(num_cpu_blocks, self, enable_prefix_caching and cpu_cache,
                                   cpu_eviction_policy or eviction_policy)
         self.offloads, self.reloads = [], []  # a plan's copies to the CPU tier and back
+        # per KV cache group (section 7): its layers' sliding window, or None (full attention)
+        self.windows = list(windows)
+
+    def first_seen(self, group, position):
+        """The first block a token at position still sees, in a KV cache group: block 0 under
+        full attention, the block its window starts in under a sliding window (W positions:
+        p - W < k <= p, transformers' rule)."""
+        window = self.windows[group]
+        return 0 if window is None else max(0, position - window + 1) // self.block_size
+
+    def most_blocks(self, num_prompt_tokens, num_tokens):
+        """The most blocks a sequence of num_tokens (its prompt's num_prompt_tokens first) holds
+        at once: in a full-attention group a block per block_size tokens; in a windowed group,
+        its prompt's when admitted, or those its window spans as it decodes."""
+        bs, most = self.block_size, 0
+        for window in self.windows:
+            spans = cdiv(num_tokens, bs) if window is None else max(
+                cdiv(num_prompt_tokens, bs), cdiv(window - 1, bs) + 2)
+            most += min(spans, cdiv(num_tokens, bs))
+        return most
+
+    def tables(self, seq):
+        """seq's block tables, one per KV cache group, journaled."""
+        if len(seq.block_tables) != len(self.windows):  # made for one group
+            self.journal.set(seq, "block_tables", [BlockTable() for _ in self.windows])
+        for table in seq.block_tables:
+            table.journal = self.journal
+        return seq.block_tables
 
     def lookup(self, seq):
-        """seq's longest run of leading full blocks that a tier holds: (block, its cache) each,
-        the device's block, or the CPU tier's to copy back (but none the plan is writing)."""
-        tier = self.swap_pool
-        return self.prefix_cache.lookup(seq, tier.prefix_cache, tier.taken)
+        """seq's prefix-cache hit: the most leading full blocks that every KV cache group can
+        serve (vLLM's hybrid rule: a full-attention group needs each of them, a windowed group
+        only those the first token after them sees), and per group a (block, its cache) for
+        each of them, the device's or the CPU tier's to copy back, or None where no token to
+        come sees it."""
+        tier, device = self.swap_pool, self.prefix_cache
+        found = [device.lookup(seq, g, tier.prefix_cache, tier.taken, full=w is None)
+                 for g, w in enumerate(self.windows)]
+        # a full-attention group's hit ends at its first miss; a windowed group's list runs on
+        longest = max(map(len, found))
+        length = min((len(f) for f, w in zip(found, self.windows) if w is None), default=longest)
+        while length and not all(hit is not None for g, f in enumerate(found)
+                                 for hit in f[self.first_seen(g, length * self.block_size):
+                                              length]):
+            length -= 1  # a window misses a block its first token would see: a shorter hit
+        return length, [[None] * self.first_seen(g, length * self.block_size)
+                        + f[self.first_seen(g, length * self.block_size):length]
+                        for g, f in enumerate(found)]
 
     def num_blocks_to_allocate(self, seq):
-        """Free blocks allocate(seq) would take: misses and the CPU tier's hits (copied into
-        fresh blocks), and the device's hits now free."""
-        hits = [b for b, cache in self.lookup(seq) if cache is self.prefix_cache]
-        return (cdiv(len(seq), self.block_size) - len(hits)
-                + sum(self.blocks[b].ref_count == 0 for b in hits))
+        """Free blocks allocate(seq) would take: in each KV cache group, its misses and the CPU
+        tier's hits (copied into fresh blocks), and the device's hits now free; none for the
+        blocks before a window."""
+        length, found = self.lookup(seq)
+        num_blocks = 0
+        for hits in found:
+            held = [block for block, cache in filter(None, hits) if cache is self.prefix_cache]
+            num_blocks += (cdiv(len(seq), self.block_size) - hits.count(None) - len(held)
+                           + sum(self.blocks[b].ref_count == 0 for b in held))
+        return num_blocks
 
     def allocate(self, seq):
-        """Give a new (or recomputing) sequence a block table covering all its tokens, reusing
+        """Give a new (or recomputing) sequence block tables covering all its tokens, reusing
         cached prefix blocks. Sets seq.num_computed_tokens to the tokens found in the cache."""
-        assert not seq.block_table, f"sequence {seq.seq_id} already holds blocks"
+        assert not any(seq.block_tables), f"sequence {seq.seq_id} already holds blocks"
         num_taken = self.num_blocks_to_allocate(seq)  # what an override says, too
         if num_taken > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {num_taken} blocks, "
                                    f"{self.num_free_blocks} are free")
-        found, table = self.lookup(seq), seq.block_table
-        table.journal = self.journal
-        for block_id, cache in found:  # share before taking, so take() cannot evict a hit
-            if cache is self.prefix_cache:
-                self.share(block_id)
-        for i, (block_id, cache) in enumerate(found):
-            if cache is not self.prefix_cache:  # the CPU tier's: copied back into a fresh block
-                block_id = self.swap_pool.reload(seq, i, block_id)
-            table.append(block_id)
-        for _ in range(cdiv(len(seq), self.block_size) - len(found)):
-            table.append(self.take())
-        self.journal.set(seq, "num_computed_tokens", len(found) * self.block_size)
+        (length, found), tables = self.lookup(seq), self.tables(seq)
+        held = [block for hits in found for block, cache in filter(None, hits)
+                if cache is self.prefix_cache]
+        for block_id in held:  # share before taking, so take() cannot evict a hit
+            self.share(block_id)
+        for g, (table, hits) in enumerate(zip(tables, found)):
+            for i, hit in enumerate(hits):
+                if hit is None:
+                    table.append(NO_BLOCK)  # before the window: no token to come sees it
+                elif hit[1] is self.prefix_cache:
+                    table.append(hit[0])
+                else:  # the CPU tier's: copied back into a fresh block
+                    table.append(self.swap_pool.reload(seq, i, hit[0], g))
+            for _ in range(cdiv(len(seq), self.block_size) - length):
+                table.append(self.take())
+            notify(self, "allocate", seq=seq.seq_id, request=seq.request_id,
+                   table=table.tolist(), hits=length, **group_field(g))
+        self.journal.set(seq, "num_computed_tokens", length * self.block_size)
         # the device's leading hits are cached; the blocks copied back are published with the
         # blocks seq computes, as it is scheduled (cache_full_blocks)
-        cached = [cache is self.prefix_cache for _, cache in found] + [False]
-        self.journal.set(seq, "num_cached_blocks", cached.index(False))
-        hits = [b for b, cache in found if cache is self.prefix_cache]
-        self.prefix_cache.count(seq, hits, len(found) - len(hits))
-        notify(self, "allocate", seq=seq.seq_id, request=seq.request_id, table=table.tolist(),
-               hits=len(found))
+        reloaded = sorted(i for hits in found for i, hit in enumerate(hits)
+                          if hit is not None and hit[1] is not self.prefix_cache)
+        self.journal.set(seq, "num_cached_blocks", (reloaded or [length])[0])
+        self.prefix_cache.count(seq, length, held, len(set(reloaded)))
 
     def num_blocks_to_append(self, seqs):
         """Free blocks append_slot needs to give each of seqs a slot for its newest token."""
         num_new, writers = 0, {}  # writers: shared last block -> the sequences writing into it
         for seq in seqs:
-            if len(seq.block_table) * self.block_size < len(seq):
-                num_new += 1
-                continue
-            last = seq.block_table[-1]
-            if self.blocks[last].ref_count > 1:
-                writers[last] = writers.get(last, 0) + 1
+            for table in seq.block_tables:
+                if len(table) * self.block_size < len(seq):
+                    num_new += 1
+                    continue
+                last = table[-1]
+                if self.blocks[last].ref_count > 1:
+                    writers[last] = writers.get(last, 0) + 1
         # c writers into a block of count r copy it min(c, r - 1) times: the last writes in place
         return num_new + sum(min(c, self.blocks[b].ref_count - 1) for b, c in writers.items())
 
     def append_slot(self, seq):
-        """Make room for seq's newest token. Returns the (src, dst) block copy that copy-on-write
-        needs, for the engine to perform on the KV tensors before the step, or None."""
-        table = seq.block_table
-        if len(table) * self.block_size < len(seq):  # last block is full
-            table.append(self.take())
-            notify(self, "append", seq=seq.seq_id, block=table[-1])
-            return None
-        last = table[-1]
-        if self.blocks[last].ref_count == 1:
-            return None
-        # Copy-on-write: the block is shared (after a fork), so this writer moves to a private
-        # copy and the other owners keep the original (paper, section 4.4).
-        new = self.take()
-        self.release(last)
-        table[-1] = new
-        notify(self, "cow", seq=seq.seq_id, src=last, dst=new)
-        return last, new
+        """Make room for seq's newest token in each of its block tables. Returns the (src, dst)
+        block copies that copy-on-write needs, for the engine to perform on the KV tensors
+        before the step."""
+        copies = []
+        for g, table in enumerate(seq.block_tables):
+            if len(table) * self.block_size < len(seq):  # last block is full
+                table.append(self.take())
+                notify(self, "append", seq=seq.seq_id, block=table[-1], **group_field(g))
+                continue
+            last = table[-1]
+            if self.blocks[last].ref_count == 1:
+                continue
+            # Copy-on-write: the block is shared (after a fork), so this writer moves to a
+            # private copy and the other owners keep the original (paper, section 4.4).
+            new = self.take()
+            self.release(last)
+            table[-1] = new
+            notify(self, "cow", seq=seq.seq_id, src=last, dst=new, **group_field(g))
+            copies.append((last, new))
+        return copies
 
     def append_lookahead_slots(self, seq, num_slots):
         """Speculative decoding: room for num_slots proposed tokens after seq's newest, in fresh
         blocks (append_slot already made the newest token's block seq's own, copied on write)."""
-        while len(seq.block_table) * self.block_size < len(seq) + num_slots:
-            seq.block_table.append(self.take())
-            notify(self, "append", seq=seq.seq_id, block=seq.block_table[-1])
+        for g, table in enumerate(seq.block_tables):
+            while len(table) * self.block_size < len(seq) + num_slots:
+                table.append(self.take())
+                notify(self, "append", seq=seq.seq_id, block=table[-1], **group_field(g))
 
     def trim(self, seq):
         """Give back the blocks past seq's computed tokens (after a step that verified proposed
-        tokens, those only rejected proposals wrote): its table covers them again, as after
+        tokens, those only rejected proposals wrote): its tables cover them again, as after
         any step."""
         keep = cdiv(seq.num_computed_tokens, self.block_size)
-        for block_id in reversed(seq.block_table[keep:]):
-            self.release(block_id)
-        seq.block_table.truncate(keep)
-        notify(self, "trim", seq=seq.seq_id, keep=keep)
+        for g, table in enumerate(seq.block_tables):
+            for block_id in reversed(table[keep:]):
+                self.release(block_id)
+            table.truncate(keep)
+            notify(self, "trim", seq=seq.seq_id, keep=keep, **group_field(g))
 
     def fork(self, parent, child):
         """The child shares every block of the parent: parallel samples and beams start this way."""
-        child.block_table.journal = self.journal
-        for block_id in parent.block_table:
-            self.share(block_id)
-            child.block_table.append(block_id)
-        notify(self, "fork", seq=child.seq_id, parent=parent.seq_id)
+        for g, (parent_table, table) in enumerate(zip(parent.block_tables, self.tables(child))):
+            for block_id in parent_table:
+                if block_id != NO_BLOCK:
+                    self.share(block_id)
+                table.append(block_id)
+            notify(self, "fork", seq=child.seq_id, parent=parent.seq_id, **group_field(g))
 
     def free(self, seq):
         """Return every block of a finished, aborted or preempted sequence: none of its tokens
         has K/V in the cache any more."""
-        # Tail first: the head of a prompt is the likeliest to be shared, so it is evicted last.
-        for block_id in reversed(seq.block_table):
-            self.release(block_id)
-        seq.block_table.truncate(0)
+        for g, table in enumerate(seq.block_tables):
+            # Tail first: the head of a prompt is the likeliest to be shared, so it goes last.
+            for block_id in reversed(table):
+                if block_id != NO_BLOCK:
+                    self.release(block_id)
+            table.truncate(0)
+            notify(self, "free", seq=seq.seq_id, **group_field(g))
         self.journal.set(seq, "num_computed_tokens", 0)
         self.journal.set(seq, "num_cached_blocks", 0)
-        notify(self, "free", seq=seq.seq_id)
+
+    def free_window_blocks(self, seq):
+        """Give back the blocks of seq's windowed groups that no token to come sees any more
+        (vLLM's sliding-window manager): each leaves NO_BLOCK in its table, so positions stay
+        put; one that holds a prefix stays cached, free. A long sequence keeps about
+        window / block_size + 1 blocks of such a group."""
+        for g, table in enumerate(seq.block_tables):
+            i = self.first_seen(g, seq.num_computed_tokens) - 1
+            while i >= 0 and table[i] != NO_BLOCK:  # those before went back in earlier steps
+                self.release(table[i])
+                table[i] = NO_BLOCK
+                notify(self, "slide", seq=seq.seq_id, index=i, **group_field(g))
+                i -= 1
 
     def cache_full_blocks(self, seq, num_tokens=None):
         """Publish seq's full blocks among its first num_tokens (by default its computed ones)
@@ -677,8 +772,10 @@ class BlockAllocator(BlockPool):
         if not cache.enabled or num_full <= seq.num_cached_blocks:
             return
         cache.key_blocks(seq)  # the engine keyed them already; a caller of its own may not have
-        for i in range(seq.num_cached_blocks, num_full):
-            cache.publish(seq, i, seq.block_table[i])
+        for g, table in enumerate(seq.block_tables):
+            for i in range(seq.num_cached_blocks, num_full):
+                if table[i] != NO_BLOCK:
+                    cache.publish(seq, i, table[i], g)
         self.journal.set(seq, "num_cached_blocks", num_full)
 
     def evict(self):
@@ -774,10 +871,19 @@ class PrefixCache:
         for i in range(len(keys), len(seq) // bs):
             keys.append(chain_hash(keys[-1] if i else None, seq.token_ids[i * bs:(i + 1) * bs]))
 
-    def lookup(self, seq, lower=None, unreadable=()):
-        """The longest cached run of seq's full leading blocks, as (block, the cache that holds
-        it): this cache's blocks, or where it lacks one, the lower tier's (the CPU's), but for
-        the lower tier's blocks in unreadable."""
+    @staticmethod
+    def key(seq, i, group=0):
+        """The key of seq's block i in a KV cache group (section 7): the chained key, made the
+        group's own beyond the first (their blocks hold other layers' K/V)."""
+        key = seq.block_hashes[i]
+        return key if group == 0 else hashlib.sha256(bytes([group]) + key).digest()
+
+    def lookup(self, seq, group=0, lower=None, unreadable=(), full=True):
+        """For each of seq's full leading blocks (of a KV cache group), the block that holds it,
+        as (block, the cache that holds it): this cache's, or where it lacks one, the lower
+        tier's (the CPU's, but for its blocks in unreadable); None where neither has it. full:
+        stop at the first miss (a full-attention group needs every block before its hit's end;
+        a windowed group, those its window sees)."""
         found = []
         # A cached block has no logits: a sequence still owed prompt logprobs computes its whole
         # prompt (as vLLM does), and publishes its blocks for others as usual.
@@ -787,25 +893,29 @@ class PrefixCache:
         # The last token is always computed again, because sampling needs its logits; so its
         # block is never taken from the cache and never written while shared.
         for i in range((len(seq) - 1) // self.block_size):
-            key, cache = seq.block_hashes[i], self
+            key, cache = self.key(seq, i, group), self
             block_id = self.find(key, seq, i)
             if block_id is None and lower is not None and lower.enabled:
                 block_id, cache = lower.find(key, seq, i), lower
             if block_id is None or cache is lower and block_id in unreadable:
-                break
+                if full:
+                    break
+                found.append(None)
+                continue
             found.append((block_id, cache))
         return found
 
-    def count(self, seq, hits, num_lower=0):
-        """A sequence was allocated on these hits, and num_lower more of its blocks copied back
-        from the lower tier: count them for the hit rate and the policy."""
+    def count(self, seq, num_blocks, hits, num_lower=0):
+        """A sequence was allocated on a hit of its num_blocks leading blocks: hits, the blocks
+        of this cache it shares, and num_lower of its blocks copied back from the lower tier.
+        Count them for the hit rate and the policy."""
         if not self.enabled:
             return
         for block_id in hits:
             self.blocks[block_id].num_hits += 1
         c, bs = self.counts, self.block_size
         self.journal.set(c, "queried_tokens", c.queried_tokens + len(seq))
-        self.journal.set(c, "hit_tokens", c.hit_tokens + (len(hits) + num_lower) * bs)
+        self.journal.set(c, "hit_tokens", c.hit_tokens + num_blocks * bs)
         self.journal.set(c, "cpu_hit_tokens", c.cpu_hit_tokens + num_lower * bs)
 
     def find(self, key, seq, i):
@@ -828,10 +938,11 @@ class PrefixCache:
         held = block.token_ids == token_ids and block.logical_index == index
         return block_id if held else None
 
-    def publish(self, seq, i, block_id):
-        """Cache block_id as the holder of seq's block i, under its key."""
+    def publish(self, seq, i, block_id, group=0):
+        """Cache block_id as a holder of seq's block i (of a KV cache group), under its key."""
         bs = self.block_size
-        self.insert(block_id, seq.block_hashes[i], tuple(seq.token_ids[i * bs:(i + 1) * bs]), i)
+        self.insert(block_id, self.key(seq, i, group), tuple(seq.token_ids[i * bs:(i + 1) * bs]),
+                    i)
 
     def insert(self, block_id, key, token_ids, index):
         """Cache block_id as a holder of token_ids, block index of its sequence, under key."""
@@ -920,16 +1031,17 @@ class SwapPool(BlockPool):
         self.journal.set(self, "num_offloaded_blocks", self.num_offloaded_blocks + 1)
         notify(self, "offload", block=block.block_id, cpu_block=cpu_block)
 
-    def reload(self, seq, i, cpu_block):
-        """seq's block i, found in this tier: a fresh device block, into which the step copies
-        cpu_block's K/V before the forward (and publishes it, as seq is scheduled)."""
+    def reload(self, seq, i, cpu_block, group=0):
+        """seq's block i (of a KV cache group), found in this tier: a fresh device block, into
+        which the step copies cpu_block's K/V before the forward (and publishes it, as seq is
+        scheduled)."""
         a = self.allocator
         block_id = a.take()
         a.reloads.append((cpu_block, block_id))
         self.share(cpu_block)  # a use: its eviction order starts again
         self.release(cpu_block)
         self.journal.set(self, "num_reloaded_blocks", self.num_reloaded_blocks + 1)
-        notify(self, "reload", cpu_block=cpu_block, block=block_id)
+        notify(self, "reload", cpu_block=cpu_block, block=block_id, **group_field(group))
         return block_id
 
     def can_swap_out(self, seqs):
@@ -943,7 +1055,8 @@ class SwapPool(BlockPool):
         copies = self._move(seqs, lambda _: self.take(), self.share, self.allocator.release)
         for seq in seqs:
             self.journal.set(seq, "num_cached_blocks", 0)
-            notify(self, "swap_out", seq=seq.seq_id, table=seq.block_table.tolist())
+            for g, table in enumerate(seq.block_tables):
+                notify(self, "swap_out", seq=seq.seq_id, table=table.tolist(), **group_field(g))
             self.cache_full_blocks(seq)
         return copies
 
@@ -952,17 +1065,22 @@ class SwapPool(BlockPool):
         evicted blocks: its prefix is found here for others, and after it swaps back in."""
         cache = self.prefix_cache
         for i in range(seq.num_computed_tokens // self.block_size if cache.enabled else 0):
-            cache.publish(seq, i, seq.block_table[i])
+            for g, table in enumerate(seq.block_tables):
+                if table[i] != NO_BLOCK:
+                    cache.publish(seq, i, table[i], g)
 
     def _still_cached(self, seqs):
         """CPU block -> the device block that still holds its prefix in the cache: swapping in
         shares it instead of copying. Only computed blocks: the rest will be written."""
-        kept, find = {}, self.allocator.prefix_cache.find
+        kept, cache = {}, self.allocator.prefix_cache
         for seq in seqs:
             for i in range(min(len(seq.block_hashes), seq.num_computed_tokens // self.block_size)):
-                block_id = find(seq.block_hashes[i], seq, i)
-                if block_id is not None:
-                    kept.setdefault(seq.block_table[i], block_id)
+                for g, table in enumerate(seq.block_tables):
+                    if table[i] == NO_BLOCK:
+                        continue
+                    block_id = cache.find(cache.key(seq, i, g), seq, i)
+                    if block_id is not None:
+                        kept.setdefault(table[i], block_id)
         return kept
 
     def num_blocks_to_swap_in(self, seqs, kept=None):
@@ -995,15 +1113,17 @@ class SwapPool(BlockPool):
         for block_id in pinned:
             a.release(block_id)
         for seq in seqs:
-            notify(self, "swap_in", seq=seq.seq_id, table=seq.block_table.tolist())
+            for g, table in enumerate(seq.block_tables):
+                notify(self, "swap_in", seq=seq.seq_id, table=table.tolist(), **group_field(g))
         return [(src, dst) for src, dst in copies if src not in kept]
 
     @staticmethod
     def _move(seqs, take, share, release):
         mapping = {}  # block on this side -> block on the other
-        for seq in seqs:
-            table = seq.block_table
+        for table in (table for seq in seqs for table in seq.block_tables):
             for i, src in enumerate(table):
+                if src == NO_BLOCK:  # a block a window left behind moves nowhere
+                    continue
                 if src in mapping:
                     share(mapping[src])
                 else:
@@ -1014,11 +1134,15 @@ class SwapPool(BlockPool):
 
     def free(self, seq):
         """Return the CPU blocks of a swapped-out sequence (aborted, or to be recomputed)."""
-        for block_id in seq.block_table:
-            self.release(block_id)
-        seq.block_table.truncate(0)
+        for g, table in enumerate(seq.block_tables):
+            for block_id in table:
+                if block_id != NO_BLOCK:
+                    self.release(block_id)
+            table.truncate(0)
+            notify(self, "free", seq=seq.seq_id, **group_field(g))
         self.journal.set(seq, "num_computed_tokens", 0)
-        notify(self, "free", seq=seq.seq_id)
+
+
 # -----------------------------------------------------------------------------
 # 5. The scheduler: continuous batching in a policy's order, one step at a time. Orca:
 #    iteration-level scheduling. Paper: preemption by recompute or swap (section 4.5).
@@ -1083,11 +1207,15 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self):
-        """This step's plan, in four phases: 1. decodes of running groups, first first
-        (preempting when blocks run out); 2. swapped-out groups come back; 3. prefill chunks of
-        running groups; 4. waiting groups are admitted while blocks, sequence slots and the token
-        budget allow. Then, speculating, lookahead slots from what is left."""
+        """This step's plan, in four phases (after the blocks that sliding windows left behind
+        go back): 1. decodes of running groups, first first (preempting when blocks run out);
+        2. swapped-out groups come back; 3. prefill chunks of running groups; 4. waiting groups
+        are admitted while blocks, sequence slots and the token budget allow. Then, speculating,
+        lookahead slots from what is left."""
         out = SchedulerOutput()
+        if any(self.allocator.windows):  # blocks the windows left behind go back, for this step
+            for seq in (seq for group in self.running for seq in group.seqs):
+                self.allocator.free_window_blocks(seq)
         self._schedule_decodes(out)
         num_seqs = sum(g.params.num_seqs for g in self.running)  # room held for all samples of each
         num_seqs = self._swap_in(out, num_seqs)
@@ -1138,8 +1266,9 @@ class Scheduler:
         swap_pool = self.allocator.swap_pool
         while self.swapped and not out.preempted and not self._ahead(self.waiting, self.swapped):
             group = self.swapped[0]
-            # + one block per next token
-            need = swap_pool.num_blocks_to_swap_in(group.seqs) + len(group.seqs)
+            # + a block for each sequence's next token, in each of its tables
+            need = (swap_pool.num_blocks_to_swap_in(group.seqs)
+                    + sum(len(seq.block_tables) for seq in group.seqs))
             if (not self._fits(need) or num_seqs + group.params.num_seqs > self.max_num_seqs
                     or self._over_budget(out, len(group.seqs))):
                 if not self.running:  # nothing will free blocks for it: recompute, not wait forever
@@ -1193,9 +1322,7 @@ class Scheduler:
 
     def _append_slots(self, group, out):
         for seq in group.seqs:
-            copy = self.allocator.append_slot(seq)
-            if copy:
-                out.blocks_to_copy.append(copy)
+            out.blocks_to_copy += self.allocator.append_slot(seq)
             self._schedule(seq, 1, out)
 
     def _schedule_prefill(self, group, out):
@@ -1219,7 +1346,9 @@ class Scheduler:
             for seq in group.seqs:
                 if seq.seq_id not in last or not seq.num_output_tokens:
                     continue
-                room = (len(seq.block_table) + a.num_free_blocks) * a.block_size - len(seq)
+                # a slot takes a block in each table: of the free blocks, its share
+                num_free = a.num_free_blocks // len(seq.block_tables)
+                room = (len(seq.block_table) + num_free) * a.block_size - len(seq)
                 slots = min(self.num_lookahead_slots, room,
                             group.params.max_tokens - seq.num_output_tokens - 1,
                             self.max_num_batched_tokens - out.num_batched_tokens)
@@ -1268,7 +1397,7 @@ class Scheduler:
         queue.remove(group)
         pool = self.allocator.swap_pool if queue is self.swapped else self.allocator
         for seq in group.seqs:
-            if seq.block_table:  # a waiting group holds none
+            if any(seq.block_tables):  # a waiting group holds none
                 pool.free(seq)
         group.seqs = []
 
@@ -1382,6 +1511,11 @@ ACTIVATIONS["gelu_pytorch_tanh"] = ACTIVATIONS["gelu_new"]
 LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names for a layer's attention
 
 
+class KVCacheGroup(NamedTuple):
+    window: int | None  # its layers' sliding window, or None: full attention
+    layers: list  # its layers, in order: layer layers[j] keeps its K/V in slot j of a block
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int = 50257  # GPT-2's BPE vocabulary; 256 for the byte-level demo model
@@ -1449,6 +1583,21 @@ class GPTConfig:
         """Each layer's sliding window, or None where it sees the whole context."""
         return [self.sliding_window if kind == "sliding_attention" else None
                 for kind in self.layer_types]
+
+    @property
+    def kv_cache_groups(self):
+        """The layers in KV cache groups (vLLM v1's hybrid KV cache manager): each group the
+        layers of one attention type (full, or the window), and each the same number of layers,
+        so that one block of the pool holds the K/V of any group's layers for block_size tokens.
+        Each group has a block table per sequence: full attention keeps its blocks, a windowed
+        group gives back those its window left behind. One group, all layers, but for models
+        that mix types."""
+        by_window = {}
+        for layer, window in enumerate(self.windows):
+            by_window.setdefault(window, []).append(layer)
+        size = math.gcd(*map(len, by_window.values()))
+        return [KVCacheGroup(window, layers[i:i + size]) for window, layers in by_window.items()
+                for i in range(0, len(layers), size)]
 
     @property
     def eos_token_ids(self):
@@ -1520,10 +1669,11 @@ class CausalSelfAttention(nn.Module):
         # through the block table, by the attention backend the engine chose
         # (kernel.ATTENTION_BACKENDS; only windowed layers pass a window, so a backend without
         # windows still serves every model that has none)
-        k_cache, v_cache, scales = kv_cache                   # (num_blocks, block_size, nkv, hs)
-        batch.backend.store(k, v, k_cache, v_cache, batch.slot_mapping, **scales)
+        # its KV cache group's view of the step: its block tables and slots
+        k_cache, v_cache, group, scales = kv_cache            # (num_blocks, block_size, nkv, hs)
+        batch.backend.store(k, v, k_cache, v_cache, group.slot_mapping, **scales)
         window = {} if self.window is None else {"window": self.window}
-        y = batch.backend.attend(q, k_cache, v_cache, batch, self.scale, **window,
+        y = batch.backend.attend(q, k_cache, v_cache, group, self.scale, **window,
                                  **scales)                                          # (T, nh, hs)
         return all_reduce(self.c_proj(y.flatten(1)))
 
@@ -1586,6 +1736,9 @@ class GPT(nn.Module):
             self.lm_head.weight = self.transformer.wte.weight
         self.apply(self._init_weights)
         self.rope_table = {}  # (device, dtype) -> cos, sin (max_seq_len, 1, head_dim) of rotary
+        # layer -> (its KV cache group, its slot in a block): where its K/V live
+        self.kv_cache_slots = {layer: (g, slot) for g, group in enumerate(config.kv_cache_groups)
+                               for slot, layer in enumerate(group.layers)}
 
     @staticmethod
     def _init_weights(module):
@@ -1596,8 +1749,8 @@ class GPT(nn.Module):
 
     def forward(self, idx, batch=None, kv_cache=None):
         """Contiguous: idx (B, T) -> logits (B, T, V). Paged: idx (T,) packed, batch and
-        kv_cache (2, n_layer, num_blocks, block_size, nkv, hs) given -> logits (R, V) at
-        batch.logits_indices."""
+        kv_cache (2, layers per KV cache group, num_blocks, block_size, nkv, hs) given -> logits
+        (R, V) at batch.logits_indices."""
         pos = torch.arange(idx.shape[-1], device=idx.device) if batch is None else batch.positions
         x, rope = self.transformer.wte(idx), None
         if self.transformer.wpe is not None:
@@ -1608,8 +1761,11 @@ class GPT(nn.Module):
                     self.config, torch.arange(self.config.max_seq_len, device=x.device), x.dtype)
             rope = [t[pos] for t in self.rope_table[key]]
         for i, block in enumerate(self.transformer.h):
-            kv = None if batch is None else (kv_cache[0, i], kv_cache[1, i], batch.kv_scales[i])
-            x = block(x, batch, kv, rope)  # kv: this layer's K and V caches and their scales
+            kv = None  # or this layer's K and V caches, its KV cache group's view, its scales
+            if batch is not None:
+                g, slot = self.kv_cache_slots[i]
+                kv = (kv_cache[0, slot], kv_cache[1, slot], batch.groups[g], batch.kv_scales[i])
+            x = block(x, batch, kv, rope)
         if batch is not None:
             x = x[batch.logits_indices]  # the LM head is the widest matmul: only where we sample
         return self.lm_head(self.transformer.ln_f(x))
@@ -1640,9 +1796,11 @@ class GPT(nn.Module):
 
 
 def kv_block_shape(config, block_size):
-    """One KV block on this rank: K and V of every layer, for this rank's own K/V heads (see
-    tensor parallelism above)."""
-    return (2, config.n_layer, block_size, config.n_kv_head // tp.world_size, config.head_dim)
+    """One KV block on this rank: K and V of the layers of a KV cache group (every layer, but
+    for models that mix attention types), for this rank's own K/V heads (see tensor
+    parallelism above)."""
+    layers = len(config.kv_cache_groups[0].layers)
+    return (2, layers, block_size, config.n_kv_head // tp.world_size, config.head_dim)
 
 
 def pool_sizes(config, device, block_size, bytes_per_block, num_blocks, kv_cache_bytes,
@@ -1670,19 +1828,26 @@ def pool_sizes(config, device, block_size, bytes_per_block, num_blocks, kv_cache
 
 
 @dataclass
+class GroupBatch:
+    """What the attention layers of one KV cache group read of a step (a backend's meta)."""
+    block_tables: torch.Tensor    # (S, max_blocks) int32, -1 past each sequence's last block, and
+    #                               for a block its window left behind (NO_BLOCK)
+    slot_mapping: torch.Tensor    # (T,) int64, physical KV slot each new token is written to
+    seq_lens: torch.Tensor        # (S,) int32, context length including the new tokens
+    cu_seqlens_q: torch.Tensor    # (S+1,) int32, sequence i's new tokens are [cu[i], cu[i+1])
+    max_q_len: int                # longest run of new tokens, so the kernel needs no host sync
+    scratch: dict = field(default_factory=dict)  # the backend's, shared by the group's layers
+
+
+@dataclass
 class Batch:
     """One engine step, packed: the new tokens of every scheduled sequence, back to back."""
     input_ids: torch.Tensor       # (T,) int64, T = total new tokens this step
     positions: torch.Tensor       # (T,) int64, position of each token in its sequence
-    slot_mapping: torch.Tensor    # (T,) int64, physical KV slot each new token is written to
-    block_tables: torch.Tensor    # (S, max_blocks) int32, -1 past each sequence's last block
-    seq_lens: torch.Tensor        # (S,) int32, context length including the new tokens
-    cu_seqlens_q: torch.Tensor    # (S+1,) int32, sequence i's new tokens are [cu[i], cu[i+1])
-    max_q_len: int                # longest run of new tokens, so the kernel needs no host sync
     logits_indices: torch.Tensor  # (R,) int64, rows whose next-token logits we need
+    groups: list                  # per KV cache group: a GroupBatch (one, for most models)
     backend: kernel.AttentionBackend  # how every layer stores and reads K/V
     kv_scales: list               # per layer: {} or an 8-bit cache's {k_scale, v_scale} (kernel.py)
-    scratch: dict = field(default_factory=dict)  # the backend's, shared by the step's layers
 
 
 class Chunk(NamedTuple):
@@ -1757,11 +1922,15 @@ class ModelRunner:
         cu_seqlens_q = np.concatenate([[0], np.cumsum(q_lens)])                       # (S+1,)
         owner = np.repeat(np.arange(len(chunks)), q_lens)        # (T,) each token's chunk
         positions = np.arange(cu_seqlens_q[-1]) - cu_seqlens_q[owner] + starts[owner]  # (T,)
-        block_tables = np.full((len(chunks), max(len(c.seq.block_table) for c in chunks)), -1,
-                               dtype=np.int32)                             # (S, max_blocks)
-        for row, c in zip(block_tables, chunks):  # rows end in -1s
-            row[:len(c.seq.block_table)] = c.seq.block_table.ids[:len(c.seq.block_table)]
-        slot_mapping = block_tables[owner, positions // bs].astype(np.int64) * bs + positions % bs
+        block_tables, slot_mappings = [], []  # per KV cache group
+        for g in range(len(chunks[0].seq.block_tables)):
+            tables = np.full((len(chunks), max(len(c.seq.block_tables[g]) for c in chunks)), -1,
+                             dtype=np.int32)                               # (S, max_blocks)
+            for row, table in zip(tables, (c.seq.block_tables[g] for c in chunks)):
+                row[:len(table)] = table.ids[:len(table)]  # rows end in -1s
+            block_tables.append(tables)
+            slot_mappings.append(tables[owner, positions // bs].astype(np.int64) * bs
+                                 + positions % bs)                                  # (T,)
         logits_indices = [r for c, end in zip(chunks, cu_seqlens_q[1:].tolist())
                           for r in range(end - c.num_logits, end)]
         if prompt_logprobs:  # rows after the sampling rows
@@ -1772,13 +1941,14 @@ class ModelRunner:
 
         def tensor(x, dtype=torch.int64):
             return torch.as_tensor(x, dtype=dtype).to(self.device)
+        seq_lens, cu = tensor(starts + q_lens, torch.int32), tensor(cu_seqlens_q, torch.int32)
+        groups = [GroupBatch(block_tables=tensor(tables, torch.int32),
+                             slot_mapping=tensor(slots), seq_lens=seq_lens, cu_seqlens_q=cu,
+                             max_q_len=int(q_lens.max()))
+                  for tables, slots in zip(block_tables, slot_mappings)]
         return Batch(input_ids=tensor([t for c in chunks for t in c.tokens]),
-                     positions=tensor(positions), slot_mapping=tensor(slot_mapping),
-                     block_tables=tensor(block_tables, torch.int32),
-                     seq_lens=tensor(starts + q_lens, torch.int32),
-                     cu_seqlens_q=tensor(cu_seqlens_q, torch.int32), max_q_len=int(q_lens.max()),
-                     logits_indices=tensor(logits_indices), backend=self.backend,
-                     kv_scales=self.kv_scales)
+                     positions=tensor(positions), logits_indices=tensor(logits_indices),
+                     groups=groups, backend=self.backend, kv_scales=self.kv_scales)
 
 
 def step_chunks(scheduled, proposals):
@@ -1799,30 +1969,36 @@ def calibrate_kv_scales(model, block_shape, dtype, num_tokens=256):
     32 bits. num_tokens fixed ids spread over the vocabulary, in sequences of at most
     max_seq_len, prefilled on the torch path (whatever the engine's backend, so the scales
     depend on the model alone) into a cache of the model's dtype; amax per layer of what it
-    stored. block_shape: (2, n_layer, block_size, n_kv_head, head_dim) of this rank (each rank
-    calibrates its own heads; the ranks run it together, so their collectives match)."""
+    stored. block_shape: (2, layers per KV cache group, block_size, n_kv_head, head_dim) of this
+    rank (each rank calibrates its own heads; the ranks run it together, so their collectives
+    match)."""
     config, param = model.config, next(model.parameters())
     if dtype not in kernel.FP8_DTYPES:
         return [{}] * config.n_layer
     seq_len = min(num_tokens, config.max_seq_len)
     num_seqs, device = cdiv(num_tokens, seq_len), param.device
+    num_groups = len(config.kv_cache_groups)
     # a prime stride walks the vocabulary in a fixed order, no two neighbours alike
     ids = torch.arange(num_seqs * seq_len, device=device) * 7919 % config.vocab_size
-    cache = torch.zeros(*block_shape[:2], num_seqs, seq_len, *block_shape[3:], dtype=param.dtype,
-                        device=device)  # (2, n_layer, num_seqs, seq_len, nkv, hs): a block each
+    # (2, layers per group, groups x num_seqs, seq_len, nkv, hs): a block a sequence and group
+    cache = torch.zeros(*block_shape[:2], num_groups * num_seqs, seq_len, *block_shape[3:],
+                        dtype=param.dtype, device=device)
     int32 = dict(dtype=torch.int32, device=device)
-    batch = Batch(  # one block per sequence, the whole of it new
-        input_ids=ids, positions=torch.arange(seq_len, device=device).repeat(num_seqs),
-        slot_mapping=torch.arange(len(ids), device=device),
-        block_tables=torch.arange(num_seqs, **int32)[:, None],
-        seq_lens=torch.full((num_seqs,), seq_len, **int32),
-        cu_seqlens_q=torch.arange(0, len(ids) + 1, seq_len, **int32), max_q_len=seq_len,
-        logits_indices=torch.zeros(0, dtype=torch.long, device=device),
-        backend=kernel.ATTENTION_BACKENDS["torch"], kv_scales=[{}] * config.n_layer)
+    seq_lens = torch.full((num_seqs,), seq_len, **int32)
+    cu = torch.arange(0, len(ids) + 1, seq_len, **int32)
+    groups = [GroupBatch(  # group g's blocks: one per sequence, the whole of it new
+        block_tables=torch.arange(g * num_seqs, (g + 1) * num_seqs, **int32)[:, None],
+        slot_mapping=torch.arange(len(ids), device=device) + g * len(ids), seq_lens=seq_lens,
+        cu_seqlens_q=cu, max_q_len=seq_len) for g in range(num_groups)]
+    batch = Batch(input_ids=ids, positions=torch.arange(seq_len, device=device).repeat(num_seqs),
+                  logits_indices=torch.zeros(0, dtype=torch.long, device=device), groups=groups,
+                  backend=kernel.ATTENTION_BACKENDS["torch"], kv_scales=[{}] * config.n_layer)
     with torch.inference_mode():
         model(ids, batch, cache)
-    s = kernel.kv_scales(cache.abs().amax(dim=(2, 3, 4, 5)), dtype)  # (2, n_layer)
-    return [dict(k_scale=s[0, i], v_scale=s[1, i]) for i in range(config.n_layer)]
+    amax = cache.abs().unflatten(2, (num_groups, num_seqs)).amax(dim=(3, 4, 5, 6))  # (2, L, G)
+    s = kernel.kv_scales(amax, dtype)
+    return [dict(k_scale=s[0, slot, g], v_scale=s[1, slot, g])
+            for g, slot in (model.kv_cache_slots[i] for i in range(config.n_layer))]
 
 
 # -----------------------------------------------------------------------------
@@ -2435,7 +2611,8 @@ class Engine:
         allocator = (allocator_cls or BlockAllocator)(
             num_blocks, block_size, num_cpu_blocks, enable_prefix_caching, eviction_policy,
             prefix_cache_cls=prefix_cache_cls, cpu_cache=cpu_cache_bytes > 0,
-            cpu_eviction_policy=cpu_eviction_policy)
+            cpu_eviction_policy=cpu_eviction_policy,
+            windows=[group.window for group in self.config.kv_cache_groups])
         self.scheduler = (scheduler_cls or Scheduler)(
             allocator, max_num_seqs, max_num_batched_tokens, preemption_mode,
             scheduling_policy=scheduling_policy,
@@ -2551,7 +2728,7 @@ class Engine:
             s = self.scheduler
             for queue, written in ((s.running, taken), (s.swapped, cpu_taken)):
                 for group in list(queue):  # a copy: groups leave the queue
-                    if any(written.intersection(seq.block_table) for seq in group.seqs):
+                    if written & blocks_held(group.seqs):
                         s.preempt_by_recompute(group)
         finally:
             self.set_observer(observer)
@@ -2729,9 +2906,9 @@ def check_request(prompt, params, priority, config, scheduler, has_tokenizer=Fal
     if params.num_seqs > limit:
         raise ValueError(f"n/beam_width ({params.num_seqs}) exceeds max_num_seqs and "
                          f"max_num_batched_tokens (at most {limit} sequences of one request)")
-    # Worst case: every sample ends up with private blocks for all its tokens.
+    # Worst case: every sample ends up with private blocks for all its tokens (or its windows').
     a = scheduler.allocator
-    worst = params.num_seqs * cdiv(total, a.block_size)
+    worst = params.num_seqs * a.most_blocks(len(prompt_token_ids), total)
     if worst > a.num_blocks:
         raise ValueError(f"the request may need {worst} KV blocks ({params.num_seqs} x {total} "
                          f"tokens at block_size {a.block_size}) but the pool has "
@@ -2765,11 +2942,13 @@ def engine_stats(engine):
     """Engine.stats(): the pool, the queues, and what paging saved."""
     a, s, bs = engine.allocator, engine.scheduler, engine.block_size
     running = [seq for g in s.running for seq in g.seqs]
+    tables = [(seq, table) for seq in running for table in seq.block_tables]
     filled = {}  # physical block -> token slots holding computed K/V (a shared block counts once)
-    for seq in running:
-        for i, block_id in enumerate(seq.block_table):
+    for seq, table in tables:
+        for i, block_id in enumerate(table):
             in_block = min(bs, seq.num_computed_tokens - i * bs)
             filled[block_id] = max(filled.get(block_id, 0), in_block)
+    filled.pop(NO_BLOCK, None)
     num_used = a.num_blocks - a.num_free_blocks
     hits, proposer = a.prefix_cache.counts, engine.proposer
     return dict(
@@ -2786,7 +2965,7 @@ def engine_stats(engine):
         num_preemptions=s.num_preemptions,
         kv_utilization=sum(filled.values()) / (num_used * bs) if num_used else 0.0,
         # minus the blocks in use: the blocks that sharing saved
-        num_logical_blocks=sum(len(seq.block_table) for seq in running),
+        num_logical_blocks=sum(len(table) - table.count(NO_BLOCK) for _, table in tables),
         num_generated_tokens=engine.output_processor.num_generated_tokens,
         # speculative decoding: tokens proposed, and those the target model drew too
         num_proposed_tokens=proposer.num_proposed_tokens if proposer else 0,

@@ -62,6 +62,19 @@ def fresh(value):
     return value
 
 
+NO_BLOCK = -1  # a block table's entry where a sliding window gave its block back (nanopaged's)
+
+
+def table_of(e):
+    """The block table an event is about: its sequence's, or for a model whose layers mix
+    attention types, "seq/g" for the table of its KV cache group g past the first."""
+    return f"{e['seq']}/{e['group']}" if e.get("group") else e["seq"]
+
+
+def seq_of(table):  # the sequence a block table belongs to
+    return int(str(table).split("/")[0])
+
+
 class Pool:
     """The paging state the events describe: block tables on the device and in the CPU pool,
     the blocks the prefix cache holds (logical index and tokens), where each request is, and the
@@ -83,7 +96,7 @@ class Pool:
 
     def ref_counts(self):
         """Block -> the device block-table entries that point at it."""
-        return Counter(b for table in self.tables.values() for b in table)
+        return Counter(b for table in self.tables.values() for b in table if b != NO_BLOCK)
 
     def apply(self, e):
         getattr(self, "on_" + e["event"])(e)
@@ -128,33 +141,36 @@ class Pool:
 
     # block tables
     def on_allocate(self, e):
-        self.tables[e["seq"]] = list(e["table"])
+        self.tables[table_of(e)] = list(e["table"])
         self.request_of[e["seq"]] = e["request"]
 
     def on_append(self, e):
-        self.tables[e["seq"]].append(e["block"])
+        self.tables[table_of(e)].append(e["block"])
 
     def on_cow(self, e):
-        self.tables[e["seq"]][-1] = e["dst"]
+        self.tables[table_of(e)][-1] = e["dst"]
 
     def on_trim(self, e):
-        del self.tables[e["seq"]][e["keep"]:]
+        del self.tables[table_of(e)][e["keep"]:]
+
+    def on_slide(self, e):  # a block its window left behind, given back
+        self.tables[table_of(e)][e["index"]] = NO_BLOCK
 
     def on_fork(self, e):
-        self.tables[e["seq"]] = list(self.tables[e["parent"]])
+        self.tables[table_of(e)] = list(self.tables[table_of(dict(e, seq=e["parent"]))])
         self.request_of[e["seq"]] = self.request_of[e["parent"]]
         self.tokens[e["seq"]] = list(self.tokens[e["parent"]])
 
     def on_free(self, e):  # from the device pool, or the CPU pool
-        self.tables.pop(e["seq"], None) or self.cpu_tables.pop(e["seq"], None)
+        self.tables.pop(table_of(e), None) or self.cpu_tables.pop(table_of(e), None)
 
     def on_swap_out(self, e):
-        self.cpu_tables[e["seq"]] = list(e["table"])
-        del self.tables[e["seq"]]
+        self.cpu_tables[table_of(e)] = list(e["table"])
+        del self.tables[table_of(e)]
 
     def on_swap_in(self, e):
-        self.tables[e["seq"]] = list(e["table"])
-        del self.cpu_tables[e["seq"]]
+        self.tables[table_of(e)] = list(e["table"])
+        del self.cpu_tables[table_of(e)]
 
     # the prefix cache
     def on_publish(self, e):
@@ -276,6 +292,9 @@ WORDS = {
     "trim": lambda e, seq: f"{seq(e['seq'])} cut its table to {e['keep']} blocks, giving back "
                            "any that held only rejected proposals",
     "fork": lambda e, seq: f"{seq(e['seq'])} forked from {seq(e['parent'])}, sharing its blocks",
+    "slide": lambda e, seq: f"{seq(e['seq'])} gave back its block {e['index']}"
+                            f"{' of group ' + str(e['group']) if e.get('group') else ''}: no "
+                            "token to come sees it through its sliding window",
     "free": lambda e, seq: f"{seq(e['seq'])} freed its blocks",
     "swap_out": lambda e, seq: f"{seq(e['seq'])} swapped out to CPU blocks {_ids(e['table'])}",
     "swap_in": lambda e, seq: f"{seq(e['seq'])} swapped in to blocks {_ids(e['table'])}",
@@ -325,11 +344,13 @@ def step_words(run, names=None):
 def _held(tables, tokens, text):
     """Block -> its owners, ref count and tokens as text, for the blocks the tables point at."""
     blocks = {}
-    for seq, table in tables.items():
+    for key, table in tables.items():
         for i, b in enumerate(table):
-            info = blocks.setdefault(b, dict(ref=0, owners=[], text=text(tokens(seq, i))))
+            if b == NO_BLOCK:
+                continue
+            info = blocks.setdefault(b, dict(ref=0, owners=[], text=text(tokens(seq_of(key), i))))
             info["ref"] += 1
-            info["owners"].append(seq)
+            info["owners"].append(key)
     return blocks
 
 
@@ -343,7 +364,7 @@ def _new_blocks(run):
             new.add(e.get("block", e.get("dst")))
         elif e["event"] == "swap_in":
             new.update(e["table"])
-    return sorted(new)
+    return sorted(new - {NO_BLOCK})
 
 
 def _counts(pool, blocks, config):
@@ -363,11 +384,11 @@ def frame(step, pool, run, config, names, text):
 
     def tokens(seq, i):  # what block i of seq holds
         return pool.tokens.get(seq, [])[i * bs:(i + 1) * bs] if bs else []
-    order = sorted(pool.tables, key=lambda s: (pool.request_of[s], s))
+    order = sorted(pool.tables, key=lambda s: (pool.request_of[seq_of(s)], str(s)))
     blocks = _held({s: pool.tables[s] for s in order}, tokens, text)
     for b, (index, cached_tokens) in pool.cached.items():
         blocks.setdefault(b, dict(ref=0, owners=[], text=text(cached_tokens)))["cached"] = index
-    swapped = sorted(pool.cpu_tables, key=lambda s: (pool.request_of[s], s))
+    swapped = sorted(pool.cpu_tables, key=lambda s: (pool.request_of[seq_of(s)], str(s)))
     return dict(step=step, failed=any(e["event"] == "rollback" for e in run),
                 blocks=blocks, tables=[[s, pool.tables[s]] for s in order],
                 cpu=_held(pool.cpu_tables, tokens, text),
@@ -383,8 +404,11 @@ def page_data(events, decode=None):
     config, names = settings(events), seq_names(events)
     text = decode or (lambda ids: " ".join(map(str, ids)))
     runs = by_step(events)
-    return dict(config=config,
-                seqs={s: [int(name.split(".")[0]), name] for s, name in names.items()},
+    seqs = {s: [int(name.split(".")[0]), name] for s, name in names.items()}
+    for g in sorted({e["group"] for e in events if e.get("group")}):  # their other tables
+        seqs |= {f"{s}/{g}": [request, f"{name}/{g}"] for s, (request, name) in list(seqs.items())
+                 if "/" not in str(s)}
+    return dict(config=config, seqs=seqs,
                 frames=[frame(step, pool, run, config, names, text)
                         for (step, pool), run in zip(replay(events), runs)])
 

@@ -75,6 +75,10 @@ def make_proposer(config, model, device):
         raise ValueError(f"speculative_config: the draft's vocab_size is "
                          f"{draft.config.vocab_size}, the target's {target.vocab_size}: a draft "
                          f"must share the target's vocabulary")
+    if len(draft.config.kv_cache_groups) + len(target.kv_cache_groups) > 2:
+        raise ValueError("speculative_config: a draft model and its target each need one kind of "
+                         "attention (their block tables are the same: no model that mixes "
+                         "sliding windows and full attention); method 'ngram' serves any model")
     if draft.config.max_seq_len < target.max_seq_len:  # and every position
         raise ValueError(f"speculative_config: the draft's max_seq_len "
                          f"{draft.config.max_seq_len} is shorter than the target's "

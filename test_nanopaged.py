@@ -137,6 +137,18 @@ LLAMA = tiny_model(n_kv_head=2, seed=1, rope_theta=1e4, norm="rmsnorm", mlp="swi
                    rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=0.25,
                                      high_freq_factor=4.0, original_max_position_embeddings=32))
 MODELS = {"gpt2": MODEL, "llama": LLAMA}
+# Sliding windows of 3 tokens: every layer's (one KV cache group), or the second layer's (two
+# groups, a table each: full attention keeps its blocks, the window gives its old ones back)
+WINDOWED = tiny_model(seed=2, sliding_window=3)
+HYBRID = tiny_model(seed=3, sliding_window=3, layer_types=["full_attention", "sliding_attention"])
+PAGED_MODELS = {"gpt2": MODEL, "windowed": WINDOWED, "hybrid": HYBRID}
+
+
+def blocks_a_request_may_hold(engine, prompt, params):
+    """What Engine.check_request refuses a request for exceeding: num_seqs x each sequence's
+    most blocks at once (a windowed group holds its window's, not the whole context)."""
+    most = engine.allocator.most_blocks(len(prompt), len(prompt) + params.max_tokens)
+    return params.num_seqs * most
 
 
 @torch.no_grad()
@@ -252,8 +264,8 @@ def no_writes_into_shared_blocks(monkeypatch):
                             dataclasses.replace(backend, store=checked(backend.store)))
     real_publish, real_step = nanopaged.PrefixCache.publish, nanopaged.Engine.step
 
-    def publish(self, seq, i, block_id):  # the blocks a step's plan fills
-        real_publish(self, seq, i, block_id)
+    def publish(self, seq, i, block_id, group=0):  # the blocks a step's plan fills
+        real_publish(self, seq, i, block_id, group)
         filling.add((id(self.blocks), block_id))
 
     def step(engine):
@@ -1364,10 +1376,10 @@ class AllocatorMachine(RuleBasedStateMachine):
             seq.token_ids.pop()
             return
         table, free_before = list(seq.block_table), free_order(self.a)
-        copy = self.a.append_slot(seq)
-        if copy:
-            assert self.a.blocks[copy[0]].ref_count >= 1, "copy-on-write source must still be owned"
-            self.cache.copy([copy], self.cache.device, self.cache.device)
+        copies = self.a.append_slot(seq)
+        assert all(self.a.blocks[src].ref_count >= 1 for src, _ in copies), \
+            "copy-on-write source must still be owned"
+        self.cache.copy(copies, self.cache.device, self.cache.device)
         fresh = [b for b in seq.block_table if b not in table]
         assert fresh == free_before[:len(fresh)] and len(fresh) <= 1
         self.compute(seq, fresh)
@@ -1519,7 +1531,7 @@ def test_block_size_one_takes_a_block_per_token():
     assert len(seq.block_table) == 3 and a.num_free_blocks == 2
     seq.num_computed_tokens = 3
     seq.token_ids.append(10)
-    assert a.append_slot(seq) is None and len(seq.block_table) == 4
+    assert a.append_slot(seq) == [] and len(seq.block_table) == 4
 
 
 @pytest.mark.allocator
@@ -1531,7 +1543,7 @@ def test_sequence_that_exactly_fills_its_blocks_takes_a_new_block_on_the_next_to
     seq.num_computed_tokens = 8
     seq.token_ids.append(8)
     assert a.num_blocks_to_append([seq]) == 1
-    assert a.append_slot(seq) is None and len(seq.block_table) == 3
+    assert a.append_slot(seq) == [] and len(seq.block_table) == 3
 
 
 @pytest.mark.allocator
@@ -1545,11 +1557,11 @@ def test_fork_with_a_partial_last_block_copies_it_on_first_write_only():
     assert [a.blocks[b].ref_count for b in parent.block_table] == [2, 2]
     shared_last = parent.block_table[-1]
     child.token_ids.append(100)
-    src, dst = a.append_slot(child)  # the child writes first: it moves to a private copy
+    (src, dst), = a.append_slot(child)  # the child writes first: it moves to a private copy
     assert src == shared_last and child.block_table == [parent.block_table[0], dst]
     assert a.blocks[shared_last].ref_count == 1 and a.blocks[dst].ref_count == 1
     parent.token_ids.append(200)
-    assert a.append_slot(parent) is None  # now the parent is the only owner: it writes in place
+    assert a.append_slot(parent) == []  # now the parent is the only owner: it writes in place
     assert parent.block_table[-1] == shared_last
     assert a.blocks[parent.block_table[0]].ref_count == 2  # the full block stays shared
 
@@ -2345,10 +2357,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
                 max_num_seqs=st.integers(1, 6),
                 max_num_batched_tokens=st.integers(3, 12), watermark=st.sampled_from([0.01, 0.25]),
-                policy=st.sampled_from(SCHEDULING))
+                policy=st.sampled_from(SCHEDULING),
+                # KV cache groups: full attention; a window; a window beside full attention
+                windows=st.sampled_from([(None,), (None,), (3,), (None, 2)]))
     def setup(self, block_size, num_blocks, num_cpu_blocks, mode, caching, max_num_seqs,
-              max_num_batched_tokens, watermark, policy):
-        self.a = a = BlockAllocator(num_blocks, block_size, num_cpu_blocks, caching)
+              max_num_batched_tokens, watermark, policy, windows=(None,)):
+        self.a = a = BlockAllocator(num_blocks * len(windows), block_size, num_cpu_blocks,
+                                    caching, windows=windows)
         self.s = s = nanopaged.Scheduler(a, max_num_seqs, max_num_batched_tokens, mode, watermark,
                                          scheduling_policy=policy)
         self.policy, self.key = policy, SCHEDULING_POLICIES[policy]
@@ -2357,7 +2372,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         # moves are made by the engine's own ModelRunner.copy_blocks, in its order.
         self.runner = runner = nanopaged.ModelRunner.__new__(nanopaged.ModelRunner)
         runner.device = torch.device("cpu")
-        runner.kv_cache = torch.full((1, 1, num_blocks, block_size, 1, 1), -1)
+        runner.kv_cache = torch.full((1, 1, a.num_blocks, block_size, 1, 1), -1)
         runner.cpu_kv_cache = torch.full((num_cpu_blocks, 1, 1, block_size, 1, 1), -1)
         # Accounting: what num_blocks_to_allocate / num_blocks_to_append promise is what is taken.
         real_allocate, real_append_slots = a.allocate, s._append_slots
@@ -2381,8 +2396,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=6), max_tokens=st.integers(1, 10),
           n=st.integers(1, 3), stop=st.booleans(), priority=st.integers(0, 2))
     def add(self, prompt, max_tokens, n, stop, priority=0):
-        bs, s = self.a.block_size, self.s
-        worst = n * -(-(len(prompt) + max_tokens) // bs)
+        s = self.s
+        worst = n * self.a.most_blocks(len(prompt), len(prompt) + max_tokens)
         if n > min(s.max_num_seqs, s.max_num_batched_tokens) or worst > self.a.num_blocks:
             return  # Engine.check_request refuses it: it could never run
         params = SamplingParams(max_tokens=max_tokens, n=n, stop_token_ids=[3] if stop else [])
@@ -2405,13 +2420,16 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def step(self, rng):
         a, s = self.a, self.s
+        a.begin()  # as the engine does each step: a.taken, the blocks the step hands out
+        for seq in (seq for g in s.running for seq in g.seqs):  # the plan's first part (so that
+            a.free_window_blocks(seq)  # the state before the rest is known): windows slide
         pre = dict(running=list(s.running), waiting=list(s.waiting), swapped=list(s.swapped),
                    free=a.num_free_blocks, refs=[b.ref_count for b in a.blocks],
-                   tables={g.request_id: [list(q.block_table) for q in g.seqs] for g in s.running},
+                   tables={g.request_id: [list(t) for q in g.seqs for t in q.block_tables]
+                           for g in s.running},
                    decoding={g.request_id: g.is_decoding for g in s.running},
                    need={g.request_id: a.num_blocks_to_append(g.seqs) for g in s.running})
         hashes = [b.hash for b in a.blocks]
-        a.begin()  # as the engine does each step: a.taken, the blocks the step hands out
         out = s.schedule()
         a.end()
         self.check_step(pre, out)
@@ -2432,7 +2450,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 victim = running.pop()
                 victims.append(victim)
                 for table in pre["tables"][victim.request_id]:
-                    for b in table:
+                    for b in (b for b in table if b != nanopaged.NO_BLOCK):
                         refs[b] -= 1
                         free += refs[b] == 0
                 if victim is g:
@@ -2512,10 +2530,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                    if b.hash not in (None, h) or b.hash and b.block_id in a.taken}
         for seq, n in out.scheduled:
             for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-                block_id = seq.block_table[p // bs]
-                assert a.blocks[block_id].ref_count == 1 or block_id in filling, \
-                    "a write into a shared block"
-                kv[0, 0, block_id, p % bs] = seq.token_ids[p] + 4 * p
+                for table in seq.block_tables:  # every KV cache group's layers store it
+                    block_id = table[p // bs]
+                    assert block_id != nanopaged.NO_BLOCK, "a token where its window left no block"
+                    assert a.blocks[block_id].ref_count == 1 or block_id in filling, \
+                        "a write into a shared block"
+                    kv[0, 0, block_id, p % bs] = seq.token_ids[p] + 4 * p
             seq.num_computed_tokens += n
         ready = {seq.request_id: self.groups[seq.request_id] for seq, _ in out.scheduled
                  if seq.num_computed_tokens == len(seq)}
@@ -2543,11 +2563,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         a, s = self.a, self.s
         device, cpu = Counter(), Counter()
-        for g in s.running:
-            device.update(b for seq in g.seqs for b in seq.block_table)
-        for g in s.swapped:
-            cpu.update(b for seq in g.seqs for b in seq.block_table)
-        assert all(not seq.block_table for g in s.waiting for seq in g.seqs)
+        for counter, queue in ((device, s.running), (cpu, s.swapped)):
+            counter.update(b for g in queue for seq in g.seqs for table in seq.block_tables
+                           for b in table if b != nanopaged.NO_BLOCK)
+        assert all(not any(seq.block_tables) for g in s.waiting for seq in g.seqs)
         assert [b.ref_count for b in a.blocks] == [device[i] for i in range(a.num_blocks)]
         assert [b.ref_count for b in a.swap_pool.blocks] == \
             [cpu[i] for i in range(a.swap_pool.num_blocks)]
@@ -2557,14 +2576,19 @@ class SchedulerMachine(RuleBasedStateMachine):
     def every_computed_token_is_where_its_block_table_says(self):
         if not hasattr(self, "a"):
             return
-        bs = self.a.block_size
+        a, bs = self.a, self.a.block_size
         for queue, pool in ((self.s.running, self.runner.kv_cache[0, 0]),
                             (self.s.swapped, self.runner.cpu_kv_cache[:, 0, 0])):
             for seq in (seq for g in queue for seq in g.seqs):
-                held = [pool[seq.block_table[p // bs], p % bs].item()
-                        for p in range(seq.num_computed_tokens)]
-                assert held == [t + 4 * p
-                                for p, t in enumerate(seq.token_ids[:seq.num_computed_tokens])]
+                for g, table in enumerate(seq.block_tables):
+                    # blocks the window left behind hold nothing; the rest hold every token
+                    first = table.count(nanopaged.NO_BLOCK)
+                    assert nanopaged.NO_BLOCK not in table[first:]
+                    assert first <= a.first_seen(g, seq.num_computed_tokens)
+                    held = [pool[table[p // bs], p % bs].item()
+                            for p in range(first * bs, seq.num_computed_tokens)]
+                    assert held == [seq.token_ids[p] + 4 * p
+                                    for p in range(first * bs, seq.num_computed_tokens)]
 
     @invariant()
     def queues_keep_the_policys_order(self):
@@ -2585,17 +2609,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         for h, holders in a.prefix_cache.blocks_by_key.items():
             for block_id in holders:
                 assert a.blocks[block_id].hash == h and len(a.blocks[block_id].token_ids) == bs
-        for g in self.s.running:
-            for seq in g.seqs:
-                key = None
-                for i, block_id in enumerate(seq.block_table):
+        for seq in (seq for g in self.s.running for seq in g.seqs):
+            keys = []  # each full block's, chained over its tokens
+            for i in range(len(seq) // bs):
+                block = seq.token_ids[i * bs:(i + 1) * bs]
+                keys.append(chain_hash(keys[-1] if keys else None, block))
+            assert seq.block_hashes[:len(keys)] == keys or not a.prefix_cache.enabled
+            for g, table in enumerate(seq.block_tables):
+                for i, block_id in enumerate(table):
+                    if block_id == nanopaged.NO_BLOCK:  # left behind by its window: freed
+                        continue
                     chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                    key = chain_hash(key, chunk)
                     computed = seq.num_computed_tokens >= (i + 1) * bs
                     if a.blocks[block_id].hash is not None:
                         assert computed and a.blocks[block_id].token_ids == chunk
-                    if computed and a.prefix_cache.enabled:
-                        assert a.blocks[block_id].hash == key, \
+                    if computed and a.prefix_cache.enabled:  # under its group's key
+                        assert a.blocks[block_id].hash == a.prefix_cache.key(seq, i, g), \
                             f"block {i} of seq {seq.seq_id} is not cached"
 
     def teardown(self):
@@ -3223,11 +3252,15 @@ def test_windowed_logits_match_hugging_face(hf_folder, name):
 def test_windowed_paged_greedy_generation_equals_hugging_face_generate(hf_folder, name, mode):
     # prompts of 1 to 3 windows sharing a prefix, 48 new tokens: past several windows, served
     # in prefill chunks of 8 tokens, with prefix hits (the shared prefix; then the same prompts
-    # again), and preempted (by recompute or by swap) in a tight pool of blocks of 5
+    # again), and preempted (by recompute or by swap) in a tight pool of blocks of 5: short
+    # prompts come first, whose windows grow as they decode (a windowed sequence holds at most
+    # its window's blocks, so only sequences that outgrow their admission preempt)
     path, hf = hf_folder(name)
     model, hf64 = GPT.from_pretrained(str(path), dtype=torch.float64), _double(hf)
     shared = [(5 * j + 1) % 97 for j in range(20)]
-    prompts = [shared + [(7 * i + 3 * j) % 97 for j in range(n)] for i, n in enumerate([3, 19, 45])]
+    prompts = [[(3 * i + 2) % 97] * 2 for i in range(3)]
+    prompts += [shared + [(7 * i + 3 * j) % 97 for j in range(n)]
+                for i, n in enumerate([3, 19, 45])]
     expected = []
     for p in prompts:  # token 0 is not padding here, so the mask is explicit
         mask = torch.ones(1, len(p), dtype=torch.long)
@@ -3238,7 +3271,9 @@ def test_windowed_paged_greedy_generation_equals_hugging_face_generate(hf_folder
     for block in unwindowed.transformer.h:
         block.attn.window = None
     assert naive_greedy(unwindowed, prompts[-1], 48) != expected[-1], "windows matter here"
-    engine = Engine(model, block_size=5, num_blocks=45, preemption_mode=mode,
+    roomy = Engine(model, block_size=5, num_blocks=256).allocator
+    most = max(roomy.most_blocks(len(p), len(p) + 48) for p in prompts)  # the largest alone
+    engine = Engine(model, block_size=5, num_blocks=most + 3, preemption_mode=mode,
                     max_num_batched_tokens=8)
     params = SamplingParams(max_tokens=48, temperature=0)
     for _ in range(2):
@@ -4588,7 +4623,7 @@ def test_a_failed_step_recomputes_every_request_whose_blocks_it_handed_out():
 
 
 # What a step's plan may change of a sequence: its paging state, through the allocator
-PAGING_STATE = {"block_table", "num_computed_tokens", "num_cached_blocks"}
+PAGING_STATE = {"block_tables", "num_computed_tokens", "num_cached_blocks"}
 
 
 @pytest.mark.engine
@@ -4719,15 +4754,19 @@ class EngineMachine(RuleBasedStateMachine):
                 mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
                 max_num_seqs=st.integers(2, 5), scheduling=st.sampled_from(SCHEDULING),
                 eviction=st.sampled_from(EVICTION),
-                speculator=st.sampled_from([None, None, "ngram", "draft=target"]))
+                speculator=st.sampled_from([None, None, "ngram", "draft=target"]),
+                model=st.sampled_from(sorted(PAGED_MODELS)))
     def setup(self, block_size, num_blocks, mode, caching, max_num_seqs, scheduling, eviction,
-              speculator):
-        self.engine = Engine(MODEL, block_size=block_size, num_blocks=num_blocks,
+              speculator, model):
+        self.model = PAGED_MODELS[model]
+        if speculator == "draft=target" and model == "hybrid":  # a draft needs one table: refused
+            speculator = "ngram"
+        self.engine = Engine(self.model, block_size=block_size, num_blocks=num_blocks,
                              preemption_mode=mode, enable_prefix_caching=caching,
                              max_num_batched_tokens=8, max_num_seqs=max_num_seqs,
                              scheduling_policy=scheduling, eviction_policy=eviction,
                              speculative_config=speculator and speculative_config(
-                                 speculator, 2, MODEL))
+                                 speculator, 2, self.model))
         self.unfinished, self.expected = set(), {}
         s, schedule = self.engine.scheduler, self.engine.scheduler.schedule
 
@@ -4739,6 +4778,12 @@ class EngineMachine(RuleBasedStateMachine):
             assert sum(len(g.seqs) for g in s.running) <= s.max_num_seqs
             started = [g for g in s.running if g.request_id not in before]
             assert not (out.preempted and (started or out.blocks_to_swap_in)), "after preempting"
+            a, ahead = self.engine.allocator, {seq.seq_id for seq, _ in out.lookahead}
+            for seq in (seq for seq, n in out.scheduled if n == 1 and seq.seq_id not in ahead):
+                for window, table in zip(a.windows, seq.block_tables):  # a decode: its window's
+                    if window is not None:  # blocks, however long the sequence
+                        assert len(table) - table.count(nanopaged.NO_BLOCK) <= \
+                            -(-(window - 1) // a.block_size) + 1
             return out
 
         s.schedule = checked_schedule
@@ -4754,12 +4799,12 @@ class EngineMachine(RuleBasedStateMachine):
         try:
             request_id = self.engine.add_request(prompt, params, priority=priority)
         except ValueError:  # too big for this pool: rejected up front, and nothing changed
-            assert -(-(len(prompt) + max_tokens) // self.engine.block_size) * params.num_seqs > \
+            assert blocks_a_request_may_hold(self.engine, prompt, params) > \
                 self.engine.allocator.num_blocks
             return
         self.unfinished.add(request_id)
         if kind == "greedy":
-            self.expected[request_id] = naive_greedy(MODEL, prompt, max_tokens)
+            self.expected[request_id] = naive_greedy(self.model, prompt, max_tokens)
 
     @rule()
     def step(self):
@@ -4781,19 +4826,29 @@ class EngineMachine(RuleBasedStateMachine):
     def no_block_leaked_or_double_owned(self):
         a, s = self.engine.allocator, self.engine.scheduler
         device, cpu = Counter(), Counter()
-        for group in s.running:
-            for seq in group.seqs:
-                device.update(seq.block_table)
-        for group in s.swapped:
-            for seq in group.seqs:
-                cpu.update(seq.block_table)
+        for counter, queue in ((device, s.running), (cpu, s.swapped)):
+            for seq in (seq for group in queue for seq in group.seqs):
+                for table in seq.block_tables:
+                    counter.update(b for b in table if b != nanopaged.NO_BLOCK)
         for group in s.waiting:
-            assert all(not seq.block_table for seq in group.seqs)
+            assert all(not any(seq.block_tables) for seq in group.seqs)
         assert all(a.blocks[b].ref_count == device[b] for b in range(a.num_blocks))
         assert all(a.swap_pool.blocks[b].ref_count == cpu[b] for b in range(a.swap_pool.num_blocks))
         assert a.num_free_blocks == sum(1 for b in a.blocks if b.ref_count == 0)
         assert set(self.engine.requests) == self.unfinished
         assert sum(len(g.seqs) for g in s.running) <= s.max_num_seqs  # samples and beams count
+
+    @invariant()
+    def a_window_holds_only_the_blocks_it_sees(self):
+        """A sequence's table holds every block its next token sees (from the block its window
+        starts in); those its window left behind went back to the pool: NO_BLOCK, a run from
+        the start."""
+        a = self.engine.allocator
+        for seq in (seq for g in self.engine.scheduler.running for seq in g.seqs):
+            for g, table in enumerate(seq.block_tables):
+                live = table[table.count(nanopaged.NO_BLOCK):]
+                assert nanopaged.NO_BLOCK not in live
+                assert len(table) - len(live) <= a.first_seen(g, seq.num_computed_tokens)
 
     def teardown(self):
         if not hasattr(self, "engine"):
@@ -6875,9 +6930,12 @@ def test_a_new_sampling_field_reaches_flags_requests_and_checkpoints(monkeypatch
 def assert_replay_is_the_engine(pool, engine):
     """The replayed pool is the engine's: every block table, ref count and cached prefix."""
     s, a = engine.scheduler, engine.allocator
-    running = {seq.seq_id: seq.block_table for g in s.running for seq in g.seqs}
-    swapped = {seq.seq_id: seq.block_table for g in s.swapped for seq in g.seqs}
-    assert pool.tables == running and pool.cpu_tables == swapped
+
+    def tables(queue):  # each sequence's, by the trace's names (pagetrace.table_of)
+        return {pagetrace.table_of(dict(seq=seq.seq_id, group=g)): table
+                for group in queue for seq in group.seqs
+                for g, table in enumerate(seq.block_tables)}
+    assert pool.tables == tables(s.running) and pool.cpu_tables == tables(s.swapped)
     assert pool.ref_counts() == Counter({b.block_id: b.ref_count for b in a.blocks
                                          if b.ref_count})
     assert {b: tuple(tokens) for b, (_, tokens) in pool.cached.items()} == \
@@ -6908,21 +6966,24 @@ def assert_replay_is_the_engine(pool, engine):
                                                                            max_size=2),
        point=st.sampled_from([(GPT, "forward"), (nanopaged, "sample"),
                               (nanopaged.PrefixCache, "publish"), (nanopaged.Scheduler, "_admit"),
-                              (nanopaged.SwapPool, "offload")]))
+                              (nanopaged.SwapPool, "offload")]),
+       model=st.sampled_from(sorted(PAGED_MODELS)))
 def test_replaying_the_trace_rebuilds_the_pool_at_every_step(requests, block_size, spare, mode,
                                                              caching, tier, fail_at, abort_at,
-                                                             point):
+                                                             point, model):
     """Over random workloads (both preemption modes, prefix caching on and off, the CPU tier on
-    and off, samples, beams, aborts, steps that fail and are rolled back), the pool replayed
-    from the trace alone equals the engine's after every step, failed or not, in both tiers."""
+    and off, samples, beams, aborts, steps that fail and are rolled back; full attention,
+    sliding windows and both: every KV cache group's table), the pool replayed from the trace
+    alone equals the engine's after every step, failed or not, in both tiers."""
     params = [SamplingParams(max_tokens=m, temperature=0 if kind == "greedy" else 1.0, seed=i,
                              n=2 if kind == "n=2" else 1,
                              beam_width=2 if kind == "beam=2" else None)
               for i, (_, m, kind) in enumerate(requests)]
-    worst = max(p.num_seqs * -(-(len(r[0]) + p.max_tokens) // block_size)
-                for r, p in zip(requests, params))
+    model = PAGED_MODELS[model]
+    roomy = Engine(model, block_size=block_size, num_blocks=1024)
+    worst = max(blocks_a_request_may_hold(roomy, r[0], p) for r, p in zip(requests, params))
     trace = pagetrace.Trace()
-    engine = Engine(MODEL, block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
+    engine = Engine(model, block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
                     enable_prefix_caching=caching, max_num_batched_tokens=6, max_num_seqs=4,
                     observer=trace, cpu_cache_bytes=tier * 1024 if caching else 0)
     ids = [engine.add_request(r[0], p) for r, p in zip(requests, params)]
