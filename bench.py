@@ -1227,16 +1227,95 @@ def plot_tier(results):
 
 
 # -----------------------------------------------------------------------------
+# --window: sliding windows in paged memory, the blocks a window leaves behind given back
+
+
+def attention_kinds(window, n_layer=4):
+    """A no-op model's layers: all full attention, all windowed (Mistral), or alternating
+    (a hybrid, two KV cache groups)."""
+    kinds = dict(full=None, windowed=["sliding_attention"] * n_layer,
+                 hybrid=["full_attention", "sliding_attention"] * (n_layer // 2))
+    return {name: dict(n_layer=n_layer, sliding_window=window if layers else None,
+                       layer_types=layers) for name, layers in kinds.items()}
+
+
+def kv_bytes_held(engine):
+    """The KV bytes the running sequences hold (each block once)."""
+    per_block = math.prod(kv_block_shape(engine.config, engine.block_size)) * 4  # float32
+    blocks = {b for g in engine.scheduler.running for seq in g.seqs for table in seq.block_tables
+              for b in table if b >= 0}
+    return len(blocks) * per_block
+
+
+def bench_window(window=256, contexts=(256, 512, 1024, 2048, 4096), block_size=16,
+                 budget_tokens=8192, num_requests=32, prompt_len=64, output_len=1024):
+    """One sequence's KV memory as its context grows, with full attention, sliding windows and
+    a hybrid of both; then how many sequences run at once at one KV budget, on long outputs."""
+    results, rows = dict(held={}, concurrency={}), []
+    for name, config in attention_kinds(window).items():
+        model = NoOpModel(max_seq_len=contexts[-1] + 1, **config)
+        engine = Engine(model, block_size=block_size, num_blocks=2 * contexts[-1], device="cpu")
+        engine.add_request([1] * 8, SamplingParams(max_tokens=contexts[-1] - 7, ignore_eos=True,
+                                                   temperature=0))
+        held = {}
+        while engine.requests:
+            engine.step()
+            seq = engine.scheduler.running[0].seqs[0] if engine.scheduler.running else None
+            if seq is not None and len(seq) in contexts:
+                held[len(seq)] = kv_bytes_held(engine) / 2**20
+        results["held"][name] = held
+        rows.append([name, *(f"{held[c]:.2f}" for c in contexts)])
+    print_table(f"KV MiB one sequence holds by context length (window {window}, blocks of "
+                f"{block_size}, 4 layers, float32)", ["attention", *map(str, contexts)], rows)
+    rows = []
+    for name, config in attention_kinds(window).items():
+        model = NoOpModel(max_seq_len=prompt_len + output_len, **config)
+        per_token = math.prod(kv_block_shape(model.config, block_size)) * 4 / block_size
+        budget = int(budget_tokens * per_token * len(model.config.kv_cache_groups))
+        engine = Engine(model, block_size=block_size, kv_cache_bytes=budget, device="cpu",
+                        max_num_seqs=num_requests, max_num_batched_tokens=4096)
+        for i in range(num_requests):
+            engine.add_request([i % 256] * prompt_len, SamplingParams(
+                max_tokens=output_len, ignore_eos=True, temperature=0))
+        most, steps = 0, 0
+        while engine.requests:
+            engine.step()
+            steps += 1
+            most = max(most, engine.stats()["num_running"])
+        s = engine.stats()
+        results["concurrency"][name] = dict(most_running=most, steps=steps,
+                                            preemptions=s["num_preemptions"])
+        rows.append([name, most, s["num_preemptions"], steps])
+    print_table(f"{num_requests} requests of {prompt_len} + {output_len} tokens at one KV budget "
+                f"({budget_tokens} tokens of every layer's K/V), window {window}",
+                ["attention", "sequences at once, most", "preemptions", "steps"], rows)
+    plot_window(results["held"])
+    return results
+
+
+def plot_window(held):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for name, points in held.items():
+        ax.plot(list(points), list(points.values()), marker="o", label=name)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("KV MiB one sequence holds")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(OUT_DIR, "window.png"), dpi=110)
+
+
+# -----------------------------------------------------------------------------
 # --overhead and --soak: the engine with a model that does nothing
 
 
 class NoOpModel(nn.Module):
     """Stands in for a GPT: zero logits, no compute, so what is timed is the engine itself."""
 
-    def __init__(self, vocab_size=256, max_seq_len=4096):
+    def __init__(self, vocab_size=256, max_seq_len=4096, **config):
         super().__init__()
-        self.config = GPTConfig(n_layer=1, n_head=1, n_embd=8, vocab_size=vocab_size,
-                                max_seq_len=max_seq_len)
+        self.config = GPTConfig(**dict(dict(n_layer=1, n_head=1, n_embd=8), **config),
+                                vocab_size=vocab_size, max_seq_len=max_seq_len)
         self.dummy = nn.Parameter(torch.zeros(1))
 
     def forward(self, idx, batch, kv_cache):
@@ -1858,6 +1937,8 @@ QUICK = dict(memory=dict(num_requests=20),
              speculative=dict(batches=(1, 2), max_tokens=8, repeats=1),
              kernel=dict(grid=[(1, 256, False), (4, 512, True)]),
              quality=dict(windows=2, prompts=2, kv_cache_dtypes=("fp8",)),
+             window=dict(window=8, contexts=(16, 32, 64), block_size=4, budget_tokens=64,
+                         num_requests=4, prompt_len=8, output_len=32),
              tier=dict(num_convs=3, turns=2, first_len=16, turn_len=8, answer_len=4,
                        device_blocks=10, tier_blocks=(4, 16), block_size=4),
              overhead=dict(sizes=(16,), prompt_len=16, steps=5, contexts=(16, 256),
@@ -1910,7 +1991,7 @@ def bench_page():
 SECTIONS = dict(memory=bench_memory, capacity=bench_capacity, sharing=bench_sharing,
                 throughput=bench_throughput, logprobs=bench_logprobs,
                 speculative=bench_speculative, kernel=bench_kernel, quality=bench_quality,
-                tier=bench_tier, overhead=bench_overhead, tensor_parallel=bench_tensor_parallel,
+                tier=bench_tier, window=bench_window, overhead=bench_overhead, tensor_parallel=bench_tensor_parallel,
                 serve=bench_serve, page=bench_page)
 
 
@@ -1931,6 +2012,8 @@ def main():
                 "held-out text, argmax agreement, greedy tokens agreeing",
         tier="the CPU tier on conversations that come back: prompt tokens computed again,\n"
              "hit rate by tier, time to first token; off, and at two sizes",
+        window="sliding windows: KV memory one sequence holds by context length (full,\n"
+               "windowed, hybrid) and sequences at once at one KV budget",
         overhead="engine time per running sequence per step with a no-op model",
         soak="10,000 requests with aborts through a small pool; asserts nothing is lost",
         tensor_parallel="KV bytes, blocks and sequences per rank at one budget, tokens/s "

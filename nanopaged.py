@@ -802,6 +802,7 @@ class BlockAllocator(BlockPool):
         failed step. Returns the blocks handed out: the device's, and the CPU pool's."""
         taken = self.taken, self.swap_pool.taken
         self.journal.rollback()
+        self.offloads, self.reloads = [], []  # the failed plan's copies: never made
         for pool in (self, self.swap_pool):
             for block_id in pool.taken:
                 pool.blocks[block_id].hash, pool.blocks[block_id].token_ids = None, ()

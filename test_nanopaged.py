@@ -3403,10 +3403,12 @@ def test_windowed_layers_see_exactly_the_last_tokens_their_windows_reach(tokens,
 @given(request_mixes(), st.integers(1, 12), st.sampled_from(["ss", "sf", "fs"]))
 def test_windowed_models_generate_like_naive_contiguous(mix, window, kinds):
     # windowed and hybrid models served paged (chunked prefills, prefix hits, both preemptions,
-    # tight pools) generate what the contiguous path does, past several windows; the engine
-    # keeps every block, the attention skips what a window leaves behind
+    # tight pools: a hybrid's two KV cache groups take a block each per block of tokens)
+    # generate what the contiguous path does, past several windows: the attention skips what a
+    # window leaves behind, the allocator gives it back
     prompts, max_tokens, priorities, engine_args = mix
     model = windowed_model(window, kinds)
+    engine_args["num_blocks"] *= len(model.config.kv_cache_groups)
     engine = Engine(model, **engine_args)
     params = [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens]
     for _ in range(2):  # the second time, the prompts hit the prefix cache if it is on
