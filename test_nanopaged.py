@@ -5092,34 +5092,110 @@ def test_speculative_greedy_output_is_the_targets_and_speculation_only_adds_look
     assert_all_blocks_free(engine)
 
 
+# Logits processors that read what a row has so far, as a user's would: one that pulls toward the
+# token d back (a sequence that repeats itself, whose guesses the n-gram proposer often gets
+# right) and one that bans the last output token
+def echo(d, bias=4.0):
+    def processor(prompt, output, logits):
+        so_far = list(prompt) + list(output)
+        logits = logits.clone()
+        logits[so_far[-min(d, len(so_far))]] += bias
+        return logits
+    return processor
+
+
+def ban_last(prompt, output, logits):
+    return logits.index_fill(0, torch.tensor(output[-1:], dtype=torch.long), -math.inf)
+
+
+OUTPUT_READERS = {"echo 2": echo(2), "echo 3": echo(3), "ban last": ban_last}
+
+
+class RowsSeen:
+    """A logits processor that changes nothing and records what each row it is asked about saw:
+    (prompt, output so far)."""
+
+    def __init__(self):
+        self.rows = set()
+
+    def __call__(self, prompt, output, logits):
+        self.rows.add((tuple(prompt), tuple(output)))
+        return logits
+
+
+# Each of MODEL's 32 tokens decodes to one of these pieces: stop strings over their characters
+# end samples often, across tokens and inside one
+PIECES = ["a", "b", "ab", "ba", " ", "é", "☃", "a b"]
+
+
+class PieceTokenizer:
+    def decode(self, ids):
+        return "".join(PIECES[t % len(PIECES)] for t in ids)
+
+
+@st.composite
+def every_sampling_parameter(draw, seed, seen):
+    """SamplingParams with everything a step's draws read drawn at random: greedy or seeded,
+    filters, penalties, min_tokens, logits processors that read the output, stop strings and
+    stop token ids. seen (RowsSeen) records every row."""
+    readers = draw(st.lists(st.sampled_from(sorted(OUTPUT_READERS)), max_size=2, unique=True))
+    return SamplingParams(
+        max_tokens=10, seed=seed, n=draw(st.integers(1, 2)), logprobs=2,
+        temperature=draw(st.sampled_from([0, 0.5, 1.0])), top_k=draw(st.sampled_from([0, 3])),
+        top_p=draw(st.sampled_from([1.0, 0.8])), min_p=draw(st.sampled_from([0.0, 0.1])),
+        repetition_penalty=draw(st.sampled_from([1.0, 0.7, 1.5])),
+        presence_penalty=draw(st.sampled_from([0.0, -1.5, 1.0])),
+        frequency_penalty=draw(st.sampled_from([0.0, -0.5, 0.8])),
+        min_tokens=draw(st.integers(0, 3)),
+        logits_processors=[OUTPUT_READERS[name] for name in readers] + [seen],
+        stop=draw(st.lists(st.text("ab é☃", min_size=1, max_size=3), max_size=2)),
+        include_stop_str_in_output=draw(st.booleans()),
+        stop_token_ids=draw(st.lists(st.integers(0, 31), max_size=2)))
+
+
+def completions(outputs):
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob,
+              c.logprobs) for c in o.outputs] for o in outputs]
+
+
 @pytest.mark.speculative
 @settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompts=st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=12), min_size=1,
                         max_size=5),
-       seed=st.integers(0, 2**32), n=st.integers(1, 2), top_k=st.sampled_from([0, 3]),
-       top_p=st.sampled_from([1.0, 0.8]), temperature=st.sampled_from([0.5, 1.0]),
-       speculator=st.sampled_from(SPECULATORS), k=st.integers(1, 4),
-       mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
+       seed=st.integers(0, 2**32), data=st.data(), speculator=st.sampled_from(SPECULATORS),
+       k=st.integers(1, 4), mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
        spare=st.integers(0, 24))
 # a one-token prompt and k = 4 guesses: the blocks to publish were once counted from before 0
-@example(prompts=[[0]], seed=0, n=1, top_k=0, top_p=1.0, temperature=0.5,
-         speculator="draft=target", k=4, mode="recompute", caching=False, spare=0)
-def test_speculative_seeded_samples_are_the_targets_token_for_token(
-        prompts, seed, n, top_k, top_p, temperature, speculator, k, mode, caching, spare):
-    params = [SamplingParams(max_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p,
-                             seed=seed + i, n=n, ignore_eos=True, logprobs=2)
-              for i in range(len(prompts))]
+@example(prompts=[[0]], seed=0, data=None, speculator="draft=target", k=4, mode="recompute",
+         caching=False, spare=0)
+def test_speculation_changes_no_token_with_every_sampling_parameter_on(
+        prompts, seed, data, speculator, k, mode, caching, spare):
+    """Greedy and seeded requests with every parameter a draw reads (penalties, min_tokens,
+    min_p, logits processors that read the output, stop strings and stop token ids) come out of
+    a speculating engine as out of a plain one: tokens, text, why and where each stopped,
+    logprobs. The row after guess j sees the output so far and guesses 0..j-1, as the same row
+    would without speculation: each kept token was drawn by a row that saw exactly the prompt
+    and the output before it."""
+    seen = RowsSeen()
+    params = [SamplingParams(max_tokens=10, temperature=0.5, seed=seed, ignore_eos=True,
+                             logprobs=2, logits_processors=[seen])] if data is None else [
+        data.draw(every_sampling_parameter(seed + i, seen)) for i in range(len(prompts))]
+    n = max(p.n for p in params)
     worst = n * -(-(max(map(len, prompts)) + 10) // 2)  # from one request at a time to roomy
     settings_ = dict(block_size=2, num_blocks=worst + spare, preemption_mode=mode,
-                     enable_prefix_caching=caching, max_num_batched_tokens=12)
+                     enable_prefix_caching=caching, max_num_batched_tokens=12,
+                     tokenizer=PieceTokenizer())
     plain = Engine(MODEL, **settings_).generate(prompts, params)
+    seen.rows.clear()
     engine = Engine(MODEL, speculative_config=speculative_config(speculator, k, MODEL),
                     **settings_)
     outputs = engine.generate(prompts, params)
-    assert_same_but_rounding([[(c.token_ids, c.cumulative_logprob, c.logprobs)
-                               for c in o.outputs] for o in outputs],
-                             [[(c.token_ids, c.cumulative_logprob, c.logprobs)
-                               for c in o.outputs] for o in plain])
+    assert_same_but_rounding(completions(outputs), completions(plain))
+    for prompt, o in zip(prompts, outputs):
+        for c in o.outputs:
+            assert all((tuple(prompt), tuple(c.token_ids[:j])) in seen.rows
+                       for j in range(len(c.token_ids)))
+    event(f"guesses kept: {engine.stats()['num_accepted_tokens'] > 0}")
     assert_all_blocks_free(engine)
 
 
