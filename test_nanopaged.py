@@ -5446,28 +5446,52 @@ def pre_tokenizers_bytes():
     return dict(zip(chars, map(chr, codes)))
 
 
-def vllm_stop_reference(tok, prompt, ids, stop, include, min_tokens):
-    """vLLM's rule, recomputed from scratch after every token: the text is the decode of the
-    sample's tokens after (up to) five prompt tokens of context, released while it does not end in
-    U+FFFD; once more than min_tokens tokens are out, the first stop string in the order given that
-    occurs ending within the newly released characters ends the sample, its text cut before it (or
-    after it, include). Returns (text, number of tokens, the stop string or None)."""
+def released_texts(tok, prompt, ids):
+    """vLLM's text of a sample after each of its tokens (after k tokens: texts[k - 1]), recomputed
+    from scratch: the decode of the sample's tokens after (up to) five prompt tokens of context,
+    released while it does not end in U+FFFD."""
     context = prompt[max(len(prompt) - 5, 0):]
-    base, text = tok.decode(context), ""
+    base, text, texts = tok.decode(context), "", []
     for k in range(1, len(ids) + 1):
         full = tok.decode(context + ids[:k])
-        if full.endswith("\ufffd") or len(full) <= len(base) + len(text):
-            continue
-        new = full[len(base) + len(text):]
-        text += new
-        if k <= min_tokens:
+        if not full.endswith("\ufffd") and len(full) > len(base) + len(text):
+            text += full[len(base) + len(text):]
+        texts.append(text)
+    return texts
+
+
+def vllm_stop_reference(tok, prompt, ids, stop, include, min_tokens):
+    """vLLM's rule, after every token: once more than min_tokens tokens are out, the first stop
+    string in the order given that occurs ending within the newly released characters ends the
+    sample, its text cut before it (or after it, include). Returns (text, number of tokens, the
+    stop string or None)."""
+    before = ""
+    for k, text in enumerate(released_texts(tok, prompt, ids), 1):
+        new, before = text[len(before):], text
+        if not new or k <= min_tokens:
             continue
         for s in stop:
             at = [i for i in range(len(text) - len(s) + 1) if text[i:i + len(s)] == s
                   and i + len(s) > len(text) - len(new)]
             if at:
                 return (text[:at[0] + len(s)] if include else text[:at[0]]), k, s
-    return text, len(ids), None
+    return before, len(ids), None
+
+
+def assert_streams_as_vllm(streamed, texts, params):
+    """vLLM's streaming (its detokenizer's get_next_output_text): while a sample runs, its
+    streamed text is its text so far (texts, as released_texts) less the last len(longest stop
+    string) - 1 characters, which may yet begin a stop string to cut, none held back with
+    include_stop_str_in_output; once finished, all of it. So each streamed text extends the one
+    before, and the deltas a client is sent add up to the final text."""
+    hold = 0 if params.include_stop_str_in_output else max(map(len, params.stop), default=1) - 1
+    sent = ""
+    for c in streamed:
+        if c.finish_reason is None:
+            so_far = texts[len(c.token_ids) - 1]
+            assert c.text == so_far[:max(0, len(so_far) - hold)]
+        assert c.text.startswith(sent)
+        sent = c.text
 
 
 def forcing(ids):
@@ -5485,12 +5509,13 @@ def forcing(ids):
        prompt_text=st.text(STOP_ALPHABET, min_size=1, max_size=8),
        cuts=st.lists(st.integers(0, 200), max_size=10), data=st.data(),
        include=st.booleans(), min_tokens=st.integers(0, 3))
-def test_stop_strings_end_the_text_where_vllms_rule_says(text, prompt_text, cuts, data, include,
-                                                         min_tokens):
+def test_stop_strings_end_and_stream_the_text_as_vllms_rules_say(text, prompt_text, cuts, data,
+                                                                 include, min_tokens):
     """A model made (by a logits processor) to emit a random text in a random tokenization, with
     stop strings cut from that text and from the alphabet (across token boundaries, inside
     multi-byte characters): the engine's text, tokens, finish_reason and stop_reason are those of
-    vLLM's rule, recomputed from scratch after every token."""
+    vLLM's rule, recomputed from scratch after every token, and every step streams the text as
+    vLLM streams it."""
     tok = byte_bpe()
     ids, prompt = random_tokenization(tok, text, cuts), tok.encode(prompt_text).ids
     pieces = st.integers(0, len(text) - 1).flatmap(lambda i: st.integers(i + 1, len(text)).map(
@@ -5512,9 +5537,7 @@ def test_stop_strings_end_the_text_where_vllms_rule_says(text, prompt_text, cuts
     assert (out.text, out.token_ids, out.stop_reason) == (expected_text, ids[:num_tokens],
                                                           stop_string)
     assert out.finish_reason == ("stop" if stop_string is not None else "length")
-    # streamed text only grows, and never shows what a stop string may yet cut
-    texts = [c.text for c in streamed]
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:] + [out.text]))
+    assert_streams_as_vllm(streamed, released_texts(tok, prompt, ids), params)
 
 
 @functools.cache
