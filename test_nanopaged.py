@@ -5540,6 +5540,62 @@ def test_stop_strings_end_and_stream_the_text_as_vllms_rules_say(text, prompt_te
     assert_streams_as_vllm(streamed, released_texts(tok, prompt, ids), params)
 
 
+# vLLM's rules for a sample's text at its end (vllm-project/vllm: vllm/v1/core/sched/utils.py,
+# check_stop; vllm/v1/engine/detokenizer.py, BaseIncrementalDetokenizer.update and
+# get_next_output_text): a stop token ends the sample from min_tokens on, and its own text is
+# left out unless include_stop_str_in_output (vLLM PR 14624); then the stop strings are looked
+# for in the text the step added, a stop token's own text included when it is kept (PR 23938):
+# the first found ends the sample there and is its stop_reason, the text cut before it, or
+# after it with include_stop_str_in_output. While the sample runs, the streamed text holds back
+# len(longest stop string) - 1 characters, none with include_stop_str_in_output.
+#
+# The output a model is made to emit: "ab é b☃.a\n🙂aa", one token a piece ("☃." is one token
+# of two characters), the 🙂 split across two tokens inside its four bytes.
+STOP_PIECES = ["ab", " é", " b", "☃.", "a", "\n", b"\xf0\x9f", b"\x99\x82", "aa"]
+STOP_ROWS = [  # stop token (a piece), stop strings, include: text, tokens kept, stop_reason
+    ("☃.", [], False, "ab é b", 4, "its id"),
+    ("☃.", [], True, "ab é b☃.", 4, "its id"),
+    (None, ["b☃"], False, "ab é ", 4, "b☃"),
+    (None, ["b☃"], True, "ab é b☃", 4, "b☃"),
+    (None, ["x", "\n🙂"], False, "ab é b☃.a", 8, "\n🙂"),  # found inside a split character
+    (None, ["x", "\n🙂"], True, "ab é b☃.a\n🙂", 8, "\n🙂"),
+    ("☃.", ["☃"], False, "ab é b", 4, "its id"),  # its text, left out, holds no stop string
+    ("☃.", ["☃"], True, "ab é b☃", 4, "☃"),  # kept, it does: the string stops and cuts
+    (None, [], False, "ab é b☃.a\n🙂aa", 9, None),
+    ("a", ["aa"], True, "ab é b☃.a", 5, "its id"),  # the first stop token, not a later string
+]
+
+
+@pytest.mark.detokenizer
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "generate"])
+@pytest.mark.parametrize("stop_token, stop, include, text, num_tokens, reason", STOP_ROWS, ids=[
+    "token", "token kept", "string", "string kept", "split character", "split character kept",
+    "token holding a string", "token holding a string kept", "none", "token before a string"])
+def test_stop_tokens_and_stop_strings_end_the_text_as_vllms_detokenizer_does(
+        stop_token, stop, include, text, num_tokens, reason, streamed):
+    tok = byte_bpe()
+    alphabet = pre_tokenizers_bytes()
+    pieces = [p if isinstance(p, bytes) else p.encode() for p in STOP_PIECES]
+    ids = [t.id for p in pieces for t in tok.model.tokenize("".join(alphabet[b] for b in p))]
+    assert len(ids) == len(STOP_PIECES) and tok.decode(ids) == "ab é b☃.a\n🙂aa"
+    stop_ids = [ids[STOP_PIECES.index(stop_token)]] if stop_token else []
+    params = SamplingParams(max_tokens=len(ids), temperature=0, stop=stop, stop_token_ids=stop_ids,
+                            include_stop_str_in_output=include, logits_processors=[forcing(ids)])
+    engine = Engine(stop_model(tok.get_vocab_size()), block_size=4, num_blocks=64, tokenizer=tok)
+    prompt = tok.encode("a b").ids
+    if streamed:
+        request_id, outputs = engine.add_request(prompt, params), []
+        while engine.requests:
+            outputs += [o.outputs[0] for o in engine.step() if o.request_id == request_id]
+        assert_streams_as_vllm(outputs, released_texts(tok, prompt, ids), params)
+        out = outputs[-1]
+    else:
+        out = engine.generate([prompt], params)[0].outputs[0]
+    reason = stop_ids[0] if reason == "its id" else reason
+    assert (out.text, out.token_ids, out.stop_reason) == (text, ids[:num_tokens], reason)
+    assert out.finish_reason == ("length" if reason is None else "stop")
+
+
 @functools.cache
 def stop_model(vocab_size):
     return tiny_model(vocab_size=vocab_size)
