@@ -2132,25 +2132,25 @@ class OutputProcessor:
         text_offsets) then, with a tokenizer. vLLM's rules: an end token (one of stop_token_ids,
         or of eos unless ignore_eos) counts from min_tokens on, and its own text is left out of
         the output unless include_stop_str_in_output; a stop string counts once the output is
-        longer than min_tokens, and cuts the text."""
+        longer than min_tokens, and cuts the text, even inside an end token's text that is kept
+        (it is then the stop_reason)."""
         detokenizer = self.detokenizer
         texts = detokenizer.texts(seq, tokens) if detokenizer else None
         state = (seq.text, seq.text_offsets) if detokenizer else None
         for j, token in enumerate(tokens):
             num_output = seq.num_output_tokens + j + 1
             ends = token in params.stop_token_ids or (not params.ignore_eos and token in eos)
-            if ends and num_output >= params.min_tokens:
-                if detokenizer and params.include_stop_str_in_output:
-                    state = texts[j][:2]
-                stop = token if token in params.stop_token_ids else None
-                return tokens[:j + 1], "stop", stop, state
-            if detokenizer:
+            ends = ends and num_output >= params.min_tokens
+            if detokenizer and (params.include_stop_str_in_output or not ends):
                 text, offsets, new = texts[j]
                 state = (text, offsets)
                 found = detokenizer.stop_string(text, new, params, num_output)
                 if found:
                     stop, text = found
                     return tokens[:j + 1], "stop", stop, (text, offsets)
+            if ends:
+                stop = token if token in params.stop_token_ids else None
+                return tokens[:j + 1], "stop", stop, state
             if num_output >= params.max_tokens:
                 return tokens[:j + 1], "length", None, state
         return tokens, None, None, state
