@@ -4978,6 +4978,94 @@ def test_chat_template_renders_as_transformers_apply_chat_template(hf_folder, tm
     assert "[0.0] 'hello' -> " in capsys.readouterr().out
 
 
+def added_token(content, **more):
+    """A special token as many published tokenizer_config.json files store it: an AddedToken's
+    dict, not a string."""
+    return {"__type": "AddedToken", "content": content, "lstrip": False, "normalized": False,
+            "rstrip": False, "single_word": False, **more}
+
+
+SPECIAL_TOKENS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>",
+                  "pad_token": "<pad>"}
+ADDED_TOKENS_DECODER = {str(i): {"content": t, "lstrip": False, "normalized": False,
+                                 "rstrip": False, "single_word": False, "special": True}
+                        for i, t in enumerate(SPECIAL_TOKENS.values())}
+# tokenizer_config.json as published folders of each era write it, special_tokens_map.json (or
+# None) beside it, where the template lies (chat_template.jinja beside them, or in the config),
+# and what the template shows for bos, unk, pad and eos (transformers 5 reads no
+# special_tokens_map.json)
+REAL_TOKENIZER_CONFIGS = {
+    "llama-2": (dict(add_bos_token=True, add_eos_token=False, clean_up_tokenization_spaces=False,
+                     legacy=False, model_max_length=1e30, pad_token=None, sp_model_kwargs={},
+                     tokenizer_class="LlamaTokenizer", bos_token=added_token("<s>"),
+                     eos_token=added_token("</s>"), unk_token=added_token("<unk>")),
+                None, "tokenizer_config.json", ("<s>", "<unk>", "", "</s>")),
+    "mistral": (dict(added_tokens_decoder=ADDED_TOKENS_DECODER, additional_special_tokens=[],
+                     tokenizer_class="LlamaTokenizer",
+                     **{k: added_token(t, special=True) for k, t in SPECIAL_TOKENS.items()}),
+                None, "chat_template.jinja", ("<s>", "<unk>", "<pad>", "</s>")),
+    "qwen2": (dict(added_tokens_decoder=ADDED_TOKENS_DECODER, bos_token=None, eos_token="</s>",
+                   pad_token="<pad>", unk_token=None, errors="replace", split_special_tokens=False,
+                   tokenizer_class="PreTrainedTokenizerFast"),
+              None, "chat_template.jinja", ("", "", "<pad>", "</s>")),
+    "special_tokens_map.json": (dict(added_tokens_decoder=ADDED_TOKENS_DECODER,
+                                     tokenizer_class="PreTrainedTokenizerFast"),
+                                {k: added_token(t) for k, t in SPECIAL_TOKENS.items()},
+                                "chat_template.jinja", ("", "", "", "")),
+}
+# every special token a template may name, whether or not the folder sets it
+SPECIALS_TEMPLATE = CHAT_TEMPLATE + "{{ unk_token }}|{{ pad_token }}|{{ eos_token }}"
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer_folders(tmp_path_factory):
+    """{name: (folder, transformers' tokenizer loaded from it)} for REAL_TOKENIZER_CONFIGS, each
+    folder a tokenizer.json, its configs and its template, written here."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS.values())} | {"hello": 4, "[": 5, "]": 6}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.add_special_tokens(list(SPECIAL_TOKENS.values()))
+    folders = {}
+    for name, (config, special_tokens_map, place, _) in REAL_TOKENIZER_CONFIGS.items():
+        path = tmp_path_factory.mktemp("tokenizer")
+        backend.save(str(path / "tokenizer.json"))
+        if place == "chat_template.jinja":
+            (path / "chat_template.jinja").write_text(SPECIALS_TEMPLATE)
+        else:
+            config = config | {"chat_template": SPECIALS_TEMPLATE}
+        (path / "tokenizer_config.json").write_text(json.dumps(config))
+        if special_tokens_map is not None:
+            (path / "special_tokens_map.json").write_text(json.dumps(special_tokens_map))
+        folders[name] = path, transformers.AutoTokenizer.from_pretrained(path)
+    return folders
+
+
+@pytest.mark.checkpoints
+@settings(max_examples=examples(40), deadline=None)
+@given(chat=st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), st.text(
+    st.characters(codec="utf-8"), max_size=12)), min_size=1, max_size=4).map(
+        lambda c: [{"role": r, "content": t} for r, t in c]), add=st.booleans())
+def test_chat_templates_of_real_tokenizer_configs_render_as_transformers(real_tokenizer_folders,
+                                                                         chat, add):
+    """Published folders store special tokens as AddedToken dicts or as strings, beside an
+    added_tokens_decoder, some in special_tokens_map.json too, and the template in
+    chat_template.jinja or in tokenizer_config.json: each chat renders as transformers'
+    apply_chat_template renders it, or both refuse it (here, a chat that starts with the
+    assistant)."""
+    for name, (path, loaded) in real_tokenizer_folders.items():
+        try:
+            expected = loaded.apply_chat_template(chat, tokenize=False, add_generation_prompt=add)
+        except Exception as e:  # the template's own raise_exception
+            with pytest.raises(ValueError, match=re.escape(str(e))):
+                checkpoints.render_chat(str(path), chat, add)
+            continue
+        assert checkpoints.render_chat(str(path), chat, add) == expected, name
+        bos, unk, pad, eos = REAL_TOKENIZER_CONFIGS[name][3]  # transformers read the tokens
+        assert expected.startswith(bos) and expected.endswith(f"{unk}|{pad}|{eos}")
+
+
 @pytest.mark.checkpoints
 def test_chat_without_a_template_or_jinja2_is_one_clear_error(tmp_path, monkeypatch):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
