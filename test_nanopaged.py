@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import functools
 import hashlib
+import inspect
 import itertools
 import http.client
 import json
@@ -32,12 +33,14 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 import urllib.error
 import urllib.request
 from collections import Counter, deque
 from fractions import Fraction
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
@@ -1005,6 +1008,73 @@ def test_engine_on_the_triton_kernel_with_an_8bit_cache_generates_like_the_torch
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def asks_for(annotation):
+    """What a field or parameter annotated so asks for: "int" (int, or int | None), "number"
+    (float, which takes ints too), "ints" (a list of ints), or None (anything else: a bool, a
+    string, a callable)."""
+    kinds = set(typing.get_args(annotation)) - {type(None)} or {annotation}
+    if int in kinds:
+        return "int"
+    if float in kinds:
+        return "number"
+    if any(typing.get_origin(k) is list and typing.get_args(k) == (int,) for k in kinds):
+        return "ints"
+    return None
+
+
+# Where a user's code hands over an int it may hold it as numpy's or torch's integer scalar; a
+# bool is an int to Python, but never an int to a user
+INT_SCALARS = st.sampled_from([np.int64, np.int32, np.int16, torch.tensor,
+                               functools.partial(torch.tensor, dtype=torch.int32)])
+BOOLS = st.sampled_from([True, False, np.bool_(True), torch.tensor(False)])
+INT_FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if asks_for(f.type)]
+
+
+def outcome(make):
+    """What make() gives, as plain data: what it made (its repr, in which an int held as numpy's
+    or torch's shows as such), or the ValueError's message up to the value it got."""
+    try:
+        made = make()
+    except ValueError as e:
+        return "refused", str(e).split(", got ")[0]
+    return "made", repr(state_of(made))
+
+
+@pytest.mark.engine
+@settings(max_examples=examples(100), deadline=None)
+@given(name=st.sampled_from(INT_FIELDS), value=st.integers(-2, 40), scalar=INT_SCALARS,
+       bool_=BOOLS)
+def test_every_int_field_refuses_a_bool_and_takes_numpy_and_torch_integers_as_ints(
+        name, value, scalar, bool_):
+    """Every field of SamplingParams annotated int or float (which takes ints) or a list of ints,
+    found from its annotation: a bool is a ValueError naming the field; numpy's and torch's
+    integer scalars make the SamplingParams the same Python int makes, or the same refusal."""
+    in_place = (lambda x: [3, x]) if asks_for(SamplingParams.__dataclass_fields__[name].type) \
+        == "ints" else (lambda x: x)
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{name} must be "):
+        SamplingParams(**{name: in_place(bool_)})
+    assert outcome(lambda: SamplingParams(**{name: in_place(scalar(value))})) == \
+        outcome(lambda: SamplingParams(**{name: in_place(value)}))
+
+
+@functools.cache
+def checking_engine():
+    return Engine(MODEL, block_size=4, num_blocks=16)
+
+
+@pytest.mark.engine
+@settings(max_examples=examples(50), deadline=None)
+@given(prompt=st.lists(st.integers(0, 31), min_size=1, max_size=8), data=st.data())
+def test_a_prompt_refuses_bools_and_takes_numpy_and_torch_integers_as_ints(prompt, data):
+    engine, params = checking_engine(), SamplingParams(max_tokens=4)
+    i = data.draw(st.integers(0, len(prompt) - 1))
+    bool_ = data.draw(BOOLS)
+    with pytest.raises(ValueError, match=rf"prompt token {i} is {re.escape(repr(bool_))}, not an"):
+        engine.check_request(prompt[:i] + [bool_] + prompt[i + 1:], params)
+    scalars = [data.draw(INT_SCALARS)(t) for t in prompt]
+    assert repr(engine.check_request(scalars, params)) == repr(prompt)
 
 
 @pytest.mark.engine
@@ -4562,6 +4632,37 @@ def test_a_priority_must_be_an_int(priority):
 def test_bad_engine_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Engine(MODEL, **{"block_size": 4, "num_blocks": 8, **kwargs})
+
+
+ENGINE_INT_SETTINGS = [name for name, p in inspect.signature(Engine).parameters.items()
+                       if asks_for(p.annotation)]
+
+
+@pytest.mark.engine
+def test_every_int_setting_of_the_engine_says_so_in_its_annotation():
+    """What the next test finds the settings by: a setting whose default is a number is
+    annotated (so one added later is found too)."""
+    for name, p in inspect.signature(Engine).parameters.items():
+        if type(p.default) in (int, float):
+            assert asks_for(p.annotation), f"Engine's {name} needs an annotation: int or float"
+    assert {"block_size", "num_blocks", "kv_cache_bytes", "max_num_seqs"} <= \
+        set(ENGINE_INT_SETTINGS)
+
+
+@pytest.mark.engine
+@settings(max_examples=examples(40), deadline=None)
+@given(name=st.sampled_from(ENGINE_INT_SETTINGS), value=st.integers(0, 64), scalar=INT_SCALARS,
+       bool_=BOOLS)
+def test_every_int_setting_of_the_engine_refuses_a_bool_and_takes_numpy_and_torch_integers(
+        name, value, scalar, bool_):
+    """Every setting of Engine annotated int or float, found from its signature: a bool is a
+    ValueError naming it; numpy's and torch's integer scalars build the engine the same Python
+    int builds, or the same refusal."""
+    settings_ = {key: v for key, v in dict(block_size=4, num_blocks=16).items() if key != name}
+    with pytest.raises(ValueError, match=rf"Engine: {name} must be "):
+        Engine(MODEL, **settings_, **{name: bool_})
+    assert outcome(lambda: Engine(MODEL, **settings_, **{name: scalar(value)})) == \
+        outcome(lambda: Engine(MODEL, **settings_, **{name: value}))
 
 
 @pytest.mark.engine
