@@ -1046,8 +1046,7 @@ def outcome(make):
 @settings(max_examples=examples(100), deadline=None)
 @given(name=st.sampled_from(INT_FIELDS), value=st.integers(-2, 40), scalar=INT_SCALARS,
        bool_=BOOLS)
-def test_every_int_field_refuses_a_bool_and_takes_numpy_and_torch_integers_as_ints(
-        name, value, scalar, bool_):
+def test_int_fields_refuse_bools_and_take_numpy_and_torch_ints(name, value, scalar, bool_):
     """Every field of SamplingParams annotated int or float (which takes ints) or a list of ints,
     found from its annotation: a bool is a ValueError naming the field; numpy's and torch's
     integer scalars make the SamplingParams the same Python int makes, or the same refusal."""
@@ -1066,15 +1065,23 @@ def checking_engine():
 
 @pytest.mark.engine
 @settings(max_examples=examples(50), deadline=None)
-@given(prompt=st.lists(st.integers(0, 31), min_size=1, max_size=8), data=st.data())
-def test_a_prompt_refuses_bools_and_takes_numpy_and_torch_integers_as_ints(prompt, data):
+@given(prompt=st.lists(st.integers(0, 31), min_size=1, max_size=8), priority=st.integers(-3, 3),
+       data=st.data())
+def test_prompts_refuse_bools_and_take_numpy_and_torch_ints(prompt, priority, data):
+    """A bool anywhere in a prompt, or as its priority, is a ValueError naming it; a prompt and a
+    priority of numpy's and torch's integer scalars are taken as the Python ints."""
     engine, params = checking_engine(), SamplingParams(max_tokens=4)
-    i = data.draw(st.integers(0, len(prompt) - 1))
-    bool_ = data.draw(BOOLS)
+    i, bool_ = data.draw(st.integers(0, len(prompt) - 1)), data.draw(BOOLS)
     with pytest.raises(ValueError, match=rf"prompt token {i} is {re.escape(repr(bool_))}, not an"):
         engine.check_request(prompt[:i] + [bool_] + prompt[i + 1:], params)
+    with pytest.raises(ValueError, match="priority must be an int"):
+        engine.add_request(prompt, params, priority=bool_)
     scalars = [data.draw(INT_SCALARS)(t) for t in prompt]
-    assert repr(engine.check_request(scalars, params)) == repr(prompt)
+    request_id = engine.add_request(scalars, params, priority=data.draw(INT_SCALARS)(priority))
+    group = engine.requests[request_id]
+    assert repr((group.prompt_token_ids, group.seqs[0].token_ids, group.priority)) == \
+        repr((prompt, prompt, priority))
+    engine.abort(request_id)
 
 
 @pytest.mark.engine
@@ -4639,7 +4646,7 @@ ENGINE_INT_SETTINGS = [name for name, p in inspect.signature(Engine).parameters.
 
 
 @pytest.mark.engine
-def test_every_int_setting_of_the_engine_says_so_in_its_annotation():
+def test_int_engine_settings_say_so_in_their_annotations():
     """What the next test finds the settings by: a setting whose default is a number is
     annotated (so one added later is found too)."""
     for name, p in inspect.signature(Engine).parameters.items():
@@ -4653,8 +4660,7 @@ def test_every_int_setting_of_the_engine_says_so_in_its_annotation():
 @settings(max_examples=examples(40), deadline=None)
 @given(name=st.sampled_from(ENGINE_INT_SETTINGS), value=st.integers(0, 64), scalar=INT_SCALARS,
        bool_=BOOLS)
-def test_every_int_setting_of_the_engine_refuses_a_bool_and_takes_numpy_and_torch_integers(
-        name, value, scalar, bool_):
+def test_int_engine_settings_refuse_bools_and_take_numpy_and_torch_ints(name, value, scalar, bool_):
     """Every setting of Engine annotated int or float, found from its signature: a bool is a
     ValueError naming it; numpy's and torch's integer scalars build the engine the same Python
     int builds, or the same refusal."""
@@ -5443,6 +5449,8 @@ def test_lookahead_slots_are_reserved_from_what_plain_scheduling_left_and_given_
     ({"method": "medusa", "num_speculative_tokens": 2}, "'method' one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": np.bool_(True)},
+     "need ints prompt_lookup_max >= prompt_lookup_min >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,
       "prompt_lookup_max": 2}, "prompt_lookup_max >= prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": MODEL}, "unknown keys"),
@@ -5456,6 +5464,16 @@ def test_lookahead_slots_are_reserved_from_what_plain_scheduling_left_and_given_
 def test_bad_speculative_configs_are_clear_errors(config, message):
     with pytest.raises(ValueError, match=message):
         Engine(MODEL, num_blocks=16, speculative_config=config)
+
+
+@pytest.mark.speculative
+def test_a_speculative_config_takes_numpy_and_torch_integers_as_ints():
+    engine = Engine(MODEL, num_blocks=16, speculative_config={
+        "method": "ngram", "num_speculative_tokens": np.int64(3),
+        "prompt_lookup_max": torch.tensor(3), "prompt_lookup_min": np.int8(1)})
+    p = engine.proposer
+    assert repr((p.num_speculative_tokens, p.max_n, p.min_n)) == repr((3, 3, 1))
+    assert repr(engine.scheduler.num_lookahead_slots) == "3" and serves_normally(engine)
 
 
 @pytest.mark.speculative
