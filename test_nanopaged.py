@@ -5154,7 +5154,7 @@ def real_tokenizer_folders(tmp_path_factory):
 @given(chat=st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), st.text(
     st.characters(codec="utf-8"), max_size=12)), min_size=1, max_size=4).map(
         lambda c: [{"role": r, "content": t} for r, t in c]), add=st.booleans())
-def test_chat_templates_of_real_tokenizer_configs_render_as_transformers(real_tokenizer_folders,
+def test_chat_templates_of_real_configs_render_as_transformers(real_tokenizer_folders,
                                                                          chat, add):
     """Published folders store special tokens as AddedToken dicts or as strings, beside an
     added_tokens_decoder, some in special_tokens_map.json too, and the template in
@@ -5778,7 +5778,7 @@ STOP_ROWS = [  # stop token (a piece), stop strings, include: text, tokens kept,
 @pytest.mark.parametrize("stop_token, stop, include, text, num_tokens, reason", STOP_ROWS, ids=[
     "token", "token kept", "string", "string kept", "split character", "split character kept",
     "token holding a string", "token holding a string kept", "none", "token before a string"])
-def test_stop_tokens_and_stop_strings_end_the_text_as_vllms_detokenizer_does(
+def test_stop_tokens_and_strings_end_the_text_as_vllm_does(
         stop_token, stop, include, text, num_tokens, reason, streamed):
     tok = byte_bpe()
     alphabet = pre_tokenizers_bytes()
