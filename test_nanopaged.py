@@ -1050,8 +1050,10 @@ def test_int_fields_refuse_bools_and_take_numpy_and_torch_ints(name, value, scal
     """Every field of SamplingParams annotated int or float (which takes ints) or a list of ints,
     found from its annotation: a bool is a ValueError naming the field; numpy's and torch's
     integer scalars make the SamplingParams the same Python int makes, or the same refusal."""
-    in_place = (lambda x: [3, x]) if asks_for(SamplingParams.__dataclass_fields__[name].type) \
-        == "ints" else (lambda x: x)
+    ids = asks_for(SamplingParams.__dataclass_fields__[name].type) == "ints"
+
+    def in_place(x):  # the value, or a list of ids with it among them
+        return [3, x] if ids else x
     with pytest.raises(ValueError, match=rf"SamplingParams\.{name} must be "):
         SamplingParams(**{name: in_place(bool_)})
     assert outcome(lambda: SamplingParams(**{name: in_place(scalar(value))})) == \
@@ -5154,8 +5156,8 @@ def real_tokenizer_folders(tmp_path_factory):
 @given(chat=st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), st.text(
     st.characters(codec="utf-8"), max_size=12)), min_size=1, max_size=4).map(
         lambda c: [{"role": r, "content": t} for r, t in c]), add=st.booleans())
-def test_chat_templates_of_real_configs_render_as_transformers(real_tokenizer_folders,
-                                                                         chat, add):
+def test_chat_templates_of_real_configs_render_as_transformers(real_tokenizer_folders, chat,
+                                                               add):
     """Published folders store special tokens as AddedToken dicts or as strings, beside an
     added_tokens_decoder, some in special_tokens_map.json too, and the template in
     chat_template.jinja or in tokenizer_config.json: each chat renders as transformers'
