@@ -83,12 +83,22 @@ def blocks_held(seqs):
     return {b for seq in seqs for table in seq.block_tables for b in table if b != NO_BLOCK}
 
 
-def integer(x):  # bool is an int to Python, never to a user
-    return isinstance(x, int) and not isinstance(x, bool)
+def integer(x):
+    """An int, or numpy's or torch's integer scalar (a user's code may hold one); never a bool,
+    which is an int to Python but never to a user."""
+    if isinstance(x, torch.Tensor):
+        return x.dim() == 0 and not (x.dtype == torch.bool or x.is_floating_point()
+                                     or x.is_complex())
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def as_int(x):
+    """An integer() as the Python int it holds; anything else as it is, for its check to refuse."""
+    return int(x) if integer(x) else x
 
 
 def number(x):
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+    return integer(x) or isinstance(x, float)
 
 
 def setting(default, allowed, ok, beams=True, **about):
@@ -108,9 +118,11 @@ def int_setting(default, least, none=False, beams=True, **about):
 
 def check_fields(obj):
     """Every field of a dataclass made with setting(), or a ValueError naming the first one
-    whose value its check refuses."""
+    whose value its check refuses. An integer scalar of numpy's or torch's becomes its int."""
     for f in fields(obj):
-        value = getattr(obj, f.name)
+        given = getattr(obj, f.name)
+        if (value := as_int(given)) is not given:
+            setattr(obj, f.name, value)
         if "ok" in f.metadata and not f.metadata["ok"](value):
             raise ValueError(f"{type(obj).__name__}.{f.name} must be {f.metadata['allowed']}, "
                              f"got {value!r}")
@@ -190,7 +202,7 @@ class SamplingParams:
 
     def __post_init__(self):
         check_fields(self)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.logits_processors = list(self.logits_processors or [])
         if self.min_tokens > self.max_tokens:
@@ -2348,25 +2360,25 @@ class OutputProcessor:
         text_offsets) then, with a tokenizer. vLLM's rules: an end token (one of stop_token_ids,
         or of eos unless ignore_eos) counts from min_tokens on, and its own text is left out of
         the output unless include_stop_str_in_output; a stop string counts once the output is
-        longer than min_tokens, and cuts the text."""
+        longer than min_tokens, and cuts the text, even inside an end token's text that is kept
+        (it is then the stop_reason)."""
         detokenizer = self.detokenizer
         texts = detokenizer.texts(seq, tokens) if detokenizer else None
         state = (seq.text, seq.text_offsets) if detokenizer else None
         for j, token in enumerate(tokens):
             num_output = seq.num_output_tokens + j + 1
             ends = token in params.stop_token_ids or (not params.ignore_eos and token in eos)
-            if ends and num_output >= params.min_tokens:
-                if detokenizer and params.include_stop_str_in_output:
-                    state = texts[j][:2]
-                stop = token if token in params.stop_token_ids else None
-                return tokens[:j + 1], "stop", stop, state
-            if detokenizer:
+            ends = ends and num_output >= params.min_tokens
+            if detokenizer and (params.include_stop_str_in_output or not ends):
                 text, offsets, new = texts[j]
                 state = (text, offsets)
                 found = detokenizer.stop_string(text, new, params, num_output)
                 if found:
                     stop, text = found
                     return tokens[:j + 1], "stop", stop, (text, offsets)
+            if ends:
+                stop = token if token in params.stop_token_ids else None
+                return tokens[:j + 1], "stop", stop, state
             if num_output >= params.max_tokens:
                 return tokens[:j + 1], "length", None, state
         return tokens, None, None, state
@@ -2581,13 +2593,19 @@ def request_output(group, detokenizer=None):
 class Engine:
     observer = None  # see notify
 
-    def __init__(self, model, block_size=16, num_blocks=None, kv_cache_bytes=None,
-                 num_cpu_blocks=None, preemption_mode="recompute", enable_prefix_caching=True,
-                 max_num_seqs=256, max_num_batched_tokens=2048, device=None,
-                 attention_backend=None, swap_space=4, allocator_cls=None, scheduler_cls=None,
+    def __init__(self, model, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_bytes: int | None = None, num_cpu_blocks: int | None = None,
+                 preemption_mode="recompute", enable_prefix_caching=True, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 2048, device=None, attention_backend=None,
+                 swap_space: float = 4, allocator_cls=None, scheduler_cls=None,
                  scheduling_policy="fcfs", eviction_policy="lru", kv_cache_dtype="auto",
                  speculative_config=None, tokenizer=None, observer=None, prefix_cache_cls=None,
-                 cpu_cache_bytes=0, cpu_eviction_policy=None):
+                 cpu_cache_bytes: int = 0, cpu_eviction_policy=None):
+        # the annotated settings: an int held as numpy's or torch's is taken as that int
+        block_size, num_blocks, kv_cache_bytes, num_cpu_blocks, max_num_seqs, \
+            max_num_batched_tokens, swap_space, cpu_cache_bytes = map(as_int, (
+                block_size, num_blocks, kv_cache_bytes, num_cpu_blocks, max_num_seqs,
+                max_num_batched_tokens, swap_space, cpu_cache_bytes))
         device, backend, dtype = check_engine_settings(
             model, device, attention_backend, preemption_mode, enable_prefix_caching, swap_space,
             kv_cache_dtype, scheduling_policy, eviction_policy, cpu_eviction_policy,
@@ -2752,7 +2770,7 @@ class Engine:
             self.detokenizer.start(seq)
         self.allocator.prefix_cache.key_blocks(seq)
         notify(self, "add", request=request_id, seq=seq.seq_id, prompt=prompt_token_ids)
-        group = SequenceGroup(request_id, prompt_token_ids, params, seq, priority)
+        group = SequenceGroup(request_id, prompt_token_ids, params, seq, as_int(priority))
         if params.beam_width is None and params.temperature > 0:
             # without a seed, a seed drawn from torch's global RNG
             group.seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
@@ -2891,9 +2909,12 @@ def check_request(prompt, params, priority, config, scheduler, has_tokenizer=Fal
     if len(prompt_token_ids) == 0:
         raise ValueError("the prompt is empty: give at least one token id")
     for i, t in enumerate(prompt_token_ids):
-        if not integer(t) or not 0 <= t < config.vocab_size:
+        if not integer(t):
+            raise ValueError(f"prompt token {i} is {t!r}, not an int token id")
+        if not 0 <= t < config.vocab_size:
             raise ValueError(f"prompt token {i} is {t!r}, outside the vocabulary "
                              f"[0, {config.vocab_size})")
+        prompt_token_ids[i] = int(t)
     total = len(prompt_token_ids) + params.max_tokens
     if total > config.max_seq_len:
         raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "

@@ -36,7 +36,7 @@ greedy or seeded, with or without speculation, and whatever the batch-mates.
 
 import math
 
-from nanopaged import GPT, Chunk, ModelRunner, integer, kv_block_shape, step_chunks, tp
+from nanopaged import GPT, Chunk, ModelRunner, as_int, integer, kv_block_shape, step_chunks, tp
 
 METHODS = ("ngram", "draft")
 
@@ -54,7 +54,7 @@ def make_proposer(config, model, device):
     if unknown := set(config) - allowed:
         raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} for method "
                          f"{config['method']!r} (it takes {sorted(allowed)})")
-    k = config.get("num_speculative_tokens")
+    k = as_int(config.get("num_speculative_tokens"))
     if not (integer(k) and k >= 1):
         raise ValueError(f"speculative_config: num_speculative_tokens must be an int >= 1, "
                          f"got {k!r}")
@@ -62,7 +62,8 @@ def make_proposer(config, model, device):
         raise ValueError("speculative_config: speculative decoding under tensor parallelism is "
                          "not supported")
     if config["method"] == "ngram":
-        n, m = config.get("prompt_lookup_max", 4), config.get("prompt_lookup_min", 2)
+        n = as_int(config.get("prompt_lookup_max", 4))
+        m = as_int(config.get("prompt_lookup_min", 2))
         if not (integer(n) and integer(m) and 1 <= m <= n):
             raise ValueError(f"speculative_config: need ints prompt_lookup_max >= "
                              f"prompt_lookup_min >= 1, got {n!r} and {m!r}")

@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import functools
 import hashlib
+import inspect
 import itertools
 import http.client
 import json
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+import typing
 import urllib.error
 import urllib.request
 from collections import Counter, deque
@@ -1166,6 +1168,82 @@ def test_engine_on_the_triton_kernel_with_an_8bit_cache_generates_like_the_torch
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def asks_for(annotation):
+    """What a field or parameter annotated so asks for: "int" (int, or int | None), "number"
+    (float, which takes ints too), "ints" (a list of ints), or None (anything else: a bool, a
+    string, a callable)."""
+    kinds = set(typing.get_args(annotation)) - {type(None)} or {annotation}
+    if int in kinds:
+        return "int"
+    if float in kinds:
+        return "number"
+    if any(typing.get_origin(k) is list and typing.get_args(k) == (int,) for k in kinds):
+        return "ints"
+    return None
+
+
+# Where a user's code hands over an int it may hold it as numpy's or torch's integer scalar; a
+# bool is an int to Python, but never an int to a user
+INT_SCALARS = st.sampled_from([np.int64, np.int32, np.int16, torch.tensor,
+                               functools.partial(torch.tensor, dtype=torch.int32)])
+BOOLS = st.sampled_from([True, False, np.bool_(True), torch.tensor(False)])
+INT_FIELDS = [f.name for f in dataclasses.fields(SamplingParams) if asks_for(f.type)]
+
+
+def outcome(make):
+    """What make() gives, as plain data: what it made (its repr, in which an int held as numpy's
+    or torch's shows as such), or the ValueError's message up to the value it got."""
+    try:
+        made = make()
+    except ValueError as e:
+        return "refused", str(e).split(", got ")[0]
+    return "made", repr(state_of(made))
+
+
+@pytest.mark.engine
+@settings(max_examples=examples(100), deadline=None)
+@given(name=st.sampled_from(INT_FIELDS), value=st.integers(-2, 40), scalar=INT_SCALARS,
+       bool_=BOOLS)
+def test_int_fields_refuse_bools_and_take_numpy_and_torch_ints(name, value, scalar, bool_):
+    """Every field of SamplingParams annotated int or float (which takes ints) or a list of ints,
+    found from its annotation: a bool is a ValueError naming the field; numpy's and torch's
+    integer scalars make the SamplingParams the same Python int makes, or the same refusal."""
+    ids = asks_for(SamplingParams.__dataclass_fields__[name].type) == "ints"
+
+    def in_place(x):  # the value, or a list of ids with it among them
+        return [3, x] if ids else x
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{name} must be "):
+        SamplingParams(**{name: in_place(bool_)})
+    assert outcome(lambda: SamplingParams(**{name: in_place(scalar(value))})) == \
+        outcome(lambda: SamplingParams(**{name: in_place(value)}))
+
+
+@functools.cache
+def checking_engine():
+    return Engine(MODEL, block_size=4, num_blocks=16)
+
+
+@pytest.mark.engine
+@settings(max_examples=examples(50), deadline=None)
+@given(prompt=st.lists(st.integers(0, 31), min_size=1, max_size=8), priority=st.integers(-3, 3),
+       data=st.data())
+def test_prompts_refuse_bools_and_take_numpy_and_torch_ints(prompt, priority, data):
+    """A bool anywhere in a prompt, or as its priority, is a ValueError naming it; a prompt and a
+    priority of numpy's and torch's integer scalars are taken as the Python ints."""
+    engine, params = checking_engine(), SamplingParams(max_tokens=4)
+    i, bool_ = data.draw(st.integers(0, len(prompt) - 1)), data.draw(BOOLS)
+    with pytest.raises(ValueError, match=rf"prompt token {i} is {re.escape(repr(bool_))}, not an"):
+        engine.check_request(prompt[:i] + [bool_] + prompt[i + 1:], params)
+    with pytest.raises(ValueError, match="priority must be an int"):
+        engine.add_request(prompt, params, priority=bool_)
+    scalars = [data.draw(INT_SCALARS)(t) for t in prompt]
+    request_id = engine.add_request(scalars, params, priority=data.draw(INT_SCALARS)(priority))
+    group = engine.requests[request_id]
+    assert repr((group.prompt_token_ids, group.seqs[0].token_ids, group.priority)) == \
+        repr((prompt, prompt, priority))
+    engine.abort(request_id)
 
 
 @pytest.mark.engine
@@ -4946,6 +5024,36 @@ def test_bad_engine_settings(kwargs, message):
         Engine(MODEL, **{"block_size": 4, "num_blocks": 8, **kwargs})
 
 
+ENGINE_INT_SETTINGS = [name for name, p in inspect.signature(Engine).parameters.items()
+                       if asks_for(p.annotation)]
+
+
+@pytest.mark.engine
+def test_int_engine_settings_say_so_in_their_annotations():
+    """What the next test finds the settings by: a setting whose default is a number is
+    annotated (so one added later is found too)."""
+    for name, p in inspect.signature(Engine).parameters.items():
+        if type(p.default) in (int, float):
+            assert asks_for(p.annotation), f"Engine's {name} needs an annotation: int or float"
+    assert {"block_size", "num_blocks", "kv_cache_bytes", "max_num_seqs"} <= \
+        set(ENGINE_INT_SETTINGS)
+
+
+@pytest.mark.engine
+@settings(max_examples=examples(40), deadline=None)
+@given(name=st.sampled_from(ENGINE_INT_SETTINGS), value=st.integers(0, 64), scalar=INT_SCALARS,
+       bool_=BOOLS)
+def test_int_engine_settings_refuse_bools_and_take_numpy_and_torch_ints(name, value, scalar, bool_):
+    """Every setting of Engine annotated int or float, found from its signature: a bool is a
+    ValueError naming it; numpy's and torch's integer scalars build the engine the same Python
+    int builds, or the same refusal."""
+    settings_ = {key: v for key, v in dict(block_size=4, num_blocks=16).items() if key != name}
+    with pytest.raises(ValueError, match=rf"Engine: {name} must be "):
+        Engine(MODEL, **settings_, **{name: bool_})
+    assert outcome(lambda: Engine(MODEL, **settings_, **{name: scalar(value)})) == \
+        outcome(lambda: Engine(MODEL, **settings_, **{name: value}))
+
+
 @pytest.mark.engine
 def test_engine_takes_a_gpt_model():
     with pytest.raises(ValueError, match=r"model must be a GPT .* got Linear"):
@@ -5394,6 +5502,94 @@ def test_chat_template_renders_as_transformers_apply_chat_template(hf_folder, tm
     assert "[0.0] 'hello' -> " in capsys.readouterr().out
 
 
+def added_token(content, **more):
+    """A special token as many published tokenizer_config.json files store it: an AddedToken's
+    dict, not a string."""
+    return {"__type": "AddedToken", "content": content, "lstrip": False, "normalized": False,
+            "rstrip": False, "single_word": False, **more}
+
+
+SPECIAL_TOKENS = {"unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>",
+                  "pad_token": "<pad>"}
+ADDED_TOKENS_DECODER = {str(i): {"content": t, "lstrip": False, "normalized": False,
+                                 "rstrip": False, "single_word": False, "special": True}
+                        for i, t in enumerate(SPECIAL_TOKENS.values())}
+# tokenizer_config.json as published folders of each era write it, special_tokens_map.json (or
+# None) beside it, where the template lies (chat_template.jinja beside them, or in the config),
+# and what the template shows for bos, unk, pad and eos (transformers 5 reads no
+# special_tokens_map.json)
+REAL_TOKENIZER_CONFIGS = {
+    "llama-2": (dict(add_bos_token=True, add_eos_token=False, clean_up_tokenization_spaces=False,
+                     legacy=False, model_max_length=1e30, pad_token=None, sp_model_kwargs={},
+                     tokenizer_class="LlamaTokenizer", bos_token=added_token("<s>"),
+                     eos_token=added_token("</s>"), unk_token=added_token("<unk>")),
+                None, "tokenizer_config.json", ("<s>", "<unk>", "", "</s>")),
+    "mistral": (dict(added_tokens_decoder=ADDED_TOKENS_DECODER, additional_special_tokens=[],
+                     tokenizer_class="LlamaTokenizer",
+                     **{k: added_token(t, special=True) for k, t in SPECIAL_TOKENS.items()}),
+                None, "chat_template.jinja", ("<s>", "<unk>", "<pad>", "</s>")),
+    "qwen2": (dict(added_tokens_decoder=ADDED_TOKENS_DECODER, bos_token=None, eos_token="</s>",
+                   pad_token="<pad>", unk_token=None, errors="replace", split_special_tokens=False,
+                   tokenizer_class="PreTrainedTokenizerFast"),
+              None, "chat_template.jinja", ("", "", "<pad>", "</s>")),
+    "special_tokens_map.json": (dict(added_tokens_decoder=ADDED_TOKENS_DECODER,
+                                     tokenizer_class="PreTrainedTokenizerFast"),
+                                {k: added_token(t) for k, t in SPECIAL_TOKENS.items()},
+                                "chat_template.jinja", ("", "", "", "")),
+}
+# every special token a template may name, whether or not the folder sets it
+SPECIALS_TEMPLATE = CHAT_TEMPLATE + "{{ unk_token }}|{{ pad_token }}|{{ eos_token }}"
+
+
+@pytest.fixture(scope="module")
+def real_tokenizer_folders(tmp_path_factory):
+    """{name: (folder, transformers' tokenizer loaded from it)} for REAL_TOKENIZER_CONFIGS, each
+    folder a tokenizer.json, its configs and its template, written here."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS.values())} | {"hello": 4, "[": 5, "]": 6}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.add_special_tokens(list(SPECIAL_TOKENS.values()))
+    folders = {}
+    for name, (config, special_tokens_map, place, _) in REAL_TOKENIZER_CONFIGS.items():
+        path = tmp_path_factory.mktemp("tokenizer")
+        backend.save(str(path / "tokenizer.json"))
+        if place == "chat_template.jinja":
+            (path / "chat_template.jinja").write_text(SPECIALS_TEMPLATE)
+        else:
+            config = config | {"chat_template": SPECIALS_TEMPLATE}
+        (path / "tokenizer_config.json").write_text(json.dumps(config))
+        if special_tokens_map is not None:
+            (path / "special_tokens_map.json").write_text(json.dumps(special_tokens_map))
+        folders[name] = path, transformers.AutoTokenizer.from_pretrained(path)
+    return folders
+
+
+@pytest.mark.checkpoints
+@settings(max_examples=examples(40), deadline=None)
+@given(chat=st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), st.text(
+    st.characters(codec="utf-8"), max_size=12)), min_size=1, max_size=4).map(
+        lambda c: [{"role": r, "content": t} for r, t in c]), add=st.booleans())
+def test_chat_templates_of_real_configs_render_as_transformers(real_tokenizer_folders, chat,
+                                                               add):
+    """Published folders store special tokens as AddedToken dicts or as strings, beside an
+    added_tokens_decoder, some in special_tokens_map.json too, and the template in
+    chat_template.jinja or in tokenizer_config.json: each chat renders as transformers'
+    apply_chat_template renders it, or both refuse it (here, a chat that starts with the
+    assistant)."""
+    for name, (path, loaded) in real_tokenizer_folders.items():
+        try:
+            expected = loaded.apply_chat_template(chat, tokenize=False, add_generation_prompt=add)
+        except Exception as e:  # the template's own raise_exception
+            with pytest.raises(ValueError, match=re.escape(str(e))):
+                checkpoints.render_chat(str(path), chat, add)
+            continue
+        assert checkpoints.render_chat(str(path), chat, add) == expected, name
+        bos, unk, pad, eos = REAL_TOKENIZER_CONFIGS[name][3]  # transformers read the tokens
+        assert expected.startswith(bos) and expected.endswith(f"{unk}|{pad}|{eos}")
+
+
 @pytest.mark.checkpoints
 def test_chat_without_a_template_or_jinja2_is_one_clear_error(tmp_path, monkeypatch):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
@@ -5508,34 +5704,110 @@ def test_speculative_greedy_output_is_the_targets_and_speculation_only_adds_look
     assert_all_blocks_free(engine)
 
 
+# Logits processors that read what a row has so far, as a user's would: one that pulls toward the
+# token d back (a sequence that repeats itself, whose guesses the n-gram proposer often gets
+# right) and one that bans the last output token
+def echo(d, bias=4.0):
+    def processor(prompt, output, logits):
+        so_far = list(prompt) + list(output)
+        logits = logits.clone()
+        logits[so_far[-min(d, len(so_far))]] += bias
+        return logits
+    return processor
+
+
+def ban_last(prompt, output, logits):
+    return logits.index_fill(0, torch.tensor(output[-1:], dtype=torch.long), -math.inf)
+
+
+OUTPUT_READERS = {"echo 2": echo(2), "echo 3": echo(3), "ban last": ban_last}
+
+
+class RowsSeen:
+    """A logits processor that changes nothing and records what each row it is asked about saw:
+    (prompt, output so far)."""
+
+    def __init__(self):
+        self.rows = set()
+
+    def __call__(self, prompt, output, logits):
+        self.rows.add((tuple(prompt), tuple(output)))
+        return logits
+
+
+# Each of MODEL's 32 tokens decodes to one of these pieces: stop strings over their characters
+# end samples often, across tokens and inside one
+PIECES = ["a", "b", "ab", "ba", " ", "é", "☃", "a b"]
+
+
+class PieceTokenizer:
+    def decode(self, ids):
+        return "".join(PIECES[t % len(PIECES)] for t in ids)
+
+
+@st.composite
+def every_sampling_parameter(draw, seed, seen):
+    """SamplingParams with everything a step's draws read drawn at random: greedy or seeded,
+    filters, penalties, min_tokens, logits processors that read the output, stop strings and
+    stop token ids. seen (RowsSeen) records every row."""
+    readers = draw(st.lists(st.sampled_from(sorted(OUTPUT_READERS)), max_size=2, unique=True))
+    return SamplingParams(
+        max_tokens=10, seed=seed, n=draw(st.integers(1, 2)), logprobs=2,
+        temperature=draw(st.sampled_from([0, 0.5, 1.0])), top_k=draw(st.sampled_from([0, 3])),
+        top_p=draw(st.sampled_from([1.0, 0.8])), min_p=draw(st.sampled_from([0.0, 0.1])),
+        repetition_penalty=draw(st.sampled_from([1.0, 0.7, 1.5])),
+        presence_penalty=draw(st.sampled_from([0.0, -1.5, 1.0])),
+        frequency_penalty=draw(st.sampled_from([0.0, -0.5, 0.8])),
+        min_tokens=draw(st.integers(0, 3)),
+        logits_processors=[OUTPUT_READERS[name] for name in readers] + [seen],
+        stop=draw(st.lists(st.text("ab é☃", min_size=1, max_size=3), max_size=2)),
+        include_stop_str_in_output=draw(st.booleans()),
+        stop_token_ids=draw(st.lists(st.integers(0, 31), max_size=2)))
+
+
+def completions(outputs):
+    return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason, c.cumulative_logprob,
+              c.logprobs) for c in o.outputs] for o in outputs]
+
+
 @pytest.mark.speculative
 @settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompts=st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=12), min_size=1,
                         max_size=5),
-       seed=st.integers(0, 2**32), n=st.integers(1, 2), top_k=st.sampled_from([0, 3]),
-       top_p=st.sampled_from([1.0, 0.8]), temperature=st.sampled_from([0.5, 1.0]),
-       speculator=st.sampled_from(SPECULATORS), k=st.integers(1, 4),
-       mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
+       seed=st.integers(0, 2**32), data=st.data(), speculator=st.sampled_from(SPECULATORS),
+       k=st.integers(1, 4), mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
        spare=st.integers(0, 24))
 # a one-token prompt and k = 4 guesses: the blocks to publish were once counted from before 0
-@example(prompts=[[0]], seed=0, n=1, top_k=0, top_p=1.0, temperature=0.5,
-         speculator="draft=target", k=4, mode="recompute", caching=False, spare=0)
-def test_speculative_seeded_samples_are_the_targets_token_for_token(
-        prompts, seed, n, top_k, top_p, temperature, speculator, k, mode, caching, spare):
-    params = [SamplingParams(max_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p,
-                             seed=seed + i, n=n, ignore_eos=True, logprobs=2)
-              for i in range(len(prompts))]
+@example(prompts=[[0]], seed=0, data=None, speculator="draft=target", k=4, mode="recompute",
+         caching=False, spare=0)
+def test_speculation_changes_no_token_with_every_sampling_parameter_on(
+        prompts, seed, data, speculator, k, mode, caching, spare):
+    """Greedy and seeded requests with every parameter a draw reads (penalties, min_tokens,
+    min_p, logits processors that read the output, stop strings and stop token ids) come out of
+    a speculating engine as out of a plain one: tokens, text, why and where each stopped,
+    logprobs. The row after guess j sees the output so far and guesses 0..j-1, as the same row
+    would without speculation: each kept token was drawn by a row that saw exactly the prompt
+    and the output before it."""
+    seen = RowsSeen()
+    params = [SamplingParams(max_tokens=10, temperature=0.5, seed=seed, ignore_eos=True,
+                             logprobs=2, logits_processors=[seen])] if data is None else [
+        data.draw(every_sampling_parameter(seed + i, seen)) for i in range(len(prompts))]
+    n = max(p.n for p in params)
     worst = n * -(-(max(map(len, prompts)) + 10) // 2)  # from one request at a time to roomy
     settings_ = dict(block_size=2, num_blocks=worst + spare, preemption_mode=mode,
-                     enable_prefix_caching=caching, max_num_batched_tokens=12)
+                     enable_prefix_caching=caching, max_num_batched_tokens=12,
+                     tokenizer=PieceTokenizer())
     plain = Engine(MODEL, **settings_).generate(prompts, params)
+    seen.rows.clear()
     engine = Engine(MODEL, speculative_config=speculative_config(speculator, k, MODEL),
                     **settings_)
     outputs = engine.generate(prompts, params)
-    assert_same_but_rounding([[(c.token_ids, c.cumulative_logprob, c.logprobs)
-                               for c in o.outputs] for o in outputs],
-                             [[(c.token_ids, c.cumulative_logprob, c.logprobs)
-                               for c in o.outputs] for o in plain])
+    assert_same_but_rounding(completions(outputs), completions(plain))
+    for prompt, o in zip(prompts, outputs):
+        for c in o.outputs:
+            assert all((tuple(prompt), tuple(c.token_ids[:j])) in seen.rows
+                       for j in range(len(c.token_ids)))
+    event(f"guesses kept: {engine.stats()['num_accepted_tokens'] > 0}")
     assert_all_blocks_free(engine)
 
 
@@ -5594,6 +5866,8 @@ def test_lookahead_slots_are_reserved_from_what_plain_scheduling_left_and_given_
     ({"method": "medusa", "num_speculative_tokens": 2}, "'method' one of"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": np.bool_(True)},
+     "need ints prompt_lookup_max >= prompt_lookup_min >= 1"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,
       "prompt_lookup_max": 2}, "prompt_lookup_max >= prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "model": MODEL}, "unknown keys"),
@@ -5607,6 +5881,16 @@ def test_lookahead_slots_are_reserved_from_what_plain_scheduling_left_and_given_
 def test_bad_speculative_configs_are_clear_errors(config, message):
     with pytest.raises(ValueError, match=message):
         Engine(MODEL, num_blocks=16, speculative_config=config)
+
+
+@pytest.mark.speculative
+def test_a_speculative_config_takes_numpy_and_torch_integers_as_ints():
+    engine = Engine(MODEL, num_blocks=16, speculative_config={
+        "method": "ngram", "num_speculative_tokens": np.int64(3),
+        "prompt_lookup_max": torch.tensor(3), "prompt_lookup_min": np.int8(1)})
+    p = engine.proposer
+    assert repr((p.num_speculative_tokens, p.max_n, p.min_n)) == repr((3, 3, 1))
+    assert repr(engine.scheduler.num_lookahead_slots) == "3" and serves_normally(engine)
 
 
 @pytest.mark.speculative
@@ -5786,28 +6070,52 @@ def pre_tokenizers_bytes():
     return dict(zip(chars, map(chr, codes)))
 
 
-def vllm_stop_reference(tok, prompt, ids, stop, include, min_tokens):
-    """vLLM's rule, recomputed from scratch after every token: the text is the decode of the
-    sample's tokens after (up to) five prompt tokens of context, released while it does not end in
-    U+FFFD; once more than min_tokens tokens are out, the first stop string in the order given that
-    occurs ending within the newly released characters ends the sample, its text cut before it (or
-    after it, include). Returns (text, number of tokens, the stop string or None)."""
+def released_texts(tok, prompt, ids):
+    """vLLM's text of a sample after each of its tokens (after k tokens: texts[k - 1]), recomputed
+    from scratch: the decode of the sample's tokens after (up to) five prompt tokens of context,
+    released while it does not end in U+FFFD."""
     context = prompt[max(len(prompt) - 5, 0):]
-    base, text = tok.decode(context), ""
+    base, text, texts = tok.decode(context), "", []
     for k in range(1, len(ids) + 1):
         full = tok.decode(context + ids[:k])
-        if full.endswith("\ufffd") or len(full) <= len(base) + len(text):
-            continue
-        new = full[len(base) + len(text):]
-        text += new
-        if k <= min_tokens:
+        if not full.endswith("\ufffd") and len(full) > len(base) + len(text):
+            text += full[len(base) + len(text):]
+        texts.append(text)
+    return texts
+
+
+def vllm_stop_reference(tok, prompt, ids, stop, include, min_tokens):
+    """vLLM's rule, after every token: once more than min_tokens tokens are out, the first stop
+    string in the order given that occurs ending within the newly released characters ends the
+    sample, its text cut before it (or after it, include). Returns (text, number of tokens, the
+    stop string or None)."""
+    before = ""
+    for k, text in enumerate(released_texts(tok, prompt, ids), 1):
+        new, before = text[len(before):], text
+        if not new or k <= min_tokens:
             continue
         for s in stop:
             at = [i for i in range(len(text) - len(s) + 1) if text[i:i + len(s)] == s
                   and i + len(s) > len(text) - len(new)]
             if at:
                 return (text[:at[0] + len(s)] if include else text[:at[0]]), k, s
-    return text, len(ids), None
+    return before, len(ids), None
+
+
+def assert_streams_as_vllm(streamed, texts, params):
+    """vLLM's streaming (its detokenizer's get_next_output_text): while a sample runs, its
+    streamed text is its text so far (texts, as released_texts) less the last len(longest stop
+    string) - 1 characters, which may yet begin a stop string to cut, none held back with
+    include_stop_str_in_output; once finished, all of it. So each streamed text extends the one
+    before, and the deltas a client is sent add up to the final text."""
+    hold = 0 if params.include_stop_str_in_output else max(map(len, params.stop), default=1) - 1
+    sent = ""
+    for c in streamed:
+        if c.finish_reason is None:
+            so_far = texts[len(c.token_ids) - 1]
+            assert c.text == so_far[:max(0, len(so_far) - hold)]
+        assert c.text.startswith(sent)
+        sent = c.text
 
 
 def forcing(ids):
@@ -5825,12 +6133,13 @@ def forcing(ids):
        prompt_text=st.text(STOP_ALPHABET, min_size=1, max_size=8),
        cuts=st.lists(st.integers(0, 200), max_size=10), data=st.data(),
        include=st.booleans(), min_tokens=st.integers(0, 3))
-def test_stop_strings_end_the_text_where_vllms_rule_says(text, prompt_text, cuts, data, include,
-                                                         min_tokens):
+def test_stop_strings_end_and_stream_the_text_as_vllms_rules_say(text, prompt_text, cuts, data,
+                                                                 include, min_tokens):
     """A model made (by a logits processor) to emit a random text in a random tokenization, with
     stop strings cut from that text and from the alphabet (across token boundaries, inside
     multi-byte characters): the engine's text, tokens, finish_reason and stop_reason are those of
-    vLLM's rule, recomputed from scratch after every token."""
+    vLLM's rule, recomputed from scratch after every token, and every step streams the text as
+    vLLM streams it."""
     tok = byte_bpe()
     ids, prompt = random_tokenization(tok, text, cuts), tok.encode(prompt_text).ids
     pieces = st.integers(0, len(text) - 1).flatmap(lambda i: st.integers(i + 1, len(text)).map(
@@ -5852,9 +6161,63 @@ def test_stop_strings_end_the_text_where_vllms_rule_says(text, prompt_text, cuts
     assert (out.text, out.token_ids, out.stop_reason) == (expected_text, ids[:num_tokens],
                                                           stop_string)
     assert out.finish_reason == ("stop" if stop_string is not None else "length")
-    # streamed text only grows, and never shows what a stop string may yet cut
-    texts = [c.text for c in streamed]
-    assert all(b.startswith(a) for a, b in zip(texts, texts[1:] + [out.text]))
+    assert_streams_as_vllm(streamed, released_texts(tok, prompt, ids), params)
+
+
+# vLLM's rules for a sample's text at its end (vllm-project/vllm: vllm/v1/core/sched/utils.py,
+# check_stop; vllm/v1/engine/detokenizer.py, BaseIncrementalDetokenizer.update and
+# get_next_output_text): a stop token ends the sample from min_tokens on, and its own text is
+# left out unless include_stop_str_in_output (vLLM PR 14624); then the stop strings are looked
+# for in the text the step added, a stop token's own text included when it is kept (PR 23938):
+# the first found ends the sample there and is its stop_reason, the text cut before it, or
+# after it with include_stop_str_in_output. While the sample runs, the streamed text holds back
+# len(longest stop string) - 1 characters, none with include_stop_str_in_output.
+#
+# The output a model is made to emit: "ab é b☃.a\n🙂aa", one token a piece ("☃." is one token
+# of two characters), the 🙂 split across two tokens inside its four bytes.
+STOP_PIECES = ["ab", " é", " b", "☃.", "a", "\n", b"\xf0\x9f", b"\x99\x82", "aa"]
+STOP_ROWS = [  # stop token (a piece), stop strings, include: text, tokens kept, stop_reason
+    ("☃.", [], False, "ab é b", 4, "its id"),
+    ("☃.", [], True, "ab é b☃.", 4, "its id"),
+    (None, ["b☃"], False, "ab é ", 4, "b☃"),
+    (None, ["b☃"], True, "ab é b☃", 4, "b☃"),
+    (None, ["x", "\n🙂"], False, "ab é b☃.a", 8, "\n🙂"),  # found inside a split character
+    (None, ["x", "\n🙂"], True, "ab é b☃.a\n🙂", 8, "\n🙂"),
+    ("☃.", ["☃"], False, "ab é b", 4, "its id"),  # its text, left out, holds no stop string
+    ("☃.", ["☃"], True, "ab é b☃", 4, "☃"),  # kept, it does: the string stops and cuts
+    (None, [], False, "ab é b☃.a\n🙂aa", 9, None),
+    ("a", ["aa"], True, "ab é b☃.a", 5, "its id"),  # the first stop token, not a later string
+]
+
+
+@pytest.mark.detokenizer
+@pytest.mark.parametrize("streamed", [True, False], ids=["streamed", "generate"])
+@pytest.mark.parametrize("stop_token, stop, include, text, num_tokens, reason", STOP_ROWS, ids=[
+    "token", "token kept", "string", "string kept", "split character", "split character kept",
+    "token holding a string", "token holding a string kept", "none", "token before a string"])
+def test_stop_tokens_and_strings_end_the_text_as_vllm_does(
+        stop_token, stop, include, text, num_tokens, reason, streamed):
+    tok = byte_bpe()
+    alphabet = pre_tokenizers_bytes()
+    pieces = [p if isinstance(p, bytes) else p.encode() for p in STOP_PIECES]
+    ids = [t.id for p in pieces for t in tok.model.tokenize("".join(alphabet[b] for b in p))]
+    assert len(ids) == len(STOP_PIECES) and tok.decode(ids) == "ab é b☃.a\n🙂aa"
+    stop_ids = [ids[STOP_PIECES.index(stop_token)]] if stop_token else []
+    params = SamplingParams(max_tokens=len(ids), temperature=0, stop=stop, stop_token_ids=stop_ids,
+                            include_stop_str_in_output=include, logits_processors=[forcing(ids)])
+    engine = Engine(stop_model(tok.get_vocab_size()), block_size=4, num_blocks=64, tokenizer=tok)
+    prompt = tok.encode("a b").ids
+    if streamed:
+        request_id, outputs = engine.add_request(prompt, params), []
+        while engine.requests:
+            outputs += [o.outputs[0] for o in engine.step() if o.request_id == request_id]
+        assert_streams_as_vllm(outputs, released_texts(tok, prompt, ids), params)
+        out = outputs[-1]
+    else:
+        out = engine.generate([prompt], params)[0].outputs[0]
+    reason = stop_ids[0] if reason == "its id" else reason
+    assert (out.text, out.token_ids, out.stop_reason) == (text, ids[:num_tokens], reason)
+    assert out.finish_reason == ("length" if reason is None else "stop")
 
 
 @functools.cache
