@@ -95,10 +95,10 @@ class Streamer:
 
 def block_map(engine):
     """Physical KV memory as a grid of cells, one per block, and who owns each."""
-    owners = {}  # block id -> request ids whose sequences point at it
+    owners = {}  # block id -> request ids whose sequences point at it (every table of each)
     for group in engine.scheduler.running:
-        for seq in group.seqs:
-            for block_id in seq.block_table:
+        for table in (table for seq in group.seqs for table in seq.block_tables):
+            for block_id in table:
                 owners.setdefault(block_id, set()).add(group.request_id)
     letters = {g.request_id: CELLS[i % len(CELLS)] for i, g in enumerate(engine.scheduler.running)}
     cells = []
@@ -119,7 +119,7 @@ def cpu_block_map(engine, letters):
     """The CPU pool as cells: a swapped-out request's block (its letter, upper-case when its
     sequences share it), a free block the CPU tier caches a prefix in (:), or a free one (.)."""
     owners = {b: g.request_id for g in engine.scheduler.swapped for seq in g.seqs
-              for b in seq.block_table}
+              for table in seq.block_tables for b in table}
     letters.update({g.request_id: CELLS[(len(letters) + i) % len(CELLS)]
                     for i, g in enumerate(engine.scheduler.swapped)})
     return [":" if b.ref_count == 0 and b.hash is not None else "." if b.ref_count == 0 else

@@ -24,6 +24,7 @@ Run `python nanopaged.py`, or `torchrun --nproc-per-node 2 nanopaged.py
 
 import copy
 import hashlib
+import inspect
 import itertools
 import math
 import os
@@ -2874,7 +2875,10 @@ def check_engine_settings(model, device, attention_backend, preemption_mode,
         raise ValueError(f"Engine: the model's dtype {dtype} is not a floating-point type")
     cache_dtype = kernel.check_kv_cache_dtype(kv_cache_dtype, dtype, device, attention_backend)
     backend = kernel.ATTENTION_BACKENDS[attention_backend]
-    if why := backend.unsupported(dtype, model.config.head_dim, cache_dtype):
+    why = backend.unsupported(dtype, model.config.head_dim, cache_dtype)
+    if any(model.config.windows) and "window" not in inspect.signature(backend.attend).parameters:
+        why = "its attend() takes no window, and this model's layers have sliding windows"
+    if why:
         raise ValueError(f"Engine: attention_backend={attention_backend!r} cannot run this "
                          f"model: {why} (attention_backend='torch' takes any)")
     return device, backend, cache_dtype

@@ -417,7 +417,7 @@ def write_html(events, path, decode=None, title="nanopaged: paging, step by step
     """One self-contained HTML file (inline script and style, nothing fetched) that replays the
     run step by step: open it in any browser. #step=N in its address opens it at step N."""
     data = json.dumps(page_data(events, decode), separators=(",", ":"))
-    page = PAGE.replace("__TITLE__", escape(title)).replace(
+    page = PAGE.replace("__TITLE__", escape(title)).replace("__NO_BLOCK__", str(NO_BLOCK)).replace(
         "__DATA__", data.replace("</", "<\\/"))  # no "</script>" inside the data
     with open(path, "w", encoding="utf-8") as f:
         f.write(page)
@@ -466,6 +466,7 @@ section { background: #fff; border: 1px solid #e3e3e3; border-radius: 4px; paddi
 .chip { min-width: 22px; padding: 0 2px; border: 1px solid #999; border-radius: 3px;
         font-size: 11px; text-align: center; font-variant-numeric: tabular-nums; }
 .chip.cpu { background: #eef !important; border-style: dotted; }
+.chip.gone { color: #aaa; border-style: dashed; }
 #events { max-height: 34vh; overflow-y: auto; margin: 0; padding-left: 28px; }
 svg { width: 100%; height: 110px; display: block; cursor: pointer; }
 polyline { fill: none; stroke-width: 1.6; vector-effect: non-scaling-stroke; }
@@ -513,6 +514,7 @@ body.lighting [data-requests]:not(.lit) { opacity: .22; }
 "use strict";
 const D = JSON.parse(document.getElementById("data").textContent);
 const F = D.frames, C = D.config, $ = (id) => document.getElementById(id);
+const NO_BLOCK = __NO_BLOCK__;
 let at = 0, lit = null, timer = null;
 
 // one hue a request, the golden angle apart so that neighbours differ
@@ -538,6 +540,9 @@ function drawPool(f) {
 }
 
 function chip(b, info, cpu, isNew) {
+  if (b === NO_BLOCK) {  // a block its sliding window gave back: its place stays, empty
+    return `<span class="chip gone" title="given back: no token to come sees it">\u2013</span>`;
+  }
   const requests = requestsOf(info.owners).join(" "), shared = info.ref > 1 ? " shared" : "";
   return `<span class="chip${cpu ? " cpu" : ""}${shared}${isNew ? " new" : ""}" data-requests=` +
     `"${requests}" ${cpu ? "data-cpu" : "data-block"}="${b}" style="background:` +

@@ -3497,6 +3497,23 @@ def test_windowed_models_generate_like_naive_contiguous(mix, window, kinds):
 
 
 @pytest.mark.model
+def test_a_backend_without_windows_is_refused_for_a_windowed_model_and_serves_the_rest(
+        monkeypatch):
+    """A backend written before windows (its attend takes no window: README's recipe) still
+    serves every model without one; for a model with windows it is a clear error up front."""
+    def attend(q, k_cache, v_cache, meta, scale, **scales):
+        return kernel.ATTENTION_BACKENDS["torch"].attend(q, k_cache, v_cache, meta, scale,
+                                                          **scales)
+    monkeypatch.setitem(kernel.ATTENTION_BACKENDS, "no_windows",
+                        kernel.AttentionBackend(kernel.store_kv_torch, attend))
+    with pytest.raises(ValueError, match="no_windows.*takes no window"):
+        Engine(HYBRID, block_size=4, num_blocks=16, attention_backend="no_windows")
+    engine = Engine(MODEL, block_size=4, num_blocks=16, attention_backend="no_windows")
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert out.outputs[0].token_ids == naive_greedy(MODEL, [1, 2, 3], 4)
+
+
+@pytest.mark.model
 @pytest.mark.parametrize("backend", ["triton", "torch", "flex"])
 def test_a_hybrid_model_generates_like_naive_on_every_backend(backend):
     # a window of 5 over prompts up to 3 windows long and 12 new tokens, in blocks of 4:
