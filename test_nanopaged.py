@@ -199,6 +199,15 @@ def serves_normally(engine):
     return True
 
 
+def kinds_of_requests(vocab_size=32):
+    """Up to 6 requests: (prompt, max_tokens, kind), each kind a way to sample: greedy, seeded,
+    two samples, or a beam search of two."""
+    return st.lists(st.tuples(st.lists(st.integers(0, vocab_size - 1), min_size=1, max_size=10),
+                              st.integers(1, 6),
+                              st.sampled_from(["greedy", "seeded", "n=2", "beam=2"])),
+                    min_size=1, max_size=6)
+
+
 @st.composite
 def request_mixes(draw):
     """Prompts (often sharing a prefix), output lengths, and an engine sized from ample to tight."""
@@ -314,6 +323,17 @@ def hf_folder(tmp_path_factory):
         hf.save_pretrained(path)
         return path, hf
     return build
+
+
+def hf_greedy(hf, prompts, max_new_tokens):
+    """transformers' greedy generate, each prompt alone: the new tokens."""
+    expected = []
+    for p in prompts:  # token 0 is not padding here, so the mask is explicit
+        mask = torch.ones(1, len(p), dtype=torch.long)
+        out = hf.generate(torch.tensor([p]), attention_mask=mask, max_new_tokens=max_new_tokens,
+                          do_sample=False, pad_token_id=0)
+        expected.append(out[0, len(p):].tolist())
+    return expected
 
 
 @functools.cache
@@ -3249,12 +3269,7 @@ def test_paged_greedy_generation_equals_hugging_face_generate(hf_folder, name):
     path, hf = hf_folder(name)
     model, hf64 = GPT.from_pretrained(str(path), dtype=torch.float64), copy.deepcopy(hf).double()
     prompts = [[(7 * i + 3 * j) % 97 for j in range(n)] for i, n in enumerate([5, 7, 11, 13])]
-    expected = []
-    for p in prompts:  # token 0 is not padding here, so the mask is explicit
-        mask = torch.ones(1, len(p), dtype=torch.long)
-        out = hf64.generate(torch.tensor([p]), attention_mask=mask, max_new_tokens=12,
-                            do_sample=False, pad_token_id=0)
-        expected.append(out[0, len(p):].tolist())
+    expected = hf_greedy(hf64, prompts, 12)
     for mode in ["recompute", "swap"]:
         engine = Engine(model, block_size=3, num_blocks=12, preemption_mode=mode)  # 3 divides none
         outputs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
@@ -3339,12 +3354,7 @@ def test_windowed_paged_greedy_generation_equals_hugging_face_generate(hf_folder
     prompts = [[(3 * i + 2) % 97] * 2 for i in range(3)]
     prompts += [shared + [(7 * i + 3 * j) % 97 for j in range(n)]
                 for i, n in enumerate([3, 19, 45])]
-    expected = []
-    for p in prompts:  # token 0 is not padding here, so the mask is explicit
-        mask = torch.ones(1, len(p), dtype=torch.long)
-        out = hf64.generate(torch.tensor([p]), attention_mask=mask, max_new_tokens=48,
-                            do_sample=False, pad_token_id=0)
-        expected.append(out[0, len(p):].tolist())
+    expected = hf_greedy(hf64, prompts, 48)
     unwindowed = copy.deepcopy(model)
     for block in unwindowed.transformer.h:
         block.attn.window = None
@@ -4579,10 +4589,7 @@ FAILURE_POINTS = [(nanopaged.Scheduler, "schedule"), (BlockAllocator, "allocate"
 
 @pytest.mark.engine
 @settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 31), min_size=1, max_size=10),
-                                   st.integers(1, 6),
-                                   st.sampled_from(["greedy", "seeded", "n=2", "beam=2"])),
-                         min_size=1, max_size=6),
+@given(requests=kinds_of_requests(vocab_size=32),
        point=st.sampled_from(FAILURE_POINTS), call=st.integers(1, 12), after=st.booleans(),
        block_size=st.sampled_from([1, 2, 4]), spare=st.integers(0, 6),
        mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
@@ -4725,10 +4732,7 @@ PAGING_STATE = {"block_tables", "num_computed_tokens", "num_cached_blocks"}
 
 @pytest.mark.engine
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 31), min_size=1, max_size=10),
-                                   st.integers(1, 6),
-                                   st.sampled_from(["greedy", "seeded", "n=2", "beam=2"])),
-                         min_size=1, max_size=6),
+@given(requests=kinds_of_requests(vocab_size=32),
        block_size=st.sampled_from([1, 2, 4]), spare=st.integers(0, 6),
        mode=st.sampled_from(["recompute", "swap"]), speculate=st.booleans())
 def test_only_a_steps_commit_changes_a_request(requests, block_size, spare, mode, speculate):
@@ -7337,10 +7341,7 @@ def assert_replay_is_the_engine(pool, engine):
 
 @pytest.mark.trace
 @settings(max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 7), min_size=1, max_size=10),
-                                   st.integers(1, 6),
-                                   st.sampled_from(["greedy", "seeded", "n=2", "beam=2"])),
-                         min_size=1, max_size=6),
+@given(requests=kinds_of_requests(vocab_size=8),
        block_size=st.sampled_from([1, 2, 4]), spare=st.integers(0, 8),
        mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
        tier=st.sampled_from([0, 4, 16]),
