@@ -1991,7 +1991,8 @@ def bench_page():
 SECTIONS = dict(memory=bench_memory, capacity=bench_capacity, sharing=bench_sharing,
                 throughput=bench_throughput, logprobs=bench_logprobs,
                 speculative=bench_speculative, kernel=bench_kernel, quality=bench_quality,
-                tier=bench_tier, window=bench_window, overhead=bench_overhead, tensor_parallel=bench_tensor_parallel,
+                tier=bench_tier, window=bench_window, overhead=bench_overhead,
+                tensor_parallel=bench_tensor_parallel,
                 serve=bench_serve, page=bench_page)
 
 
