@@ -2085,6 +2085,8 @@ class SamplingMetadata:
 def apply_logits_processors(scores, meta):
     """Each row's own SamplingParams.logits_processors, in order, on its scores (vLLM's
     per-request form): constrained decoding, watermarks, a bias of one's own."""
+    if not meta.uses("logits_processors"):
+        return scores
     for r, p in enumerate(meta.params):
         for processor in p.logits_processors:
             scores[r] = processor(meta.prompt_ids(r), meta.output_ids(r), scores[r])
@@ -2112,6 +2114,8 @@ def apply_min_tokens(scores, meta):
     """No row with fewer than min_tokens output tokens may draw an end: its stop_token_ids and
     the model's end-of-text ids score -inf (vLLM's, ignore_eos or not; transformers'
     MinNewTokensLengthLogitsProcessor)."""
+    if not meta.uses("min_tokens"):
+        return scores
     for r, p in enumerate(meta.params):
         if meta.seqs[r].num_output_tokens + len(meta.proposed[r]) < p.min_tokens:
             ends = sorted(set(p.stop_token_ids) | meta.eos_token_ids)
