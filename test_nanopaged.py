@@ -4419,12 +4419,15 @@ class EngineMachine(RuleBasedStateMachine):
         s.schedule = checked_schedule
 
     @rule(prompt=st.lists(st.integers(0, 7), min_size=1, max_size=9), max_tokens=st.integers(1, 6),
-          kind=st.sampled_from(["greedy", "greedy", "n=2", "beam=2"]), priority=st.integers(0, 2))
-    def add(self, prompt, max_tokens, kind, priority):
+          kind=st.sampled_from(["greedy", "greedy", "n=2", "beam=2"]), priority=st.integers(0, 2),
+          seed=st.integers(0, 2**16))
+    def add(self, prompt, max_tokens, kind, priority, seed):
         if kind == "beam=2" and self.engine.proposer:  # refused when speculating: its own test
             kind = "n=2"
+        # Seeded: unseeded, a sample's stop would follow torch's global random state, and so would
+        # whether abort() may run; Hypothesis could not replay a case
         params = SamplingParams(max_tokens=max_tokens, temperature=0 if kind == "greedy" else 1.0,
-                                n=2 if kind == "n=2" else 1,
+                                n=2 if kind == "n=2" else 1, seed=seed,
                                 beam_width=2 if kind == "beam=2" else None)
         try:
             request_id = self.engine.add_request(prompt, params, priority=priority)
