@@ -4387,6 +4387,24 @@ def test_the_undo_costs_what_the_plan_changed(mode):
     assert journal_length(8) == journal_length(200)
 
 
+@pytest.mark.engine
+def test_every_example_starts_from_the_same_torch_random_state():
+    """A request sampled without a seed draws its seed from torch's global generator; conftest.py
+    has Hypothesis seed it before each example, as it seeds Python's, so an example that takes
+    such a request replays exactly (else a state machine's preconditions could follow the draws:
+    FlakyStrategyDefinition)."""
+    starts = []
+
+    @settings(max_examples=5, database=None)
+    @given(st.integers(0, 7))
+    def unseeded(prompt_token):
+        starts.append(torch.get_rng_state())
+        Engine(MODEL, block_size=4, num_blocks=8).generate([[prompt_token]],
+                                                           SamplingParams(max_tokens=2))
+    unseeded()
+    assert len(starts) == 5 and all(torch.equal(s, starts[0]) for s in starts)
+
+
 class EngineMachine(RuleBasedStateMachine):
     """Random interleavings of add_request, step and abort on a tiny pool."""
 
