@@ -20,6 +20,9 @@ if not torch.cuda.is_available():
 
 settings.register_profile("fast", max_examples=10)  # an edit-test loop: about 2 minutes
 settings.register_profile("thorough", max_examples=1000)  # a night: 10x the default's examples
+# tools/seeds.sh: the default's examples, and no example database, so that each seed's run is
+# its own (the database would replay at every seed what failed at an earlier one)
+settings.register_profile("seeds", database=None)
 
 
 class TorchGlobalRandom:
