@@ -39,6 +39,7 @@ from collections import Counter, deque
 from fractions import Fraction
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 import pytest
 from hypothesis import HealthCheck, event, example, given, settings, strategies as st
@@ -4530,6 +4531,93 @@ def test_bad_requests_are_rejected_before_taking_blocks(prompt, params, message)
     with pytest.raises(ValueError, match=message):
         engine.add_request(prompt, params)
     assert_all_blocks_free(engine) and serves_normally(engine)
+
+
+def call(f, *args):  # st.builds' callable, for builders drawn from a list
+    return f(*args)
+
+
+def ids_as_given(good):
+    """Token ids as users put them in a prompt's list: ones the engine takes (ints, numpy's
+    integers, 0-d integer tensors and arrays, in the vocabulary [0, 32)), or ones it refuses."""
+    if good:
+        return st.builds(call, st.sampled_from([int, np.int64, np.int32, np.uint8, np.array,
+                                                torch.tensor, lambda t: torch.tensor(t).short()]),
+                         st.integers(0, 31))
+    wide = st.sampled_from([int, np.int64, np.array, torch.tensor])  # holds any id we draw
+    return st.one_of(
+        st.sampled_from([True, False, np.True_, torch.tensor(True), 2.5, math.nan, "3", None]),
+        st.builds(call, st.sampled_from([float, np.float32, lambda t: torch.tensor(t) / 1]),
+                  st.integers(0, 31)),  # integral floats too
+        st.builds(call, wide, st.integers(-2**40, -1) | st.integers(32, 2**40) | st.just(32)),
+        st.builds(call, st.sampled_from([np.uint8, lambda t: torch.tensor(t).byte()]),
+                  st.integers(32, 255)),
+        st.builds(call, st.sampled_from([lambda t: [t], lambda t: (t,), lambda t: [[t]],
+                                         lambda t: torch.tensor([t]), lambda t: np.array([t])]),
+                  st.integers(0, 31)))  # nested
+
+
+@st.composite
+def prompts_as_given(draw):
+    """(a prompt as a user may pass it, the plain ints the engine must run it as or None, and
+    what the ValueError must name if it refuses it): a list or tuple of ids_as_given, a tensor
+    or numpy array of ids (of any dtype and shape, maybe empty), or something else."""
+    form = draw(st.sampled_from(["list", "tuple", "tensor", "array", "other"]))
+    if form in ("list", "tuple"):
+        good = draw(st.lists(st.booleans(), max_size=6))
+        prompt = [draw(ids_as_given(g)) for g in good]
+        prompt = prompt if form == "list" else tuple(prompt)
+        if not good:
+            return prompt, None, "the prompt is empty"
+        if not all(good):
+            return prompt, None, f"prompt token {good.index(False)} is "
+        return prompt, [int(t) for t in prompt], None
+    if form == "other":
+        return draw(st.sampled_from(["hello", 5, None, {1, 2}, range(3), np.array(5),
+                                     torch.tensor(5)])), None, "prompt"
+    ids = draw(st.lists(st.integers(0, 31) | st.integers(-3, 40), max_size=6))
+    dtype = draw(st.sampled_from(["int64", "int32", "int16", "float32", "bool"]))
+    wide = draw(st.booleans())  # 2-D
+    prompt = (torch.tensor(ids, dtype=getattr(torch, dtype)) if form == "tensor"
+              else np.array(ids, dtype=dtype))
+    prompt = prompt.reshape(1, -1) if wide else prompt
+    if wide or dtype in ("float32", "bool") or not ids:
+        return prompt, None, "prompt"
+    bad = [i for i, t in enumerate(ids) if not 0 <= t < 32]
+    return prompt, None if bad else ids, f"prompt token {bad[0]} is " if bad else None
+
+
+@pytest.mark.engine
+@settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=prompts_as_given())
+def test_a_prompt_runs_as_plain_ints_or_is_refused_naming_it_before_anything_changes(case):
+    """Random prompts, good and bad. A bad one (bools, floats, negative ids, ids at or past the
+    vocabulary, nested lists, a float or 2-D tensor, an empty one, not a list) is a ValueError
+    naming the prompt, or the first token it refuses, before anything changes, in add_request()
+    beside a request in flight and in generate(); a good one (numpy's and torch's integers too,
+    as ids or whole) runs, as its ids in plain ints."""
+    prompt, ids, names = case
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    engine = Engine(MODEL, block_size=2, num_blocks=24)
+    mate = engine.add_request([1, 2, 3, 4, 5], greedy)
+    engine.step()  # in flight: it holds blocks and has cached some
+    if ids is None:
+        before = engine_state(engine)
+        with pytest.raises(ValueError, match=re.escape(names)):
+            engine.add_request(prompt, greedy)
+        assert engine_state(engine) == before
+        idle = Engine(MODEL, block_size=2, num_blocks=24)
+        before = engine_state(idle)
+        with pytest.raises(ValueError, match="prompt 1: .*" + re.escape(names)):
+            idle.generate([[1], prompt], greedy)
+        assert engine_state(idle) == before
+        assert drain(engine)[mate].outputs[0].token_ids == naive_greedy(MODEL, [1, 2, 3, 4, 5], 3)
+        return
+    request_id = engine.add_request(prompt, greedy)
+    out = drain(engine)[request_id]
+    assert out.prompt_token_ids == ids and {type(t) for t in out.prompt_token_ids} == {int}
+    assert out.outputs[0].token_ids == naive_greedy(MODEL, ids, 3)
+    assert_all_blocks_free(engine)
 
 
 @pytest.mark.engine
