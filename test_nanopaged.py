@@ -6703,6 +6703,77 @@ def test_replaying_the_trace_rebuilds_the_pool_at_every_step(requests, block_siz
 
 
 @pytest.mark.trace
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=8),
+                                   st.integers(1, 4), st.sampled_from(["greedy", "n=2"])),
+                         min_size=2, max_size=6),
+       block_size=st.sampled_from([1, 2]), spare=st.integers(0, 3),
+       mode=st.sampled_from(["recompute", "swap"]), tier=st.sampled_from([0, 2, 8]),
+       cpu=st.booleans(), fail=st.sets(st.integers(1, 4), min_size=1, max_size=2),
+       point=st.sampled_from([(GPT, "forward"), (nanopaged, "sample")]))
+@example(requests=[([0, 0], 1, "greedy"), ([1, 1], 1, "greedy"), ([2, 2], 1, "greedy")],
+         block_size=1, spare=0, mode="recompute", tier=0, cpu=False, fail={1},
+         point=(GPT, "forward"))  # the second prompt's step takes the first's cached block
+@example(requests=[([0, 0, 0], 1, "greedy"), ([0], 1, "greedy"), ([0], 3, "greedy")],
+         block_size=1, spare=0, mode="recompute", tier=2, cpu=False, fail={3},
+         point=(GPT, "forward"))  # and the CPU tier's, to offload a block the device evicts
+def test_the_replay_forgets_the_prefix_of_a_block_a_failed_step_evicted(
+        requests, block_size, spare, mode, tier, cpu, fail, point):
+    """A step that evicts a cached block and then fails: its undo gives the block back to the
+    free list but not its prefix (the failed step may have written into it), in either tier.
+    Failures are injected after the forward (or the draw) of the k-th step that evicted from
+    the device's cache (or from the CPU tier's, with cpu), for k drawn: in a tight pool of
+    prompts from three tokens, cached blocks are evicted often. The pool replayed from the trace
+    equals the engine's after the failed step and after every one that follows."""
+    params = [SamplingParams(max_tokens=m, temperature=0 if kind == "greedy" else 1.0, seed=i,
+                             n=2 if kind == "n=2" else 1)
+              for i, (_, m, kind) in enumerate(requests)]
+    worst = max(p.n * -(-(len(r[0]) + p.max_tokens) // block_size)
+                for r, p in zip(requests, params))
+    trace = pagetrace.Trace()
+    engine = Engine(MODEL, block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
+                    max_num_batched_tokens=6, max_num_seqs=4, observer=trace,
+                    cpu_cache_bytes=tier * 1024 * block_size)  # tier blocks
+    evicting = "cpu_" if cpu and tier else ""  # the prefix cache's tier whose evictions count
+    for r, p in zip(requests, params):
+        engine.add_request(r[0], p)
+    owner, name = point
+    real, real_evict = getattr(owner, name), nanopaged.PrefixCache.evict
+    evicted, evicting_steps, failed = [], [0], []  # this step's evictions, steps that evicted
+
+    def evict(self):
+        if self.tier == evicting:
+            evicted.append(1)
+        return real_evict(self)
+
+    def flaky(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if evicted and evicting_steps[0] + 1 in fail:
+            failed.append(1)
+            raise RuntimeError("injected")
+        return result
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(owner, name, flaky)
+        mp.setattr(nanopaged.PrefixCache, "evict", evict)
+        for _ in range(300):  # bounded: see drain
+            if not engine.requests:
+                break
+            evicted.clear()
+            try:
+                engine.step()
+            except RuntimeError as e:
+                assert "injected" in str(e)
+            evicting_steps[0] += bool(evicted)
+            assert_replay_is_the_engine(pagetrace.replay(trace.events)[-1][1], engine)
+    assert not engine.requests
+    rollbacks = [e for e in trace.events if e["event"] == "rollback"]
+    event(f"failed after evicting: {bool(failed)}; uncached: device "
+          f"{any(e['uncached'] for e in rollbacks)}, CPU "
+          f"{any(e['cpu_uncached'] for e in rollbacks)}")
+
+
+@pytest.mark.trace
 def test_an_observer_that_raises_fails_the_step_and_changes_nothing():
     """A raising observer is the step's failure like any other: rolled back, nothing lost; an
     observer that raises while the step is undone cannot stop the undo."""
