@@ -3933,6 +3933,52 @@ def test_step_streams_every_request_that_gained_tokens(requests, mode):
 
 
 @pytest.mark.engine
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 7), min_size=1, max_size=8),
+                                   st.integers(1, 6),
+                                   st.sampled_from(["greedy", "seeded", "n=2", "beam=2"])),
+                         min_size=1, max_size=5),
+       block_size=st.sampled_from([1, 2, 4]), spare=st.integers(0, 4),
+       mode=st.sampled_from(["recompute", "swap"]), speculate=st.booleans(),
+       abort_at=st.sets(st.integers(0, 20), max_size=1))
+def test_every_output_step_returned_keeps_what_it_said(requests, block_size, spare, mode,
+                                                       speculate, abort_at):
+    """Every RequestOutput step() returns is a snapshot: after each later step, and after its
+    request finishes (or another is aborted), it equals a deep copy taken when it was returned.
+    An output that shared a list with its live sequence (its tokens, logprobs or prompt logprobs)
+    or its metrics would change under the caller. Over samples, beams, logprobs, prompt
+    logprobs, stop strings and text through a tokenizer, speculation, and preemption in a pool
+    too tight for all (prefills in chunks)."""
+    def kind_of(kind):
+        return "n=2" if kind == "beam=2" and speculate else kind
+    params = [SamplingParams(max_tokens=m, temperature=0 if kind_of(k) == "greedy" else 1.0,
+                             seed=i, n=2 if kind_of(k) == "n=2" else 1,
+                             beam_width=2 if kind_of(k) == "beam=2" else None,
+                             logprobs=None if kind_of(k) == "beam=2" else 2,
+                             prompt_logprobs=1, stop=None if kind_of(k) == "beam=2" else ["ba"])
+              for i, (_, m, k) in enumerate(requests)]
+    worst = max(p.num_seqs * -(-(len(r[0]) + p.max_tokens) // block_size)
+                for r, p in zip(requests, params))
+    engine = Engine(MODEL, block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
+                    max_num_batched_tokens=6, max_num_seqs=4, tokenizer=UserTokenizer(),
+                    speculative_config=speculative_config("ngram", 2, MODEL) if speculate
+                    else None)
+    for (prompt, _, _), p in zip(requests, params):
+        engine.add_request(prompt, p)
+    returned = []  # (an output step() returned, its deep copy then)
+    for i in range(300):  # bounded: see drain
+        if not engine.requests:
+            break
+        if i in abort_at and len(engine.requests) > 1:  # one is left to finish
+            engine.abort(sorted(engine.requests)[-1])
+        returned += [(out, copy.deepcopy(out)) for out in engine.step()]
+        for out, then in returned:
+            assert out == then, f"request {out.request_id}: an output changed after it was returned"
+    assert not engine.requests and returned
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.engine
 def test_an_engine_takes_its_parts_by_class():
     """Your copy subclasses a part and passes the class: here bench.py's allocator that reserves
     max_seq_len at admission (its contiguous mode) and a scheduler that counts its steps.
