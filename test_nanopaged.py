@@ -2607,6 +2607,51 @@ def test_an_engine_that_cannot_make_progress_raises_at_once(monkeypatch):
         assert_all_blocks_free(engine) is None
 
 
+@pytest.mark.scheduler
+def test_a_stall_counts_the_requests_of_every_queue_each_from_its_own():
+    """The no-progress RuntimeError names how many requests wait and are swapped out and how many
+    sequences run, each read from its own queue: a swap-mode engine runs until all three queues
+    hold requests, in counts that differ (and running sequences that outnumber running groups),
+    so that no two counts can trade places unseen; then its scheduler (a subclass, as a fork
+    passes one) plans nothing. The stalled step changes nothing, and once the scheduler plans
+    again every request ends as in a run that never stalled."""
+    class HeldScheduler(nanopaged.Scheduler):
+        held = False
+
+        def schedule(self):
+            return nanopaged.SchedulerOutput() if self.held else super().schedule()
+
+    def run(stall):
+        engine = Engine(MODEL, block_size=2, num_blocks=16, preemption_mode="swap",
+                        max_num_batched_tokens=8, scheduler_cls=HeldScheduler)
+        for i in range(6):
+            engine.add_request([i + 1] * 5, SamplingParams(max_tokens=10, n=1 + i % 2, seed=i))
+        s, outputs = engine.scheduler, {}
+        for _ in range(100):  # bounded: see drain
+            outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+            counts = (len(s.waiting), len(s.swapped), sum(len(g.seqs) for g in s.running))
+            if stall and min(counts) and len({*counts, len(s.running)}) == 4:
+                break
+        else:
+            assert not stall, f"never had requests in every queue in distinct counts: {counts}"
+        if stall:
+            s.held = True
+            before = engine_state(engine)
+            with pytest.raises(RuntimeError, match="can make no progress") as stalled:
+                engine.step()
+            said = re.search(r"while (\d+) waiting and (\d+) swapped requests and (\d+) running "
+                             r"sequences are unfinished \((\d+) of (\d+) KV blocks free\)",
+                             str(stalled.value))
+            assert said and tuple(map(int, said.groups())) == \
+                (*counts, engine.allocator.num_free_blocks, 16)
+            assert engine_state(engine) == before
+            s.held = False
+        outputs.update(drain(engine))
+        assert_all_blocks_free(engine)
+        return [[c.token_ids for c in outputs[i].outputs] for i in range(6)]
+    assert run(stall=True) == run(stall=False)
+
+
 # -- budgets of every step, at their boundaries
 
 
