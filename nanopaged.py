@@ -2792,7 +2792,8 @@ class Engine:
 
     def check_request(self, prompt, params, priority=0):
         """Raise ValueError saying what is wrong with a request, before it takes any block. A
-        prompt is a list or tuple of token ids, or a 1-D integer tensor; returns it as a list."""
+        prompt is a list or tuple of token ids (ints, numpy's integers, 0-d integer tensors), or
+        a 1-D integer tensor or numpy array; returns it as a list of ints."""
         return check_request(prompt, params, priority, self.config, self.scheduler,
                              self.detokenizer is not None)
 
@@ -2897,15 +2898,17 @@ def check_request(prompt, params, priority, config, scheduler, has_tokenizer=Fal
                          "the engine needs a tokenizer: Engine(model, tokenizer=...)")
     if not integer(priority):
         raise ValueError(f"priority must be an int, got {priority!r}")
-    if isinstance(prompt, torch.Tensor):
-        if prompt.dim() != 1 or prompt.is_floating_point() or prompt.is_complex():
+    if isinstance(prompt, (torch.Tensor, np.ndarray)):  # numpy's arrays as torch's tensors
+        integral = (prompt.dtype.kind in "iu" if isinstance(prompt, np.ndarray) else not (
+            prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool))
+        if prompt.ndim != 1 or not integral:
             raise ValueError(f"a tensor prompt must be 1-D and hold integer token ids, "
                              f"got shape {tuple(prompt.shape)} of {prompt.dtype}")
         prompt = prompt.tolist()
     if not isinstance(prompt, (list, tuple)):
         raise ValueError(f"a prompt is a list or tuple of token ids or a 1-D integer tensor, "
                          f"got {type(prompt).__name__}")
-    prompt_token_ids = list(prompt)
+    prompt_token_ids = [token_id(t) for t in prompt]  # plain ints; None: not a token id
     for name in ("logprobs", "prompt_logprobs"):
         if (getattr(params, name) or 0) > config.vocab_size:
             raise ValueError(f"{name}={getattr(params, name)} exceeds the vocabulary "
@@ -2917,12 +2920,10 @@ def check_request(prompt, params, priority, config, scheduler, has_tokenizer=Fal
     if len(prompt_token_ids) == 0:
         raise ValueError("the prompt is empty: give at least one token id")
     for i, t in enumerate(prompt_token_ids):
-        if not integer(t):
-            raise ValueError(f"prompt token {i} is {t!r}, not an int token id")
-        if not 0 <= t < config.vocab_size:
-            raise ValueError(f"prompt token {i} is {t!r}, outside the vocabulary "
-                             f"[0, {config.vocab_size})")
-        prompt_token_ids[i] = int(t)
+        if t is None or not 0 <= t < config.vocab_size:
+            raise ValueError(f"prompt token {i} is {prompt[i]!r}, " + (
+                "not an integer token id" if t is None else
+                f"outside the vocabulary [0, {config.vocab_size})"))
     total = len(prompt_token_ids) + params.max_tokens
     if total > config.max_seq_len:
         raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
@@ -2945,6 +2946,14 @@ def check_request(prompt, params, priority, config, scheduler, has_tokenizer=Fal
                          f"{a.num_blocks}: it could never run; use more num_blocks or "
                          f"shorter requests")
     return prompt_token_ids
+
+
+def token_id(t):
+    """A prompt's token id as a plain int: an int, or numpy's integer or a 0-d integer tensor or
+    array (as numpy and torch index them); None for anything else, a bool too."""
+    if isinstance(t, (np.generic, np.ndarray, torch.Tensor)) and t.ndim == 0:
+        t = t.item()  # numpy's and torch's scalars as Python's: an integer becomes an int
+    return t if integer(t) else None
 
 
 def schedule_summary(out):

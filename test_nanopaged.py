@@ -10,6 +10,7 @@ tests carry its pytest marker, named in its title (pyproject.toml lists them).
     python -m pytest -q -m allocator                  one part; -m "not bench" leaves one out
     python -m pytest -q --hypothesis-profile fast     the whole suite in about 2 minutes
     python -m pytest -q --hypothesis-profile thorough 10x the examples, for a night
+    bash tools/seeds.sh                               every Hypothesis test at seeds 0 to 4
 
 Without a GPU the Triton kernels run in Triton's interpreter.
 """
@@ -2881,6 +2882,51 @@ def test_an_engine_that_cannot_make_progress_raises_at_once(monkeypatch):
         assert_all_blocks_free(engine) is None
 
 
+@pytest.mark.scheduler
+def test_a_stall_counts_the_requests_of_every_queue_each_from_its_own():
+    """The no-progress RuntimeError names how many requests wait and are swapped out and how many
+    sequences run, each read from its own queue: a swap-mode engine runs until all three queues
+    hold requests, in counts that differ (and running sequences that outnumber running groups),
+    so that no two counts can trade places unseen; then its scheduler (a subclass, as a fork
+    passes one) plans nothing. The stalled step changes nothing, and once the scheduler plans
+    again every request ends as in a run that never stalled."""
+    class HeldScheduler(nanopaged.Scheduler):
+        held = False
+
+        def schedule(self):
+            return nanopaged.SchedulerOutput() if self.held else super().schedule()
+
+    def run(stall):
+        engine = Engine(MODEL, block_size=2, num_blocks=16, preemption_mode="swap",
+                        max_num_batched_tokens=8, scheduler_cls=HeldScheduler)
+        for i in range(6):
+            engine.add_request([i + 1] * 5, SamplingParams(max_tokens=10, n=1 + i % 2, seed=i))
+        s, outputs = engine.scheduler, {}
+        for _ in range(100):  # bounded: see drain
+            outputs.update((o.request_id, o) for o in engine.step() if o.finished)
+            counts = (len(s.waiting), len(s.swapped), sum(len(g.seqs) for g in s.running))
+            if stall and min(counts) and len({*counts, len(s.running)}) == 4:
+                break
+        else:
+            assert not stall, f"never had requests in every queue in distinct counts: {counts}"
+        if stall:
+            s.held = True
+            before = engine_state(engine)
+            with pytest.raises(RuntimeError, match="can make no progress") as stalled:
+                engine.step()
+            said = re.search(r"while (\d+) waiting and (\d+) swapped requests and (\d+) running "
+                             r"sequences are unfinished \((\d+) of (\d+) KV blocks free\)",
+                             str(stalled.value))
+            assert said and tuple(map(int, said.groups())) == \
+                (*counts, engine.allocator.num_free_blocks, 16)
+            assert engine_state(engine) == before
+            s.held = False
+        outputs.update(drain(engine))
+        assert_all_blocks_free(engine)
+        return [[c.token_ids for c in outputs[i].outputs] for i in range(6)]
+    assert run(stall=True) == run(stall=False)
+
+
 # -- budgets of every step, at their boundaries
 
 
@@ -4398,6 +4444,52 @@ def test_step_streams_every_request_that_gained_tokens(requests, mode):
 
 
 @pytest.mark.engine
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 7), min_size=1, max_size=8),
+                                   st.integers(1, 6),
+                                   st.sampled_from(["greedy", "seeded", "n=2", "beam=2"])),
+                         min_size=1, max_size=5),
+       block_size=st.sampled_from([1, 2, 4]), spare=st.integers(0, 4),
+       mode=st.sampled_from(["recompute", "swap"]), speculate=st.booleans(),
+       abort_at=st.sets(st.integers(0, 20), max_size=1))
+def test_every_output_step_returned_keeps_what_it_said(requests, block_size, spare, mode,
+                                                       speculate, abort_at):
+    """Every RequestOutput step() returns is a snapshot: after each later step, and after its
+    request finishes (or another is aborted), it equals a deep copy taken when it was returned.
+    An output that shared a list with its live sequence (its tokens, logprobs or prompt logprobs)
+    or its metrics would change under the caller. Over samples, beams, logprobs, prompt
+    logprobs, stop strings and text through a tokenizer, speculation, and preemption in a pool
+    too tight for all (prefills in chunks)."""
+    def kind_of(kind):
+        return "n=2" if kind == "beam=2" and speculate else kind
+    params = [SamplingParams(max_tokens=m, temperature=0 if kind_of(k) == "greedy" else 1.0,
+                             seed=i, n=2 if kind_of(k) == "n=2" else 1,
+                             beam_width=2 if kind_of(k) == "beam=2" else None,
+                             logprobs=None if kind_of(k) == "beam=2" else 2,
+                             prompt_logprobs=1, stop=None if kind_of(k) == "beam=2" else ["ba"])
+              for i, (_, m, k) in enumerate(requests)]
+    worst = max(p.num_seqs * -(-(len(r[0]) + p.max_tokens) // block_size)
+                for r, p in zip(requests, params))
+    engine = Engine(MODEL, block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
+                    max_num_batched_tokens=6, max_num_seqs=4, tokenizer=UserTokenizer(),
+                    speculative_config=speculative_config("ngram", 2, MODEL) if speculate
+                    else None)
+    for (prompt, _, _), p in zip(requests, params):
+        engine.add_request(prompt, p)
+    returned = []  # (an output step() returned, its deep copy then)
+    for i in range(300):  # bounded: see drain
+        if not engine.requests:
+            break
+        if i in abort_at and len(engine.requests) > 1:  # one is left to finish
+            engine.abort(sorted(engine.requests)[-1])
+        returned += [(out, copy.deepcopy(out)) for out in engine.step()]
+        for out, then in returned:
+            assert out == then, f"request {out.request_id}: an output changed after it was returned"
+    assert not engine.requests and returned
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.engine
 def test_an_engine_takes_its_parts_by_class():
     """Your copy subclasses a part and passes the class: here bench.py's allocator that reserves
     max_seq_len at admission (its contiguous mode) and a scheduler that counts its steps.
@@ -4848,6 +4940,24 @@ def test_the_undo_costs_what_the_plan_changed(mode):
     assert journal_length(8) == journal_length(200)
 
 
+@pytest.mark.engine
+def test_every_example_starts_from_the_same_torch_random_state():
+    """A request sampled without a seed draws its seed from torch's global generator; conftest.py
+    has Hypothesis seed it before each example, as it seeds Python's, so an example that takes
+    such a request replays exactly (else a state machine's preconditions could follow the draws:
+    FlakyStrategyDefinition)."""
+    starts = []
+
+    @settings(max_examples=5, database=None)
+    @given(st.integers(0, 7))
+    def unseeded(prompt_token):
+        starts.append(torch.get_rng_state())
+        Engine(MODEL, block_size=4, num_blocks=8).generate([[prompt_token]],
+                                                           SamplingParams(max_tokens=2))
+    unseeded()
+    assert len(starts) == 5 and all(torch.equal(s, starts[0]) for s in starts)
+
+
 class EngineMachine(RuleBasedStateMachine):
     """Random interleavings of add_request, step and abort on a tiny pool."""
 
@@ -4890,12 +5000,15 @@ class EngineMachine(RuleBasedStateMachine):
         s.schedule = checked_schedule
 
     @rule(prompt=st.lists(st.integers(0, 7), min_size=1, max_size=9), max_tokens=st.integers(1, 6),
-          kind=st.sampled_from(["greedy", "greedy", "n=2", "beam=2"]), priority=st.integers(0, 2))
-    def add(self, prompt, max_tokens, kind, priority):
+          kind=st.sampled_from(["greedy", "greedy", "n=2", "beam=2"]), priority=st.integers(0, 2),
+          seed=st.integers(0, 2**16))
+    def add(self, prompt, max_tokens, kind, priority, seed):
         if kind == "beam=2" and self.engine.proposer:  # refused when speculating: its own test
             kind = "n=2"
+        # Seeded: unseeded, a sample's stop would follow torch's global random state, and so would
+        # whether abort() may run; Hypothesis could not replay a case
         params = SamplingParams(max_tokens=max_tokens, temperature=0 if kind == "greedy" else 1.0,
-                                n=2 if kind == "n=2" else 1,
+                                n=2 if kind == "n=2" else 1, seed=seed,
                                 beam_width=2 if kind == "beam=2" else None)
         try:
             request_id = self.engine.add_request(prompt, params, priority=priority)
@@ -4989,6 +5102,93 @@ def test_bad_requests_are_rejected_before_taking_blocks(prompt, params, message)
     with pytest.raises(ValueError, match=message):
         engine.add_request(prompt, params)
     assert_all_blocks_free(engine) and serves_normally(engine)
+
+
+def call(f, *args):  # st.builds' callable, for builders drawn from a list
+    return f(*args)
+
+
+def ids_as_given(good):
+    """Token ids as users put them in a prompt's list: ones the engine takes (ints, numpy's
+    integers, 0-d integer tensors and arrays, in the vocabulary [0, 32)), or ones it refuses."""
+    if good:
+        return st.builds(call, st.sampled_from([int, np.int64, np.int32, np.uint8, np.array,
+                                                torch.tensor, lambda t: torch.tensor(t).short()]),
+                         st.integers(0, 31))
+    wide = st.sampled_from([int, np.int64, np.array, torch.tensor])  # holds any id we draw
+    return st.one_of(
+        st.sampled_from([True, False, np.True_, torch.tensor(True), 2.5, math.nan, "3", None]),
+        st.builds(call, st.sampled_from([float, np.float32, lambda t: torch.tensor(t) / 1]),
+                  st.integers(0, 31)),  # integral floats too
+        st.builds(call, wide, st.integers(-2**40, -1) | st.integers(32, 2**40) | st.just(32)),
+        st.builds(call, st.sampled_from([np.uint8, lambda t: torch.tensor(t).byte()]),
+                  st.integers(32, 255)),
+        st.builds(call, st.sampled_from([lambda t: [t], lambda t: (t,), lambda t: [[t]],
+                                         lambda t: torch.tensor([t]), lambda t: np.array([t])]),
+                  st.integers(0, 31)))  # nested
+
+
+@st.composite
+def prompts_as_given(draw):
+    """(a prompt as a user may pass it, the plain ints the engine must run it as or None, and
+    what the ValueError must name if it refuses it): a list or tuple of ids_as_given, a tensor
+    or numpy array of ids (of any dtype and shape, maybe empty), or something else."""
+    form = draw(st.sampled_from(["list", "tuple", "tensor", "array", "other"]))
+    if form in ("list", "tuple"):
+        good = draw(st.lists(st.booleans(), max_size=6))
+        prompt = [draw(ids_as_given(g)) for g in good]
+        prompt = prompt if form == "list" else tuple(prompt)
+        if not good:
+            return prompt, None, "the prompt is empty"
+        if not all(good):
+            return prompt, None, f"prompt token {good.index(False)} is "
+        return prompt, [int(t) for t in prompt], None
+    if form == "other":
+        return draw(st.sampled_from(["hello", 5, None, {1, 2}, range(3), np.array(5),
+                                     torch.tensor(5)])), None, "prompt"
+    ids = draw(st.lists(st.integers(0, 31) | st.integers(-3, 40), max_size=6))
+    dtype = draw(st.sampled_from(["int64", "int32", "int16", "float32", "bool"]))
+    wide = draw(st.booleans())  # 2-D
+    prompt = (torch.tensor(ids, dtype=getattr(torch, dtype)) if form == "tensor"
+              else np.array(ids, dtype=dtype))
+    prompt = prompt.reshape(1, -1) if wide else prompt
+    if wide or dtype in ("float32", "bool") or not ids:
+        return prompt, None, "prompt"
+    bad = [i for i, t in enumerate(ids) if not 0 <= t < 32]
+    return prompt, None if bad else ids, f"prompt token {bad[0]} is " if bad else None
+
+
+@pytest.mark.engine
+@settings(max_examples=examples(80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=prompts_as_given())
+def test_a_prompt_runs_as_plain_ints_or_is_refused_naming_it_before_anything_changes(case):
+    """Random prompts, good and bad. A bad one (bools, floats, negative ids, ids at or past the
+    vocabulary, nested lists, a float or 2-D tensor, an empty one, not a list) is a ValueError
+    naming the prompt, or the first token it refuses, before anything changes, in add_request()
+    beside a request in flight and in generate(); a good one (numpy's and torch's integers too,
+    as ids or whole) runs, as its ids in plain ints."""
+    prompt, ids, names = case
+    greedy = SamplingParams(max_tokens=3, temperature=0)
+    engine = Engine(MODEL, block_size=2, num_blocks=24)
+    mate = engine.add_request([1, 2, 3, 4, 5], greedy)
+    engine.step()  # in flight: it holds blocks and has cached some
+    if ids is None:
+        before = engine_state(engine)
+        with pytest.raises(ValueError, match=re.escape(names)):
+            engine.add_request(prompt, greedy)
+        assert engine_state(engine) == before
+        idle = Engine(MODEL, block_size=2, num_blocks=24)
+        before = engine_state(idle)
+        with pytest.raises(ValueError, match="prompt 1: .*" + re.escape(names)):
+            idle.generate([[1], prompt], greedy)
+        assert engine_state(idle) == before
+        assert drain(engine)[mate].outputs[0].token_ids == naive_greedy(MODEL, [1, 2, 3, 4, 5], 3)
+        return
+    request_id = engine.add_request(prompt, greedy)
+    out = drain(engine)[request_id]
+    assert out.prompt_token_ids == ids and {type(t) for t in out.prompt_token_ids} == {int}
+    assert out.outputs[0].token_ids == naive_greedy(MODEL, ids, 3)
+    assert_all_blocks_free(engine)
 
 
 @pytest.mark.engine
@@ -7393,6 +7593,77 @@ def test_replaying_the_trace_rebuilds_the_pool_at_every_step(requests, block_siz
             assert_replay_is_the_engine(pagetrace.replay(trace.events)[-1][1], engine)
     assert not engine.requests and set(ids) >= set(pagetrace.replay(trace.events)[-1][1].requests)
     event(f"rolled back: {any(e['event'] == 'rollback' for e in trace.events)}")
+
+
+@pytest.mark.trace
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 2), min_size=1, max_size=8),
+                                   st.integers(1, 4), st.sampled_from(["greedy", "n=2"])),
+                         min_size=2, max_size=6),
+       block_size=st.sampled_from([1, 2]), spare=st.integers(0, 3),
+       mode=st.sampled_from(["recompute", "swap"]), tier=st.sampled_from([0, 2, 8]),
+       cpu=st.booleans(), fail=st.sets(st.integers(1, 4), min_size=1, max_size=2),
+       point=st.sampled_from([(GPT, "forward"), (nanopaged, "sample")]))
+@example(requests=[([0, 0], 1, "greedy"), ([1, 1], 1, "greedy"), ([2, 2], 1, "greedy")],
+         block_size=1, spare=0, mode="recompute", tier=0, cpu=False, fail={1},
+         point=(GPT, "forward"))  # the second prompt's step takes the first's cached block
+@example(requests=[([0, 0, 0], 1, "greedy"), ([0], 1, "greedy"), ([0], 3, "greedy")],
+         block_size=1, spare=0, mode="recompute", tier=2, cpu=False, fail={3},
+         point=(GPT, "forward"))  # and the CPU tier's, to offload a block the device evicts
+def test_the_replay_forgets_the_prefix_of_a_block_a_failed_step_evicted(
+        requests, block_size, spare, mode, tier, cpu, fail, point):
+    """A step that evicts a cached block and then fails: its undo gives the block back to the
+    free list but not its prefix (the failed step may have written into it), in either tier.
+    Failures are injected after the forward (or the draw) of the k-th step that evicted from
+    the device's cache (or from the CPU tier's, with cpu), for k drawn: in a tight pool of
+    prompts from three tokens, cached blocks are evicted often. The pool replayed from the trace
+    equals the engine's after the failed step and after every one that follows."""
+    params = [SamplingParams(max_tokens=m, temperature=0 if kind == "greedy" else 1.0, seed=i,
+                             n=2 if kind == "n=2" else 1)
+              for i, (_, m, kind) in enumerate(requests)]
+    worst = max(p.n * -(-(len(r[0]) + p.max_tokens) // block_size)
+                for r, p in zip(requests, params))
+    trace = pagetrace.Trace()
+    engine = Engine(MODEL, block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
+                    max_num_batched_tokens=6, max_num_seqs=4, observer=trace,
+                    cpu_cache_bytes=tier * 1024 * block_size)  # tier blocks
+    evicting = "cpu_" if cpu and tier else ""  # the prefix cache's tier whose evictions count
+    for r, p in zip(requests, params):
+        engine.add_request(r[0], p)
+    owner, name = point
+    real, real_evict = getattr(owner, name), nanopaged.PrefixCache.evict
+    evicted, evicting_steps, failed = [], [0], []  # this step's evictions, steps that evicted
+
+    def evict(self):
+        if self.tier == evicting:
+            evicted.append(1)
+        return real_evict(self)
+
+    def flaky(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if evicted and evicting_steps[0] + 1 in fail:
+            failed.append(1)
+            raise RuntimeError("injected")
+        return result
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(owner, name, flaky)
+        mp.setattr(nanopaged.PrefixCache, "evict", evict)
+        for _ in range(300):  # bounded: see drain
+            if not engine.requests:
+                break
+            evicted.clear()
+            try:
+                engine.step()
+            except RuntimeError as e:
+                assert "injected" in str(e)
+            evicting_steps[0] += bool(evicted)
+            assert_replay_is_the_engine(pagetrace.replay(trace.events)[-1][1], engine)
+    assert not engine.requests
+    rollbacks = [e for e in trace.events if e["event"] == "rollback"]
+    event(f"failed after evicting: {bool(failed)}; uncached: device "
+          f"{any(e['uncached'] for e in rollbacks)}, CPU "
+          f"{any(e['cpu_uncached'] for e in rollbacks)}")
 
 
 @pytest.mark.trace
