@@ -4990,7 +4990,10 @@ class EngineMachine(RuleBasedStateMachine):
             started = [g for g in s.running if g.request_id not in before]
             assert not (out.preempted and (started or out.blocks_to_swap_in)), "after preempting"
             a, ahead = self.engine.allocator, {seq.seq_id for seq, _ in out.lookahead}
-            for seq in (seq for seq, n in out.scheduled if n == 1 and seq.seq_id not in ahead):
+            decodes = [seq for seq, n in out.scheduled  # one token, the last: not a prefill's
+                       if n == 1 and seq.num_computed_tokens + 1 == len(seq)  # chunk of one
+                       and seq.seq_id not in ahead]
+            for seq in decodes:
                 for window, table in zip(a.windows, seq.block_tables):  # a decode: its window's
                     if window is not None:  # blocks, however long the sequence
                         assert len(table) - table.count(nanopaged.NO_BLOCK) <= \
