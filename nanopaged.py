@@ -700,6 +700,10 @@ class BlockAllocator(BlockPool):
         """Make room for seq's newest token in each of its block tables. Returns the (src, dst)
         block copies that copy-on-write needs, for the engine to perform on the KV tensors
         before the step."""
+        num_taken = self.num_blocks_to_append([seq])  # every group's, before any group takes
+        if num_taken > self.num_free_blocks:
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {num_taken} blocks, "
+                                   f"{self.num_free_blocks} are free")
         copies = []
         for g, table in enumerate(seq.block_tables):
             if len(table) * self.block_size < len(seq):  # last block is full

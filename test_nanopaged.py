@@ -53,8 +53,8 @@ import kernel
 import nanopaged
 import pagetrace
 from kernel import HEAD_DIMS, naive_attention, paged_attention, paged_attention_torch, store_kv
-from nanopaged import (EVICTION_POLICIES, GPT, SCHEDULING_POLICIES, BlockAllocator, Engine,
-                       GPTConfig, OutOfBlocksError, SamplingParams, Sequence, chain_hash)
+from nanopaged import (EVICTION_POLICIES, GPT, NO_BLOCK, SCHEDULING_POLICIES, BlockAllocator,
+                       Engine, GPTConfig, OutOfBlocksError, SamplingParams, Sequence, chain_hash)
 
 # Hypothesis profiles (registered in conftest.py, chosen with --hypothesis-profile): "default" is
 # what CI runs; "fast" is a researcher's edit-test loop; "thorough" is for a night. Each test
@@ -1344,7 +1344,8 @@ def test_metrics_are_set_once_even_when_a_request_is_preempted(mode):
 
 
 class Cache:
-    """Fake KV: token ids in block slots, refusing writes into shared blocks."""
+    """Fake KV: token ids in block slots, refusing writes into shared blocks and into the
+    places a window left behind. Every KV cache group's table holds the tokens."""
 
     def __init__(self, allocator, num_blocks, num_cpu_blocks, block_size):
         self.allocator, self.bs = allocator, block_size
@@ -1353,11 +1354,13 @@ class Cache:
 
     def compute(self, seq):
         """Write the tokens of seq that are not computed yet, as a model step would."""
-        for p in range(seq.num_computed_tokens, len(seq)):
-            block_id = seq.block_table[p // self.bs]
-            assert self.allocator.blocks[block_id].ref_count == 1, \
-                f"write into shared block {block_id}"
-            self.device[block_id][p % self.bs] = seq.token_ids[p]
+        for table in seq.block_tables:
+            for p in range(seq.num_computed_tokens, len(seq)):
+                block_id = table[p // self.bs]
+                assert block_id != NO_BLOCK, f"position {p} has no block to be written into"
+                assert self.allocator.blocks[block_id].ref_count == 1, \
+                    f"write into shared block {block_id}"
+                self.device[block_id][p % self.bs] = seq.token_ids[p]
         seq.num_computed_tokens = len(seq)
         self.allocator.cache_full_blocks(seq, len(seq))
 
@@ -1365,8 +1368,10 @@ class Cache:
         for src, dst in pairs:
             dst_pool[dst] = list(src_pool[src])
 
-    def read(self, seq, pool):
-        return [pool[seq.block_table[p // self.bs]][p % self.bs] for p in range(len(seq))]
+    def read(self, seq, pool, table):
+        """seq's tokens as table holds them; None where its window left no block."""
+        blocks = [table[p // self.bs] for p in range(len(seq))]
+        return [None if b == NO_BLOCK else pool[b][p % self.bs] for p, b in enumerate(blocks)]
 
 
 def free_order(a):
@@ -1379,20 +1384,37 @@ def allocator_state(a):
     return state_of(a)
 
 
+def group_key(key, group):
+    """A block's prefix-cache key in a KV cache group: the chained key, made the group's own
+    past the first (the groups' blocks hold other layers' K/V)."""
+    return key if group == 0 else hashlib.sha256(bytes([group]) + key).digest()
+
+
+def held(tables):
+    return [b for table in tables for b in table if b != NO_BLOCK]
+
+
 class AllocatorMachine(RuleBasedStateMachine):
+    """The allocator alone, with one KV cache group of full attention, a sliding window, or a
+    window beside full attention (a hybrid model: a table per group over one pool). Every move
+    takes the blocks it counted, from the front of the free list; ref counts are the tables'
+    entries; a window gives back what it left behind, and those blocks are taken again."""
 
     @initialize(block_size=st.integers(1, 4), num_blocks=st.integers(1, 12),
                 num_cpu_blocks=st.integers(0, 8), caching=st.booleans(),
-                policy=st.sampled_from(EVICTION))
-    def setup(self, block_size, num_blocks, num_cpu_blocks, caching, policy):
-        self.a = BlockAllocator(num_blocks, block_size, num_cpu_blocks,
-                                enable_prefix_caching=caching, eviction_policy=policy)
+                policy=st.sampled_from(EVICTION),
+                windows=st.sampled_from([(None,)] * 3 + [(3,), (None, 2), (1, None)]))
+    def setup(self, block_size, num_blocks, num_cpu_blocks, caching, policy, windows):
+        self.a = BlockAllocator(num_blocks * len(windows), block_size, num_cpu_blocks,
+                                enable_prefix_caching=caching, eviction_policy=policy,
+                                windows=windows)
+        self.windows = windows
         self.score = EVICTION_POLICIES[policy]
-        self.cache = Cache(self.a, num_blocks, num_cpu_blocks, block_size)
+        self.cache = Cache(self.a, self.a.num_blocks, num_cpu_blocks, block_size)
         self.on_device, self.on_cpu = [], []  # live sequences, by where their blocks are
         self.next_id = 0
-        # A plain model of the prefix cache: key -> the blocks that hold it, in publishing order,
-        # from what was computed and handed out
+        # A plain model of the prefix cache: key (each group's own) -> the blocks that hold it,
+        # in publishing order, from what was computed and handed out
         self.published = {}
         self.freed_at, self.clock = {}, 0  # when each free block joined the free list
 
@@ -1400,15 +1422,24 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.next_id += 1
         return self.next_id
 
+    def seen(self, group, position):
+        """The first block a token at position sees in a group: its window's (W positions:
+        p - W < k <= p), or block 0 under full attention."""
+        w = self.windows[group]
+        return 0 if w is None else max(0, position - w + 1) // self.a.block_size
+
     def model_hits(self, tokens):
-        """Leading full blocks (never the last token's) whose prefix the model says is cached."""
-        bs, key, hits = self.a.block_size, None, 0
+        """The longest run of leading full blocks (never the last token's) whose prefix every
+        group serves, the model says: a full-attention group holds each block, a windowed one
+        those the first token after them sees."""
+        bs, key, keys = self.a.block_size, None, []
         for i in range((len(tokens) - 1) // bs if self.a.prefix_cache.enabled else 0):
-            key = chain_hash(key, tuple(tokens[i * bs:(i + 1) * bs]))
-            if key not in self.published:
-                break
-            hits += 1
-        return hits
+            keys.append(key := chain_hash(key, tuple(tokens[i * bs:(i + 1) * bs])))
+
+        def served(n):
+            return all(group_key(keys[i], g) in self.published for g in range(len(self.windows))
+                       for i in range(self.seen(g, n * bs), n))
+        return max(n for n in range(len(keys) + 1) if served(n))
 
     def keys(self, seq):
         """The keys of seq's full computed blocks."""
@@ -1424,19 +1455,30 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def compute(self, seq, fresh):
         """The blocks handed out fresh lose what they held; then seq's full blocks from
-        num_cached_blocks on (after a swap, all of them: fresh copies) are published, each
-        beside any other block that holds its prefix (a twin, cached too, as in vLLM): every
-        computed full block is cached."""
+        num_cached_blocks on (after a swap, all of them: fresh copies) are published in each
+        group that holds them, each beside any other block that holds its prefix (a twin,
+        cached too, as in vLLM): every computed full block is cached."""
         self.forget(set(fresh))
         offered = seq.num_cached_blocks
         self.cache.compute(seq)
         keys = self.keys(seq)
-        for key, block_id in zip(keys[offered:], seq.block_table[offered:]):
-            holders = self.published.setdefault(key, [])
-            holders += [] if block_id in holders else [block_id]
+        for g, table in enumerate(seq.block_tables):
+            for key, block_id in zip(keys[offered:], table[offered:]):
+                if block_id != NO_BLOCK:
+                    holders = self.published.setdefault(group_key(key, g), [])
+                    holders += [] if block_id in holders else [block_id]
         assert seq.num_cached_blocks == len(keys)
-        for key, block_id in zip(keys, seq.block_table):
-            assert self.a.blocks[block_id].hash == key and block_id in self.published[key]
+        for g, table in enumerate(seq.block_tables):
+            for key, block_id in zip(keys, table):
+                if block_id != NO_BLOCK:
+                    key = group_key(key, g)
+                    assert self.a.blocks[block_id].hash == key and block_id in self.published[key]
+
+    def took(self, counted, free_before, tables_before, tables):
+        """A move took exactly the blocks it counted: the free blocks now in seq's tables."""
+        taken = (set(held(tables)) - set(held(tables_before))) & set(free_before)
+        assert len(taken) == counted == len(free_before) - self.a.num_free_blocks, \
+            "the blocks counted are not the blocks taken"
 
     @rule(data=st.data(), suffix=st.lists(st.integers(0, 2), min_size=0, max_size=9))
     def allocate(self, data, suffix):
@@ -1446,41 +1488,79 @@ class AllocatorMachine(RuleBasedStateMachine):
                   if live and data.draw(st.booleans()) else [])
         tokens = (prefix[:data.draw(st.integers(0, len(prefix)))] + suffix) or [0]
         seq = Sequence(self.new_id(), tokens, len(tokens))
-        if self.a.num_blocks_to_allocate(seq) > self.a.num_free_blocks:
+        counted = self.a.num_blocks_to_allocate(seq)
+        if counted > self.a.num_free_blocks:
             before = allocator_state(self.a)
             with pytest.raises(OutOfBlocksError):
                 self.a.allocate(seq)
-            assert allocator_state(self.a) == before and not seq.block_table
+            assert allocator_state(self.a) == before and not any(seq.block_tables)
             return
         free_before = free_order(self.a)
         hit_tokens_before, hits = self.a.prefix_cache.counts.hit_tokens, self.model_hits(tokens)
         self.a.allocate(seq)
-        assert seq.num_computed_tokens == hits * self.a.block_size < len(seq)
+        bs = self.a.block_size
+        assert seq.num_computed_tokens == hits * bs < len(seq)
         assert self.a.prefix_cache.counts.hit_tokens - hit_tokens_before == seq.num_computed_tokens
-        fresh = seq.block_table[hits:]  # taken in eviction order: the front of the free list first
-        assert fresh == [b for b in free_before if b not in seq.block_table[:hits]][:len(fresh)]
+        keys = self.keys(seq)
+        for g, table in enumerate(seq.block_tables):  # before the window, no block; then the
+            first = self.seen(g, hits * bs)  # first cached holder of each prefix the hit needs
+            assert table[:hits] == [NO_BLOCK] * first + [
+                self.published[group_key(key, g)][0] for key in keys[first:hits]]
+        self.took(counted, free_before, [], seq.block_tables)
+        # taken in eviction order: the front of the free list first, group by group
+        fresh = [b for table in seq.block_tables for b in table[hits:]]
+        hit = held(table[:hits] for table in seq.block_tables)
+        assert fresh == [b for b in free_before if b not in hit][:len(fresh)]
         self.compute(seq, fresh)
         self.on_device.append(seq)
 
+    def slide(self, seq):
+        """Give back what seq's windows left behind: each group's blocks before the one its
+        next token sees become NO_BLOCK, released; those nobody else holds join the free list,
+        the uncached ones on top (the next taken), the last released first."""
+        tables, free_before = [list(t) for t in seq.block_tables], free_order(self.a)
+        refs = [b.ref_count for b in self.a.blocks]
+        self.a.free_window_blocks(seq)
+        released = []
+        for g, (old, table) in enumerate(zip(tables, seq.block_tables)):
+            first = self.seen(g, seq.num_computed_tokens)
+            assert table == [NO_BLOCK] * first + old[first:], "a window kept or freed a block"
+            released += [b for b in reversed(old[:first]) if b != NO_BLOCK]
+        freed = [b for b in released if refs[b] == 1]
+        assert len(free_before) + len(freed) == self.a.num_free_blocks
+        empty = [b for b in reversed(freed) if self.a.blocks[b].hash is None]
+        assert free_order(self.a)[:len(empty)] == empty
+
     @precondition(lambda self: self.on_device)
-    @rule(data=st.data(), token=st.integers(0, 2))
-    def append(self, data, token):
+    @rule(data=st.data())
+    def slide_windows(self, data):
+        self.slide(data.draw(st.sampled_from(self.on_device)))
+
+    @precondition(lambda self: self.on_device)
+    @rule(data=st.data(), token=st.integers(0, 2), slide=st.booleans())
+    def append(self, data, token, slide):
         seq = data.draw(st.sampled_from(self.on_device))
         seq.token_ids.append(token)
-        if self.a.num_blocks_to_append([seq]) > self.a.num_free_blocks:
+        if slide:  # as an engine step does first: the new token's window is known
+            self.slide(seq)
+        counted = self.a.num_blocks_to_append([seq])
+        if counted > self.a.num_free_blocks:
             before = allocator_state(self.a)
             with pytest.raises(OutOfBlocksError):
                 self.a.append_slot(seq)
             assert allocator_state(self.a) == before
             seq.token_ids.pop()
             return
-        table, free_before = list(seq.block_table), free_order(self.a)
+        tables, free_before = [list(t) for t in seq.block_tables], free_order(self.a)
         copies = self.a.append_slot(seq)
         assert all(self.a.blocks[src].ref_count >= 1 for src, _ in copies), \
             "copy-on-write source must still be owned"
         self.cache.copy(copies, self.cache.device, self.cache.device)
-        fresh = [b for b in seq.block_table if b not in table]
-        assert fresh == free_before[:len(fresh)] and len(fresh) <= 1
+        self.took(counted, free_before, tables, seq.block_tables)
+        fresh = [[b for b in table if b not in old] for old, table in zip(tables, seq.block_tables)]
+        assert all(len(f) <= 1 for f in fresh)  # a block per group at most
+        fresh = sum(fresh, [])
+        assert fresh == free_before[:len(fresh)]
         self.compute(seq, fresh)
 
     @precondition(lambda self: self.on_device)
@@ -1489,21 +1569,21 @@ class AllocatorMachine(RuleBasedStateMachine):
         parent = data.draw(st.sampled_from(self.on_device))
         child = parent.fork(self.new_id(), 1)
         self.a.fork(parent, child)
-        assert child.block_table == parent.block_table
+        assert child.block_tables == parent.block_tables
         self.on_device.append(child)
 
     @precondition(lambda self: self.on_device)
     @rule(data=st.data())
     def free(self, data):
         seq = data.draw(st.sampled_from(self.on_device))
-        table, free_before = list(seq.block_table), set(free_order(self.a))
+        tables, free_before = [list(t) for t in seq.block_tables], set(free_order(self.a))
         self.a.free(seq)
         self.on_device.remove(seq)
-        if self.score is EVICTION_POLICIES["lru"]:  # tail first: of its blocks that keep a
-            # cached prefix, the head joins the free list last
+        if self.score is EVICTION_POLICIES["lru"]:  # tail first, group by group: of its blocks
+            # that keep a cached prefix, the head of the last group joins the free list last
             free = free_order(self.a)
             cached = [b for b in free if b not in free_before and self.a.blocks[b].hash is not None]
-            assert cached == [b for b in reversed(table) if b in cached]
+            assert cached == [b for table in tables for b in reversed(table) if b in cached]
             assert free[len(free) - len(cached):] == cached
 
     def move(self, data, source, target, can_move, move, src_pool, dst_pool):
@@ -1513,10 +1593,12 @@ class AllocatorMachine(RuleBasedStateMachine):
         num_free = self.a.num_free_blocks if swap_in else self.a.swap_pool.num_free_blocks
         # Swapping in, a block whose prefix the model says is cached comes back as that block,
         # which takes a free block only if it is free itself; every other block takes one.
-        kept = {seq.block_table[i]: self.published[key][0] for seq in seqs if swap_in
-                for i, key in enumerate(self.keys(seq)) if key in self.published}
+        kept = {table[i]: self.published[group_key(key, g)][0] for seq in seqs if swap_in
+                for g, table in enumerate(seq.block_tables) for i, key in enumerate(self.keys(seq))
+                if table[i] != NO_BLOCK and group_key(key, g) in self.published}
         revived = {b for b in kept.values() if self.a.blocks[b].ref_count == 0}
-        num_blocks = len({b for seq in seqs for b in seq.block_table} - kept.keys()) + len(revived)
+        blocks = set(held(t for seq in seqs for t in seq.block_tables))
+        num_blocks = len(blocks - kept.keys()) + len(revived)
         assert can_move(seqs) == (num_blocks <= num_free)  # exact, not an estimate
         if not can_move(seqs):
             before = allocator_state(self.a)
@@ -1524,9 +1606,12 @@ class AllocatorMachine(RuleBasedStateMachine):
                 move(seqs)
             assert allocator_state(self.a) == before
             return
+        left = [[b == NO_BLOCK for b in t] for seq in seqs for t in seq.block_tables]
         copies = move(seqs)
         assert num_free - (self.a.num_free_blocks if swap_in else
                            self.a.swap_pool.num_free_blocks) == num_blocks
+        assert left == [[b == NO_BLOCK for b in t] for seq in seqs for t in seq.block_tables], \
+            "a place a window left behind moved, or a held block did not"
         assert not {src for src, _ in copies} & kept.keys(), "a block still cached is copied"
         self.cache.copy(copies, src_pool, dst_pool)
         for seq in seqs:
@@ -1562,25 +1647,32 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @invariant()
     def ref_counts_equal_block_table_entries(self):
-        device = [0] * self.a.num_blocks
-        for seq in self.on_device:
-            for b in seq.block_table:
-                device[b] += 1
-        assert device == [b.ref_count for b in self.a.blocks]
-        cpu = [0] * self.a.swap_pool.num_blocks
-        for seq in self.on_cpu:
-            for b in seq.block_table:
-                cpu[b] += 1
-        assert cpu == [b.ref_count for b in self.a.swap_pool.blocks]
+        # nothing leaked: every taken block is in the tables (of any group) as often as its
+        # count says, and no block is in two groups' tables
+        for seqs, pool in ((self.on_device, self.a), (self.on_cpu, self.a.swap_pool)):
+            counts = [0] * pool.num_blocks
+            for seq in seqs:
+                for b in held(seq.block_tables):
+                    counts[b] += 1
+            assert counts == [b.ref_count for b in pool.blocks]
+            groups = [set(held(seq.block_tables[g] for seq in seqs))
+                      for g in range(len(self.windows))]
+            assert sum(map(len, groups)) == len(set().union(*groups)), "a block in two groups"
 
     @invariant()
     def every_sequence_reads_back_what_was_appended(self):
-        for seq in self.on_device:
-            assert len(seq.block_table) == -(-len(seq) // self.a.block_size), \
-                "at most one partial block"
-            assert self.cache.read(seq, self.cache.device) == seq.token_ids
-        for seq in self.on_cpu:
-            assert self.cache.read(seq, self.cache.cpu) == seq.token_ids
+        for seqs, pool in ((self.on_device, self.cache.device), (self.on_cpu, self.cache.cpu)):
+            for seq in seqs:
+                for g, table in enumerate(seq.block_tables):
+                    assert len(table) == -(-len(seq) // self.a.block_size), \
+                        "at most one partial block"
+                    # a window leaves behind only blocks its next token does not see
+                    first = table.count(NO_BLOCK)
+                    assert NO_BLOCK not in table[first:]
+                    assert first <= self.seen(g, seq.num_computed_tokens)
+                    assert self.cache.read(seq, pool, table) == \
+                        [None] * (first * self.a.block_size) + \
+                        seq.token_ids[first * self.a.block_size:]
 
     @invariant()
     def the_cache_is_the_plain_model_and_evicts_uncached_then_by_score(self):
@@ -1620,6 +1712,21 @@ class AllocatorMachine(RuleBasedStateMachine):
 AllocatorMachine.TestCase.settings = settings(max_examples=examples(300), stateful_step_count=40,
                                               deadline=None)
 test_allocator_state_machine = pytest.mark.allocator(AllocatorMachine.TestCase)
+
+
+@pytest.mark.allocator
+def test_a_hybrid_append_without_room_for_every_group_changes_nothing():
+    # a window beside full attention, blocks of one token: each group's table needs a block for
+    # the next token, and one is free; the first group's must not be taken before the refusal
+    a = BlockAllocator(3, 1, windows=(None, 2))
+    seq = Sequence(0, [1], 1)
+    a.allocate(seq)
+    seq.token_ids.append(2)
+    assert a.num_blocks_to_append([seq]) == 2 > a.num_free_blocks == 1
+    before = allocator_state(a)
+    with pytest.raises(OutOfBlocksError):
+        a.append_slot(seq)
+    assert allocator_state(a) == before
 
 
 @pytest.mark.allocator
