@@ -2048,9 +2048,12 @@ class SamplingMetadata:
 
     def rows_using(self, *names):
         """The rows whose params set any of these parameters away from its default."""
-        defaults = [self.default(name) for name in names]
-        return [r for r, p in enumerate(self.params)
-                if any(getattr(p, n, d) not in (d, []) for n, d in zip(names, defaults))]
+        rows = set()
+        for name in names:  # a pass a name: a comparison a row, no generator a row
+            default = self.default(name)
+            rows.update([r for r, p in enumerate(self.params)
+                         if getattr(p, name, default) not in (default, [])])
+        return sorted(rows)
 
     def uses(self, name):
         """Whether any row sets the parameter away from its default."""
