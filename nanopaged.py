@@ -2297,7 +2297,8 @@ class OutputProcessor:
         num_rows, owed = 0, []  # owed: (seq, position p), prompt logprobs from the rows after
         for seq, num_new in plan.scheduled:
             start = seq.num_computed_tokens
-            owed += [(seq, p) for p in seq.prompt_logprob_positions(start, start + num_new)]
+            for p in seq.prompt_logprob_positions(start, start + num_new):
+                owed.append((seq, p))
             if start + num_new == len(seq):
                 row_of[seq.seq_id] = num_rows  # then a row after each of its proposals
                 num_rows += 1 + len(proposals.get(seq.seq_id, ()))
@@ -2309,15 +2310,17 @@ class OutputProcessor:
                              if seq.seq_id in row_of}.values())
         to_sample = []  # (group, seq, sample index, row)
         for group in result.ready:
-            rows = [row_of[seq.seq_id] for seq in group.seqs]
-            prompt_only = len(group.seqs) == 1 and not group.seqs[0].num_output_tokens
-            if group.params.beam_width is not None:
+            seqs, params = group.seqs, group.params
+            if params.beam_width is not None:
+                rows = [row_of[seq.seq_id] for seq in seqs]
                 result.beams[group.request_id] = self.beam_step(group, logits[rows])
-            elif group.params.n > 1 and prompt_only:
+            elif params.n > 1 and len(seqs) == 1 and not seqs[0].num_output_tokens:
                 # parallel samples draw their first tokens from the prompt's logits
-                to_sample += [(group, group.seqs[0], i, rows[0]) for i in range(group.params.n)]
+                row = row_of[seqs[0].seq_id]
+                to_sample += [(group, seqs[0], i, row) for i in range(params.n)]
             else:
-                to_sample += [(group, seq, seq.index, row) for seq, row in zip(group.seqs, rows)]
+                for seq in seqs:
+                    to_sample.append((group, seq, seq.index, row_of[seq.seq_id]))
         if to_sample:
             result.samples = self.draw(to_sample, logits, proposals)
         return result
@@ -2329,12 +2332,12 @@ class OutputProcessor:
         draws = []  # (group, seq, sample index, row, the proposals before this draw)
         for group, seq, index, row in to_sample:
             proposal = proposals.get(seq.seq_id, [])
-            draws += [(group, seq, index, row + j, proposal[:j]) for j in range(1 + len(proposal))]
-        rows = [row for _, _, _, row, _ in draws]
+            for j in range(1 + len(proposal)):
+                draws.append((group, seq, index, row + j, proposal[:j]))
+        groups, seqs, _, rows, proposed = map(list, zip(*draws))  # a list each, an item a draw
         logits = logits if rows == list(range(len(logits))) else logits[rows]           # (D, V)
         meta = SamplingMetadata(
-            params=[group.params for group, *_ in draws], seqs=[seq for _, seq, *_ in draws],
-            proposed=[before for *_, before in draws],
+            params=[group.params for group in groups], seqs=seqs, proposed=proposed,
             generators=[None if group.seed is None else sample_generator(
                 group.seed, index, seq.num_output_tokens + len(before), self.device)
                 for group, seq, index, _, before in draws],
