@@ -460,7 +460,7 @@ class BlockTable:
             return self.ids[:self.n][i].tolist()
         if not -self.n <= i < self.n:
             raise IndexError(f"block table index {i} out of range ({self.n} blocks)")
-        return int(self.ids[i % self.n])
+        return self.ids.item(i % self.n)  # a Python int, without a numpy scalar on the way
 
     def __eq__(self, other):
         return isinstance(other, (BlockTable, list, tuple)) and self.tolist() == list(other)
