@@ -1938,10 +1938,11 @@ class ModelRunner:
         positions = np.arange(cu_seqlens_q[-1]) - cu_seqlens_q[owner] + starts[owner]  # (T,)
         block_tables, slot_mappings = [], []  # per KV cache group
         for g in range(len(chunks[0].seq.block_tables)):
-            tables = np.full((len(chunks), max(len(c.seq.block_tables[g]) for c in chunks)), -1,
+            seq_tables = [c.seq.block_tables[g] for c in chunks]  # group g's table of each chunk
+            tables = np.full((len(chunks), max(table.n for table in seq_tables)), -1,
                              dtype=np.int32)                               # (S, max_blocks)
-            for row, table in zip(tables, (c.seq.block_tables[g] for c in chunks)):
-                row[:len(table)] = table.ids[:len(table)]  # rows end in -1s
+            for row, table in zip(tables, seq_tables):
+                row[:table.n] = table.ids[:table.n]  # rows end in -1s
             block_tables.append(tables)
             slot_mappings.append(tables[owner, positions // bs].astype(np.int64) * bs
                                  + positions % bs)                                  # (T,)
