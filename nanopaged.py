@@ -322,7 +322,10 @@ class SequenceGroup:
 
     @property
     def is_decoding(self):  # every live sequence computes just its newest token next
-        return all(len(seq) - seq.num_computed_tokens == 1 for seq in self.seqs)
+        for seq in self.seqs:
+            if len(seq) - seq.num_computed_tokens != 1:
+                return False
+        return True
 
     def admitted(self):
         """Commit of the step that first admitted it to running: its time in the queue ends,
@@ -694,7 +697,9 @@ class BlockAllocator(BlockPool):
                 if self.blocks[last].ref_count > 1:
                     writers[last] = writers.get(last, 0) + 1
         # c writers into a block of count r copy it min(c, r - 1) times: the last writes in place
-        return num_new + sum(min(c, self.blocks[b].ref_count - 1) for b, c in writers.items())
+        for block_id, c in writers.items():
+            num_new += min(c, self.blocks[block_id].ref_count - 1)
+        return num_new
 
     def append_slot(self, seq):
         """Make room for seq's newest token in each of its block tables. Returns the (src, dst)
