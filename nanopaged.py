@@ -1956,6 +1956,7 @@ class ModelRunner:
         if prompt_logprobs:  # rows after the sampling rows
             logits_indices += [end - c.start - len(c.tokens) + p
                                for c, end in zip(chunks, cu_seqlens_q[1:].tolist())
+                               if c.seq.prompt_logprobs  # the sequences that asked for them
                                for p in c.seq.prompt_logprob_positions(c.start,
                                                                       c.start + len(c.tokens))]
 
