@@ -322,7 +322,10 @@ class SequenceGroup:
 
     @property
     def is_decoding(self):  # every live sequence computes just its newest token next
-        return all(len(seq) - seq.num_computed_tokens == 1 for seq in self.seqs)
+        for seq in self.seqs:
+            if len(seq) - seq.num_computed_tokens != 1:
+                return False
+        return True
 
     def admitted(self):
         """Commit of the step that first admitted it to running: its time in the queue ends,
@@ -460,7 +463,7 @@ class BlockTable:
             return self.ids[:self.n][i].tolist()
         if not -self.n <= i < self.n:
             raise IndexError(f"block table index {i} out of range ({self.n} blocks)")
-        return int(self.ids[i % self.n])
+        return self.ids.item(i % self.n)  # a Python int, without a numpy scalar on the way
 
     def __eq__(self, other):
         return isinstance(other, (BlockTable, list, tuple)) and self.tolist() == list(other)
@@ -694,7 +697,9 @@ class BlockAllocator(BlockPool):
                 if self.blocks[last].ref_count > 1:
                     writers[last] = writers.get(last, 0) + 1
         # c writers into a block of count r copy it min(c, r - 1) times: the last writes in place
-        return num_new + sum(min(c, self.blocks[b].ref_count - 1) for b, c in writers.items())
+        for block_id, c in writers.items():
+            num_new += min(c, self.blocks[block_id].ref_count - 1)
+        return num_new
 
     def append_slot(self, seq):
         """Make room for seq's newest token in each of its block tables. Returns the (src, dst)
@@ -1942,10 +1947,11 @@ class ModelRunner:
         positions = np.arange(cu_seqlens_q[-1]) - cu_seqlens_q[owner] + starts[owner]  # (T,)
         block_tables, slot_mappings = [], []  # per KV cache group
         for g in range(len(chunks[0].seq.block_tables)):
-            tables = np.full((len(chunks), max(len(c.seq.block_tables[g]) for c in chunks)), -1,
+            seq_tables = [c.seq.block_tables[g] for c in chunks]  # group g's table of each chunk
+            tables = np.full((len(chunks), max(table.n for table in seq_tables)), -1,
                              dtype=np.int32)                               # (S, max_blocks)
-            for row, table in zip(tables, (c.seq.block_tables[g] for c in chunks)):
-                row[:len(table)] = table.ids[:len(table)]  # rows end in -1s
+            for row, table in zip(tables, seq_tables):
+                row[:table.n] = table.ids[:table.n]  # rows end in -1s
             block_tables.append(tables)
             slot_mappings.append(tables[owner, positions // bs].astype(np.int64) * bs
                                  + positions % bs)                                  # (T,)
@@ -1954,6 +1960,7 @@ class ModelRunner:
         if prompt_logprobs:  # rows after the sampling rows
             logits_indices += [end - c.start - len(c.tokens) + p
                                for c, end in zip(chunks, cu_seqlens_q[1:].tolist())
+                               if c.seq.prompt_logprobs  # the sequences that asked for them
                                for p in c.seq.prompt_logprob_positions(c.start,
                                                                       c.start + len(c.tokens))]
 
@@ -2052,9 +2059,12 @@ class SamplingMetadata:
 
     def rows_using(self, *names):
         """The rows whose params set any of these parameters away from its default."""
-        defaults = [self.default(name) for name in names]
-        return [r for r, p in enumerate(self.params)
-                if any(getattr(p, n, d) not in (d, []) for n, d in zip(names, defaults))]
+        rows = set()
+        for name in names:  # a pass a name: a comparison a row, no generator a row
+            default = self.default(name)
+            rows.update([r for r, p in enumerate(self.params)
+                         if getattr(p, name, default) not in (default, [])])
+        return sorted(rows)
 
     def uses(self, name):
         """Whether any row sets the parameter away from its default."""
@@ -2298,7 +2308,8 @@ class OutputProcessor:
         num_rows, owed = 0, []  # owed: (seq, position p), prompt logprobs from the rows after
         for seq, num_new in plan.scheduled:
             start = seq.num_computed_tokens
-            owed += [(seq, p) for p in seq.prompt_logprob_positions(start, start + num_new)]
+            for p in seq.prompt_logprob_positions(start, start + num_new):
+                owed.append((seq, p))
             if start + num_new == len(seq):
                 row_of[seq.seq_id] = num_rows  # then a row after each of its proposals
                 num_rows += 1 + len(proposals.get(seq.seq_id, ()))
@@ -2310,15 +2321,17 @@ class OutputProcessor:
                              if seq.seq_id in row_of}.values())
         to_sample = []  # (group, seq, sample index, row)
         for group in result.ready:
-            rows = [row_of[seq.seq_id] for seq in group.seqs]
-            prompt_only = len(group.seqs) == 1 and not group.seqs[0].num_output_tokens
-            if group.params.beam_width is not None:
+            seqs, params = group.seqs, group.params
+            if params.beam_width is not None:
+                rows = [row_of[seq.seq_id] for seq in seqs]
                 result.beams[group.request_id] = self.beam_step(group, logits[rows])
-            elif group.params.n > 1 and prompt_only:
+            elif params.n > 1 and len(seqs) == 1 and not seqs[0].num_output_tokens:
                 # parallel samples draw their first tokens from the prompt's logits
-                to_sample += [(group, group.seqs[0], i, rows[0]) for i in range(group.params.n)]
+                row = row_of[seqs[0].seq_id]
+                to_sample += [(group, seqs[0], i, row) for i in range(params.n)]
             else:
-                to_sample += [(group, seq, seq.index, row) for seq, row in zip(group.seqs, rows)]
+                for seq in seqs:
+                    to_sample.append((group, seq, seq.index, row_of[seq.seq_id]))
         if to_sample:
             result.samples = self.draw(to_sample, logits, proposals)
         return result
@@ -2330,12 +2343,12 @@ class OutputProcessor:
         draws = []  # (group, seq, sample index, row, the proposals before this draw)
         for group, seq, index, row in to_sample:
             proposal = proposals.get(seq.seq_id, [])
-            draws += [(group, seq, index, row + j, proposal[:j]) for j in range(1 + len(proposal))]
-        rows = [row for _, _, _, row, _ in draws]
+            for j in range(1 + len(proposal)):
+                draws.append((group, seq, index, row + j, proposal[:j]))
+        groups, seqs, _, rows, proposed = map(list, zip(*draws))  # a list each, an item a draw
         logits = logits if rows == list(range(len(logits))) else logits[rows]           # (D, V)
         meta = SamplingMetadata(
-            params=[group.params for group, *_ in draws], seqs=[seq for _, seq, *_ in draws],
-            proposed=[before for *_, before in draws],
+            params=[group.params for group in groups], seqs=seqs, proposed=proposed,
             generators=[None if group.seed is None else sample_generator(
                 group.seed, index, seq.num_output_tokens + len(before), self.device)
                 for group, seq, index, _, before in draws],
