@@ -601,16 +601,13 @@ class BlockAllocator(BlockPool):
         window = self.windows[group]
         return 0 if window is None else max(0, position - window + 1) // self.block_size
 
-    def most_blocks(self, num_prompt_tokens, num_tokens):
-        """The most blocks a sequence of num_tokens (its prompt's num_prompt_tokens first) holds
-        at once: in a full-attention group a block per block_size tokens; in a windowed group,
-        its prompt's when admitted, or those its window spans as it decodes."""
-        bs, most = self.block_size, 0
-        for window in self.windows:
-            spans = cdiv(num_tokens, bs) if window is None else max(
-                cdiv(num_prompt_tokens, bs), cdiv(window - 1, bs) + 2)
-            most += min(spans, cdiv(num_tokens, bs))
-        return most
+    def most_blocks(self, num_tokens):
+        """The most blocks a sequence of num_tokens may hold at once: a block per block_size
+        tokens in each KV cache group, a windowed one too. A window bounds what a running
+        sequence holds, but a sequence preempted by recompute (swap mode falls back to it) is
+        admitted again with a block for each of its tokens, which its prefill then computes in
+        order; vLLM's v1 allocates chunk by chunk and frees behind the window as it goes."""
+        return len(self.windows) * cdiv(num_tokens, self.block_size)
 
     def tables(self, seq):
         """seq's block tables, one per KV cache group, journaled."""
@@ -684,6 +681,21 @@ class BlockAllocator(BlockPool):
                           if hit is not None and hit[1] is not self.prefix_cache)
         self.journal.set(seq, "num_cached_blocks", (reloaded or [length])[0])
         self.prefix_cache.count(seq, length, held, len(set(reloaded)))
+
+    def allocate_together(self, seqs):
+        """allocate() each of a group's sequences (samples or beams recomputed together), their
+        prefix hits held first: a block one of them takes could otherwise evict a hit that
+        another's count relied on, and in a windowed group a hit lost costs the blocks before
+        its window too. So the group takes at most the sum of their num_blocks_to_allocate."""
+        hits = [(self if cache is self.prefix_cache else self.swap_pool, block)
+                for seq in seqs for found in self.lookup(seq)[1]
+                for block, cache in filter(None, found)]
+        for pool, block in hits:
+            pool.share(block)
+        for seq in seqs:
+            self.allocate(seq)
+        for pool, block in hits:
+            pool.release(block)
 
     def num_blocks_to_append(self, seqs):
         """Free blocks append_slot needs to give each of seqs a slot for its newest token."""
@@ -1318,8 +1330,7 @@ class Scheduler:
             self._move(group, self.waiting, self.running)
             out.admitted.append(group)
             notify(self, "admit", request=group.request_id)
-            for seq in group.seqs:
-                self.allocator.allocate(seq)
+            self.allocator.allocate_together(group.seqs)
             if not group.is_decoding:
                 self._schedule_prefill(group, out)
             elif not self._over_budget(out, len(group.seqs)):
@@ -2956,7 +2967,7 @@ def check_request(prompt, params, priority, config, scheduler, has_tokenizer=Fal
                          f"max_num_batched_tokens (at most {limit} sequences of one request)")
     # Worst case: every sample ends up with private blocks for all its tokens (or its windows').
     a = scheduler.allocator
-    worst = params.num_seqs * a.most_blocks(len(prompt_token_ids), total)
+    worst = params.num_seqs * a.most_blocks(total)
     if worst > a.num_blocks:
         raise ValueError(f"the request may need {worst} KV blocks ({params.num_seqs} x {total} "
                          f"tokens at block_size {a.block_size}) but the pool has "

@@ -149,8 +149,8 @@ PAGED_MODELS = {"gpt2": MODEL, "windowed": WINDOWED, "hybrid": HYBRID}
 
 def blocks_a_request_may_hold(engine, prompt, params):
     """What Engine.check_request refuses a request for exceeding: num_seqs x each sequence's
-    most blocks at once (a windowed group holds its window's, not the whole context)."""
-    most = engine.allocator.most_blocks(len(prompt), len(prompt) + params.max_tokens)
+    most blocks at once (a windowed group's too: recomputed, it takes a block a token again)."""
+    most = engine.allocator.most_blocks(len(prompt) + params.max_tokens)
     return params.num_seqs * most
 
 
@@ -1730,6 +1730,28 @@ def test_a_hybrid_append_without_room_for_every_group_changes_nothing():
 
 
 @pytest.mark.allocator
+def test_sequences_allocated_together_take_no_more_than_their_counts_sum():
+    # a window of 3, blocks of one token. Cached and free, least recently freed first: the four
+    # blocks of [5, 6, 7, 8], then two of [1, 1]. Of two samples recomputed together, the first
+    # hits nothing and takes 3 blocks; the second hits the blocks its window sees, [7] and [8]
+    # (those before it are not needed), and takes 1 and those 2. Taken one by one, the first's
+    # takes would evict those hits, and the second would need 5
+    a = BlockAllocator(6, 1, windows=(3,))
+    for tokens in ([5, 6, 7, 8], [1, 1]):
+        seq = make_seq(0, tokens)
+        a.allocate(seq)
+        seq.num_computed_tokens = len(tokens)
+        a.cache_full_blocks(seq)
+        a.free(seq)
+    first, second = make_seq(1, [9, 9, 9]), make_seq(2, [5, 6, 7, 8, 0])
+    counts = [a.num_blocks_to_allocate(seq) for seq in (first, second)]
+    assert counts == [3, 3] and a.num_free_blocks == 6
+    a.allocate_together([first, second])
+    assert a.num_free_blocks == 6 - sum(counts)
+    assert second.num_computed_tokens == 4 and second.block_table[:2] == [NO_BLOCK] * 2
+
+
+@pytest.mark.allocator
 def test_block_size_one_takes_a_block_per_token():
     a = BlockAllocator(num_blocks=5, block_size=1)
     seq = make_seq(0, [7, 8, 9])
@@ -2603,7 +2625,7 @@ class SchedulerMachine(RuleBasedStateMachine):
           n=st.integers(1, 3), stop=st.booleans(), priority=st.integers(0, 2))
     def add(self, prompt, max_tokens, n, stop, priority=0):
         s = self.s
-        worst = n * self.a.most_blocks(len(prompt), len(prompt) + max_tokens)
+        worst = n * self.a.most_blocks(len(prompt) + max_tokens)
         if n > min(s.max_num_seqs, s.max_num_batched_tokens) or worst > self.a.num_blocks:
             return  # Engine.check_request refuses it: it could never run
         params = SamplingParams(max_tokens=max_tokens, n=n, stop_token_ids=[3] if stop else [])
@@ -2851,6 +2873,35 @@ class SchedulerMachine(RuleBasedStateMachine):
 SchedulerMachine.TestCase.settings = settings(max_examples=examples(600), stateful_step_count=50,
                                               deadline=None)
 test_scheduler_state_machine = pytest.mark.scheduler(SchedulerMachine.TestCase)
+
+
+ONE_TOKEN = dict(max_tokens=1, n=1, priority=0, prompt=[0], stop=False)
+
+
+@pytest.mark.scheduler
+@pytest.mark.parametrize("setup, requests", [
+    # samples recomputed together: the first's blocks must not evict a hit the others' counts
+    # relied on (in a windowed group, a hit lost costs the blocks before the window too)
+    (dict(block_size=3, num_blocks=10, watermark=0.25, policy="priority"),
+     [ONE_TOKEN] * 2 + [dict(ONE_TOKEN, max_tokens=7, n=3, priority=1)] + [ONE_TOKEN] * 4
+     + [dict(ONE_TOKEN, max_tokens=5, n=3, priority=1, prompt=[0, 0, 1, 0, 0, 0])]),
+    # a recomputed windowed sequence takes a block for each of its tokens again: a request the
+    # pool holds only within its window could never come back, and is refused up front
+    (dict(block_size=2, num_blocks=9, watermark=0.01, policy="fcfs"),
+     [ONE_TOKEN] * 2 + [dict(ONE_TOKEN, max_tokens=5, n=3)] + [ONE_TOKEN] * 4
+     + [dict(ONE_TOKEN, max_tokens=2, n=3, prompt=[0] * 6)]),
+])
+def test_windowed_samples_recomputed_together_fit_and_finish(setup, requests):
+    """Two cases the scheduler machine found: requests a windowed pool admits, preempts by
+    recompute and must then run to the end, every step's block counts exact."""
+    machine = SchedulerMachine()
+    machine.setup(**setup, num_cpu_blocks=0, mode="recompute", caching=True, max_num_seqs=6,
+                  max_num_batched_tokens=7, windows=(3,))
+    for request in requests:
+        machine.add(**request)
+    worst = machine.a.most_blocks(len(requests[-1]["prompt"]) + requests[-1]["max_tokens"])
+    assert (len(machine.groups) == len(requests)) == (3 * worst <= machine.a.num_blocks)
+    machine.teardown()  # every request admitted finishes, and every block comes back
 
 
 @pytest.mark.scheduler
@@ -3513,7 +3564,7 @@ def test_windowed_paged_greedy_generation_equals_hugging_face_generate(hf_folder
         block.attn.window = None
     assert naive_greedy(unwindowed, prompts[-1], 48) != expected[-1], "windows matter here"
     roomy = Engine(model, block_size=5, num_blocks=256).allocator
-    most = max(roomy.most_blocks(len(p), len(p) + 48) for p in prompts)  # the largest alone
+    most = max(roomy.most_blocks(len(p) + 48) for p in prompts)  # the largest alone
     engine = Engine(model, block_size=5, num_blocks=most + 3, preemption_mode=mode,
                     max_num_batched_tokens=8)
     params = SamplingParams(max_tokens=48, temperature=0)
