@@ -2746,7 +2746,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             g = s.swapped[0]  # the budget as it stood before step 3's prefill chunks
             prefill_tokens = sum(n for seq, n in out.scheduled
                                  if not self.groups[seq.request_id].is_decoding)
-            need = a.swap_pool.num_blocks_to_swap_in(g.seqs) + len(g.seqs)
+            # + a block for each sequence's next token in each KV cache group
+            need = a.swap_pool.num_blocks_to_swap_in(g.seqs) + len(g.seqs) * len(a.windows)
             assert (need + spare > a.num_free_blocks or len(g.seqs) > left + prefill_tokens
                     or num_seqs + g.params.num_seqs > S), "swap-in left out"
 
