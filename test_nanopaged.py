@@ -2412,22 +2412,24 @@ def conversation_rounds(draw):
 @given(chats=conversation_rounds(), block_size=st.sampled_from([1, 2, 4]),
        spare=st.integers(0, 4), mode=st.sampled_from(["recompute", "swap"]),
        tier_blocks=st.sampled_from([2, 6, 32]), policy=st.sampled_from(EVICTION),
-       fail_at=st.sets(st.integers(1, 40), max_size=2))
+       fail_at=st.sets(st.integers(1, 40), max_size=2), sampled=st.booleans(),
+       abort_after=st.none() | st.integers(0, 3))
 def test_the_cpu_tier_changes_no_output_and_counts_the_copies_it_makes(
-        chats, block_size, spare, mode, tier_blocks, policy, fail_at):
+        chats, block_size, spare, mode, tier_blocks, policy, fail_at, sampled, abort_after):
     """Returning conversations on a small device pool, preemption in both modes, steps that fail
-    (after the forward) and are retried: greedy outputs with the tier equal those without it.
+    (after the forward) and are retried, and in each round a request beside them (a head of a
+    conversation) aborted after a few steps: greedy or seeded outputs with the tier equal those
+    without it.
     After every step, the tier's counters are the copies the steps that stood made (offloads,
     reloads, the CPU hits as reloaded tokens); no offload wrote a prefix the tier held before
-    the step (each is written once while it stays); and at the end both tiers hold exactly the
-    K/V their tokens produce."""
+    the step, unless the tier evicted it in the step (each is written once while it stays); and
+    at the end both tiers hold exactly the K/V their tokens produce."""
     num_convs, rounds = chats
-    params = SamplingParams(max_tokens=3, temperature=0)
     longest = 6 * 5 + 3 * 4  # every round's new tokens and answers
     worst = -(-longest // block_size) + 1
 
     def serve(engine, fail):
-        histories, answers = [[] for _ in range(num_convs)], []
+        histories, answers, asides = [[] for _ in range(num_convs)], [], []
         real_forward, calls = GPT.forward, [0]
 
         def forward(self, *args, **kwargs):
@@ -2439,37 +2441,54 @@ def test_the_cpu_tier_changes_no_output_and_counts_the_copies_it_makes(
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(GPT, "forward", forward)
             for turns in rounds:
-                ids = [engine.add_request(histories[c] + new, params) for c, new in turns]
-                outputs = {}
+                ids = [engine.add_request(histories[c] + new, SamplingParams(
+                    max_tokens=3, temperature=1.0 if sampled else 0, seed=len(answers) + i))
+                    for i, (c, new) in enumerate(turns)]
+                c = turns[0][0]
+                aside = engine.add_request(histories[c][:4 * block_size] + [31],
+                                           SamplingParams(max_tokens=3))
+                outputs, steps = {}, 0
                 for _ in range(300):  # bounded: see drain
-                    if not engine.requests:
+                    if steps == abort_after and aside in engine.requests:
+                        engine.abort(aside)
+                    if not set(ids) & set(engine.requests):
                         break
                     try:
                         outputs.update({o.request_id: o for o in checked_step(engine)})
+                        steps += 1
                     except RuntimeError as e:
                         assert "injected" in str(e)
+                if aside in engine.requests:
+                    engine.abort(aside)
+                asides.append(histories[c][:4 * block_size] + [31] + (
+                    outputs[aside].outputs[0].token_ids if aside in outputs else []))
                 for (c, new), i in zip(turns, ids):
                     histories[c] += new + outputs[i].outputs[0].token_ids
                     answers.append(outputs[i].outputs[0].token_ids)
-        return answers, histories
+        return answers, histories + asides
 
     def checked_step(engine):
-        tier, copies = engine.allocator.swap_pool, []
+        tier, copies, evicted = engine.allocator.swap_pool, [], set()
         real_copy = engine.model_runner.copy_blocks
         engine.model_runner.copy_blocks = lambda plan: copies.append(plan) or real_copy(plan)
-        held_before = {b.hash for b in tier.blocks if b.hash is not None}
+        held_before = {b.block_id: b.hash for b in tier.blocks if b.hash is not None}
+        tier.prefix_cache.observer = lambda e: e["event"] == "cpu_evict" and evicted.add(
+            held_before.get(e["block"]))
         before = engine.stats()
         try:
             outputs = engine.step()
         finally:
             engine.model_runner.copy_blocks = real_copy
+            del tier.prefix_cache.observer
         s, (plan,) = engine.stats(), copies or [nanopaged.SchedulerOutput()]
         offloaded, reloaded = len(plan.blocks_to_offload), len(plan.blocks_to_reload)
         assert s["num_offloaded_blocks"] - before["num_offloaded_blocks"] == offloaded
         assert s["num_reloaded_blocks"] - before["num_reloaded_blocks"] == reloaded
         assert s["prefix_cache_cpu_hit_tokens"] - before["prefix_cache_cpu_hit_tokens"] == \
             reloaded * engine.block_size
-        assert not {tier.blocks[c].hash for _, c in plan.blocks_to_offload} & held_before
+        # a prefix the tier held is written again only once the tier has given it up
+        offloaded = {tier.blocks[c].hash for _, c in plan.blocks_to_offload}
+        assert offloaded & set(held_before.values()) <= evicted
         return outputs
 
     settings_ = dict(block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
