@@ -209,6 +209,17 @@ def kinds_of_requests(vocab_size=32):
                     min_size=1, max_size=6)
 
 
+def tight_engine(requests, params, block_size, spare, mode, speculate):
+    """An engine for (prompt, max_tokens, kind) requests whose pool holds the largest one and
+    spare blocks more: too tight for all of them at once."""
+    worst = max(p.num_seqs * -(-(len(r[0]) + p.max_tokens) // block_size)
+                for r, p in zip(requests, params))
+    return Engine(MODEL, block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
+                  max_num_batched_tokens=6, max_num_seqs=4, tokenizer=UserTokenizer(),
+                  speculative_config=speculative_config("ngram", 2, MODEL) if speculate
+                  else None)
+
+
 @st.composite
 def request_mixes(draw):
     """Prompts (often sharing a prefix), output lengths, and an engine sized from ample to tight."""
@@ -4646,12 +4657,7 @@ def test_every_output_step_returned_keeps_what_it_said(requests, block_size, spa
                              logprobs=None if kind_of(k) == "beam=2" else 2,
                              prompt_logprobs=1, stop=None if kind_of(k) == "beam=2" else ["ba"])
               for i, (_, m, k) in enumerate(requests)]
-    worst = max(p.num_seqs * -(-(len(r[0]) + p.max_tokens) // block_size)
-                for r, p in zip(requests, params))
-    engine = Engine(MODEL, block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
-                    max_num_batched_tokens=6, max_num_seqs=4, tokenizer=UserTokenizer(),
-                    speculative_config=speculative_config("ngram", 2, MODEL) if speculate
-                    else None)
+    engine = tight_engine(requests, params, block_size, spare, mode, speculate)
     for (prompt, _, _), p in zip(requests, params):
         engine.add_request(prompt, p)
     returned = []  # (an output step() returned, its deep copy then)
@@ -5021,12 +5027,7 @@ def test_only_a_steps_commit_changes_a_request(requests, block_size, spare, mode
                              logits_processors=None if kind_of(k) == "beam=2" else
                              [UserProcessor()])
               for i, (_, m, k) in enumerate(requests)]
-    worst = max(p.num_seqs * -(-(len(r[0]) + p.max_tokens) // block_size)
-                for r, p in zip(requests, params))
-    engine = Engine(MODEL, block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
-                    max_num_batched_tokens=6, max_num_seqs=4, tokenizer=UserTokenizer(),
-                    speculative_config=speculative_config("ngram", 2, MODEL) if speculate
-                    else None)
+    engine = tight_engine(requests, params, block_size, spare, mode, speculate)
     real_plan, real_run = engine.plan, engine.run
     leave_out = NOT_STATE | PAGING_STATE
 
