@@ -829,6 +829,7 @@ class BlockAllocator(BlockPool):
 
     def end(self):
         self.journal.close()
+        self.offloads, self.reloads = [], []  # the plan's SchedulerOutput holds them now
 
     def rollback(self):
         """Put every block, block table, sequence's paging state and queue back as begin() found

@@ -4871,6 +4871,11 @@ FAILURE_POINTS = [(nanopaged.Scheduler, "schedule"), (BlockAllocator, "allocate"
        mode=st.sampled_from(["recompute", "swap"]), caching=st.booleans(),
        tier=st.sampled_from([0, 0, 3, 12]), scheduling=st.sampled_from(SCHEDULING),
        eviction=st.sampled_from(EVICTION))
+# a step that fails before it plans anything, after one whose plan offloaded to the CPU tier
+# (found at --hypothesis-seed=3: the allocator kept the last plan's copies until the next began)
+@example(requests=[([0] * 7, 1, "greedy")] * 2, point=(nanopaged.Scheduler, "schedule"), call=4,
+         after=False, block_size=1, spare=0, mode="recompute", caching=True, tier=3,
+         scheduling="fcfs", eviction="lfu")
 def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, after, block_size,
                                                       spare, mode, caching, tier, scheduling,
                                                       eviction):
