@@ -2382,6 +2382,26 @@ def test_a_conversation_that_comes_back_is_served_from_the_cpu_tier():
 
 
 @pytest.mark.tier
+def test_an_8bit_cache_goes_to_the_tier_and_back_byte_for_byte():
+    """With an 8-bit KV cache (its scales are the layer's, fixed) the tier keeps a block's bytes:
+    the returning conversation's output is the same with the tier as without it, and every
+    prefix both tiers hold is the same bytes in each."""
+    plain = Engine(MODEL, block_size=4, num_blocks=12, kv_cache_dtype="fp8")
+    tiered = Engine(MODEL, block_size=4, num_blocks=12, kv_cache_dtype="fp8",
+                    cpu_cache_bytes=64 * 4096)
+    (without, _), (with_tier, _) = returning_conversation(plain), returning_conversation(tiered)
+    assert without.outputs[0].token_ids == with_tier.outputs[0].token_ids
+    assert with_tier.num_cached_tokens == 12 and tiered.stats()["num_reloaded_blocks"] == 3
+    a, cpu_kv = tiered.allocator, tiered.model_runner.cpu_kv_cache
+    on_device = {b.hash: b.block_id for b in a.blocks if b.hash is not None}
+    both = [(on_device[b.hash], b.block_id) for b in a.swap_pool.blocks if b.hash in on_device]
+    assert len(both) >= 3  # the blocks copied back, at least
+    for block_id, cpu_block in both:
+        assert torch.equal(tiered.kv_cache[:, :, block_id].view(torch.uint8),
+                           cpu_kv[cpu_block].view(torch.uint8))
+
+
+@pytest.mark.tier
 def test_a_swap_out_takes_room_from_the_tier_never_the_other_way():
     """The CPU pool is full of cached prefixes when a request must be preempted by swap: the
     swap evicts cached blocks (the tier's policy) and the request is swapped, not recomputed."""
@@ -3228,6 +3248,8 @@ def tp_scenarios(model, names=None):
         recompute=(dict(num_blocks=16), prompts[:4] * 2, mixed * 2),
         swap=(dict(num_blocks=16, preemption_mode="swap"), prompts[:4] * 2, mixed * 2),
         prefix=({}, [list(range(9)), list(range(8)) + [30]], [greedy] * 2),
+        # prompts that come back after others evicted them: each rank copies its own heads
+        tier=(dict(num_blocks=12, cpu_cache_bytes=2**20), prompts[2:5] * 2, [greedy] * 6),
     )
     results = {}
     for name, (settings_, prompts_, params) in cases.items():
@@ -3238,7 +3260,8 @@ def tp_scenarios(model, names=None):
         outs = engine.generate(prompts_[:1], params[:1]) + engine.generate(prompts_[1:], params[1:])
         s = engine.stats()
         results[name] = dict(tokens=[[c.token_ids for c in o.outputs] for o in outs],
-                             preemptions=s["num_preemptions"], hits=s["prefix_cache_hit_tokens"])
+                             preemptions=s["num_preemptions"], hits=s["prefix_cache_hit_tokens"],
+                             reloads=s["num_reloaded_blocks"])
     if names:
         return results
     torch.manual_seed(1 + nanopaged.tp.rank)  # unseeded: each rank draws its own seeds
@@ -3318,6 +3341,7 @@ def test_two_ranks_serve_every_feature_like_one_process(hf_folder, tmp_path):
         assert rank0["scenarios"][name] == rank1["scenarios"][name] == single[name], name
     assert single["recompute"]["preemptions"] > 0 and single["swap"]["preemptions"] > 0
     assert single["prefix"]["hits"] == 8
+    assert single["tier"]["reloads"] > 0
     assert rank0["scenarios"]["unseeded"] == rank1["scenarios"]["unseeded"]
     for name in TP_CHECKPOINTS:
         assert rank0[name] == rank1[name] == single[name], name
