@@ -766,9 +766,19 @@ def _flex_block_mask(block_tables, seq_lens, num_blocks, block_size, window):
                           first_start + first_off))                                    # (4, B)
     bounds = F.pad(bounds, (0, (1 << (B - 1).bit_length()) - B))
     torch._dynamo.mark_static(bounds)
+    # and the blocks each sequence sees, in the mask itself: the block lists only skip work in
+    # compiled code, and past Dynamo's recompile limit flex runs eagerly, where the mask alone
+    # decides (every other sequence's blocks would be seen)
+    pos = torch.arange(width, device=seq_lens.device)
+    in_view = (pos >= first[:, None]) & (pos < num_used[:, None])                  # (B, width)
+    rows = torch.arange(B, device=seq_lens.device)[:, None].expand(B, width)
+    visible = torch.zeros(bounds.shape[1], num_blocks, dtype=torch.bool, device=seq_lens.device)
+    visible[rows[in_view], block_tables.long()[in_view]] = True                 # (B', num_blocks)
+    torch._dynamo.mark_static(visible)
 
     def seen(b, h, q_idx, kv_idx):
-        return (((kv_idx < bounds[0, b]) | (kv_idx >= bounds[1, b]))
+        return (visible[b, kv_idx // block_size]
+                & ((kv_idx < bounds[0, b]) | (kv_idx >= bounds[1, b]))
                 & ((kv_idx < bounds[2, b]) | (kv_idx >= bounds[3, b])))
     return BlockMask.from_kv_blocks(
         (1 + cut.int()).view(B, 1, 1), partial.view(B, 1, 1, num_blocks),

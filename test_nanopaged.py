@@ -624,6 +624,28 @@ def test_flex_decode_matches_naive(b):
 
 
 @pytest.mark.kernel
+@settings(max_examples=examples(4), deadline=None)
+@given(paged_batches(dtypes=[torch.float32], max_seqs=4, head_dims=(64,), block_sizes=(16,),
+                     groups=(1, 3), windows=True, poison_before_window=False))
+def test_flex_decode_is_right_when_it_runs_eagerly(b):
+    # past Dynamo's recompile limit (8 compiles of one function in a process), flex_attention
+    # runs uncompiled, where its block lists skip nothing: the mask alone must hide every block
+    # a sequence does not see (it once did not, and a suite whose earlier tests had compiled
+    # flex eight times got another sequence's keys)
+    from torch.nn.attention.flex_attention import flex_attention
+    q, k_cache, v_cache, *rest = paged_args(b)
+    # uncompiled, it weighs every slot's V, if only by zero: unwritten slots hold zeros, as the
+    # engine's cache does, not the strategy's NaNs (0 x NaN would spoil every output)
+    k_cache, v_cache = k_cache.nan_to_num(0), v_cache.nan_to_num(0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernel, "_flex", flex_attention)
+        out = paged_attention_torch(q, k_cache, v_cache, *rest,
+                                    decode_attention=kernel.paged_attention_flex,
+                                    window=b["window"])
+    assert_close(out, reference(b))
+
+
+@pytest.mark.kernel
 @settings(max_examples=examples(50), deadline=None)
 @given(
     st.integers(1, 6), st.integers(1, 5), st.integers(1, 3), st.sampled_from([16, 80]),
