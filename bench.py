@@ -44,7 +44,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from demo import DEMO_MODEL  # noqa: E402
 from nanopaged import (GPT, EVICTION_POLICIES, BlockAllocator, Engine, GPTConfig,  # noqa: E402
-                       SamplingParams, Sequence, cdiv, kv_block_shape, step_chunks)
+                       SamplingParams, Sequence, blocks_held, cdiv, kv_block_shape, step_chunks)
 
 OUT_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 SEED = 0
@@ -1242,9 +1242,7 @@ def attention_kinds(window, n_layer=4):
 def kv_bytes_held(engine):
     """The KV bytes the running sequences hold (each block once)."""
     per_block = math.prod(kv_block_shape(engine.config, engine.block_size)) * 4  # float32
-    blocks = {b for g in engine.scheduler.running for seq in g.seqs for table in seq.block_tables
-              for b in table if b >= 0}
-    return len(blocks) * per_block
+    return len(blocks_held(seq for g in engine.scheduler.running for seq in g.seqs)) * per_block
 
 
 def bench_window(window=256, contexts=(256, 512, 1024, 2048, 4096), block_size=16,
