@@ -730,7 +730,8 @@ def paged_attention_flex(q, k_cache, v_cache, block_tables, seq_lens, scale, win
     tail_slots = (last_block * block_size + tail)[tail >= last_len[:, None]]
     for cache in (k_cache, v_cache):
         cache.flatten(0, 1).index_fill_(0, tail_slots, 0)
-    mask = _flex_block_mask(block_tables, seq_lens, num_blocks, block_size, window)
+    mask = _flex_block_mask(block_tables, seq_lens, num_blocks, block_size, window,
+                            num_used, last_block, last_len)
     k, v = (c.view(1, -1, n_kv_head, head_dim).transpose(1, 2).expand(B, -1, -1, -1)
             for c in (k_cache, v_cache))                                        # (B, nkv, slots, D)
     with torch.no_grad():  # flex compiles for inference only on the CPU
@@ -738,15 +739,15 @@ def paged_attention_flex(q, k_cache, v_cache, block_tables, seq_lens, scale, win
     return o.view(B, -1, head_dim)                                                 # (B, nh, D)
 
 
-def _flex_block_mask(block_tables, seq_lens, num_blocks, block_size, window):
+def _flex_block_mask(block_tables, seq_lens, num_blocks, block_size, window, num_used,
+                     last_block, last_len):
     """The decodes' flex BlockMask over the whole cache: per sequence, the blocks it sees wholly
     as full blocks; its last block, and the first of its window if the window starts inside it,
-    as partial ones that the mask_mod cuts to the sequence's end and the window's start."""
+    as partial ones that the mask_mod cuts to the sequence's end and the window's start.
+    num_used, last_block (B, 1), last_len: each sequence's blocks in use, its last block and the
+    tokens in that, as paged_attention_flex found them."""
     from torch.nn.attention.flex_attention import BlockMask
     B, width = block_tables.shape
-    num_used = (seq_lens + block_size - 1) // block_size                          # (B,)
-    last_block = block_tables.gather(1, (num_used - 1)[:, None]).long()           # (B, 1)
-    last_len = seq_lens - (num_used - 1) * block_size                              # (B,)
     # the window's first position, its block, and whether the window starts inside that block
     start = (seq_lens - window).clamp(min=0) if window else torch.zeros_like(seq_lens)
     first, first_off = start // block_size, start % block_size                      # (B,)
