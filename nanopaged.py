@@ -2978,11 +2978,11 @@ def check_request(prompt, params, priority, config, scheduler, has_tokenizer=Fal
 
 
 def token_id(t):
-    """A prompt's token id as a plain int: an int, or numpy's integer or a 0-d integer tensor or
-    array (as numpy and torch index them); None for anything else, a bool too."""
-    if isinstance(t, (np.generic, np.ndarray, torch.Tensor)) and t.ndim == 0:
-        t = t.item()  # numpy's and torch's scalars as Python's: an integer becomes an int
-    return t if integer(t) else None
+    """A prompt's token id as a plain int: an integer() (numpy's and torch's too) or a 0-d
+    integer array (as numpy indexes them); None for anything else, a bool too."""
+    if isinstance(t, np.ndarray) and t.ndim == 0:
+        t = t[()]  # the array's numpy scalar
+    return int(t) if integer(t) else None
 
 
 def schedule_summary(out):
