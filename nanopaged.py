@@ -32,7 +32,7 @@ import sys
 import time
 from bisect import insort
 from collections import deque
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
 from datetime import timedelta
 from heapq import heappop, heappush
 from types import SimpleNamespace
@@ -291,8 +291,10 @@ class Sequence:
         return child
 
 
-@dataclass
+@dataclass(frozen=True)
 class RequestMetrics:  # vLLM's; time.perf_counter() seconds, each set where the lifecycle changes
+    """Frozen: a change replaces the request's metrics whole, so every output that holds them
+    keeps them as they were when it was made, without a copy per output."""
     arrival_time: float  # add_request
     first_scheduled_time: float | None = None  # first admission to running
     first_token_time: float | None = None  # first sampled token
@@ -332,12 +334,12 @@ class SequenceGroup:
         and the prompt tokens the prefix cache served are counted."""
         m = self.metrics
         if m.first_scheduled_time is None:
-            m.first_scheduled_time = time.perf_counter()
-            m.time_in_queue = m.first_scheduled_time - m.arrival_time
+            now = time.perf_counter()
+            self.metrics = replace(m, first_scheduled_time=now, time_in_queue=now - m.arrival_time)
             self.num_cached_tokens = self.seqs[0].num_computed_tokens
 
 
-@dataclass
+@dataclass(slots=True)  # slots: one is made per sample per step, in half the time
 class CompletionOutput:
     index: int
     token_ids: list[int]
@@ -348,13 +350,13 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop token id or string that ended it
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """A request as it stood after a step: a snapshot, which later steps leave as it is."""
     request_id: int
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]  # n samples in order, or the beams best first
-    metrics: RequestMetrics  # a copy as of this output
+    metrics: RequestMetrics  # as of this output (frozen: later steps replace the request's)
     time_to_first_token: float  # seconds from add_request to the first sampled token
     latency: float | None  # seconds from add_request to the last; None until finished
     num_preemptions: int
@@ -713,13 +715,21 @@ class BlockAllocator(BlockPool):
             num_new += min(c, self.blocks[block_id].ref_count - 1)
         return num_new
 
+    def can_append(self, seqs):
+        """Whether the free blocks are enough for append_slot on each of seqs. A table takes one
+        block at most, so they are counted only when fewer blocks than tables are free (every
+        sequence has a table per KV cache group)."""
+        free = self.num_free_blocks
+        return (len(seqs) * len(seqs[0].block_tables) <= free
+                or self.num_blocks_to_append(seqs) <= free)
+
     def append_slot(self, seq):
         """Make room for seq's newest token in each of its block tables. Returns the (src, dst)
         block copies that copy-on-write needs, for the engine to perform on the KV tensors
         before the step."""
-        num_taken = self.num_blocks_to_append([seq])  # every group's, before any group takes
-        if num_taken > self.num_free_blocks:
-            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {num_taken} blocks, "
+        if not self.can_append([seq]):  # every group's need, before any group takes
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs "
+                                   f"{self.num_blocks_to_append([seq])} blocks, "
                                    f"{self.num_free_blocks} are free")
         copies = []
         for g, table in enumerate(seq.block_tables):
@@ -1288,7 +1298,7 @@ class Scheduler:
             if not group.is_decoding or self._over_budget(out, len(group.seqs)):
                 i += 1
                 continue
-            while self.allocator.num_blocks_to_append(group.seqs) > self.allocator.num_free_blocks:
+            while not self.allocator.can_append(group.seqs):
                 victim = self.running[-1]
                 self._preempt(victim, out)
                 if victim is group:
@@ -2074,8 +2084,9 @@ class SamplingMetadata:
         rows = set()
         for name in names:  # a pass a name: a comparison a row, no generator a row
             default = self.default(name)
+            unset = (default, [])  # a list's default is a factory's: empty
             rows.update([r for r, p in enumerate(self.params)
-                         if getattr(p, name, default) not in (default, [])])
+                         if getattr(p, name, default) not in unset])
         return sorted(rows)
 
     def uses(self, name):
@@ -2320,8 +2331,8 @@ class OutputProcessor:
         num_rows, owed = 0, []  # owed: (seq, position p), prompt logprobs from the rows after
         for seq, num_new in plan.scheduled:
             start = seq.num_computed_tokens
-            for p in seq.prompt_logprob_positions(start, start + num_new):
-                owed.append((seq, p))
+            if seq.prompt_logprobs:  # it asked for them
+                owed += [(seq, p) for p in seq.prompt_logprob_positions(start, start + num_new)]
             if start + num_new == len(seq):
                 row_of[seq.seq_id] = num_rows  # then a row after each of its proposals
                 num_rows += 1 + len(proposals.get(seq.seq_id, ()))
@@ -2354,8 +2365,9 @@ class OutputProcessor:
         the proposals). Then where each stops. A SampleUpdate each."""
         draws = []  # (group, seq, sample index, row, the proposals before this draw)
         for group, seq, index, row in to_sample:
-            proposal = proposals.get(seq.seq_id, [])
-            for j in range(1 + len(proposal)):
+            draws.append((group, seq, index, row, []))
+            proposal = proposals.get(seq.seq_id, ())
+            for j in range(1, 1 + len(proposal)):
                 draws.append((group, seq, index, row + j, proposal[:j]))
         groups, seqs, _, rows, proposed = map(list, zip(*draws))  # a list each, an item a draw
         logits = logits if rows == list(range(len(logits))) else logits[rows]           # (D, V)
@@ -2462,7 +2474,7 @@ class OutputProcessor:
         now = time.perf_counter()
         for group in result.ready:
             if group.metrics.first_token_time is None:
-                group.metrics.first_token_time = now
+                group.metrics = replace(group.metrics, first_token_time=now)
             if group.request_id in result.beams:
                 self.apply_beam_step(group, result.beams[group.request_id])
         # New samples fork from the prompt before it gains its own first token.
@@ -2472,7 +2484,7 @@ class OutputProcessor:
             self.apply_sample(seq, update, result.proposals.get(seq.seq_id))
         for group in result.ready:
             if group.is_finished:
-                group.metrics.finished_time = time.perf_counter()
+                group.metrics = replace(group.metrics, finished_time=time.perf_counter())
         self.scheduler.remove_finished()
         return result.ready
 
@@ -2599,15 +2611,25 @@ def request_output(group, detokenizer=None):
             text=None if detokenizer is None else detokenizer.visible(seq, params,
                                                                       seq.finish_reason),
             stop_reason=seq.stop_reason)
-            for seq in sorted(group.finished + group.seqs, key=lambda s: s.index)]
-    m = RequestMetrics(**vars(group.metrics))  # a copy; the times derive from it alone
+            for seq in samples_in_order(group)]
+    m = group.metrics  # frozen: a later change replaces it, and this output keeps its own
     return RequestOutput(
         request_id=group.request_id, prompt_token_ids=group.prompt_token_ids, outputs=outputs,
         metrics=m, time_to_first_token=m.first_token_time - m.arrival_time,
         latency=m.finished_time and m.finished_time - m.arrival_time,
         num_preemptions=group.num_preemptions, finished=group.is_finished,
         num_cached_tokens=group.num_cached_tokens,
-        prompt_logprobs=list(group.prompt_logprobs) or None)
+        prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs else None)
+
+
+def samples_in_order(group):
+    """A request's samples by index, finished or not. The live ones are in order already: a
+    fork joins after its parent and the samples before it."""
+    if not group.finished:
+        return group.seqs
+    return sorted(group.finished + group.seqs, key=lambda s: s.index)
+
+
 # -----------------------------------------------------------------------------
 # 11. The engine: the step loop and the public API (Orca's iteration-level scheduling)
 #

@@ -1577,6 +1577,8 @@ class AllocatorMachine(RuleBasedStateMachine):
         if slide:  # as an engine step does first: the new token's window is known
             self.slide(seq)
         counted = self.a.num_blocks_to_append([seq])
+        # its shortcut (a table takes one block at most) says what the count says
+        assert self.a.can_append([seq]) == (counted <= self.a.num_free_blocks)
         if counted > self.a.num_free_blocks:
             before = allocator_state(self.a)
             with pytest.raises(OutOfBlocksError):
