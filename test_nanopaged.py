@@ -4389,15 +4389,18 @@ def test_samples_come_back_in_index_order_with_their_tokens_logprob_under_the_mo
         prompt, n, seed, filters, stops, spare_blocks):
     """Every sample's cumulative_logprob is the sum of its tokens' log-probabilities under the
     model (the raw model, as vLLM reports it, not the filtered distribution it drew from), and
-    outputs[i] is sample i however the samples finished (stop tokens end them out of order; a
-    pool of just the blocks the request may need or a roomy one)."""
+    outputs[i] is sample i in every output, however the samples finished (stop tokens end them
+    out of order; a pool of just the blocks the request may need or a roomy one)."""
     temperature, top_k, top_p = filters
     params = SamplingParams(max_tokens=6, n=n, seed=seed, temperature=temperature, top_k=top_k,
                             top_p=top_p, stop_token_ids=stops)
     num_blocks = n * nanopaged.cdiv(len(prompt) + 6, 2) + spare_blocks
     engine = Engine(MODEL, block_size=2, num_blocks=num_blocks)
-    outputs = engine.generate([prompt], params)[0].outputs
-    assert [c.index for c in outputs] == list(range(n))
+    engine.add_request(prompt, params)
+    while engine.requests:
+        for out in engine.step():  # streamed too: by index, none finished or some
+            assert [c.index for c in out.outputs] == list(range(n))
+    outputs = out.outputs
     for c in outputs:
         logprobs = [naive_logprobs(MODEL, prompt + c.token_ids[:t])[token].item()
                     for t, token in enumerate(c.token_ids)]
