@@ -1427,15 +1427,24 @@ def observer_cost(sizes=(32, 256), prompt_len=64, steps=20, rounds=3):
     return results
 
 
-def engine_phases(n, prompt_len, steps, block_size=16):
-    """(steps, phases) microseconds per sequence of n decoding sequences' steps, and the engine's
-    own time (all but the no-op model) per step."""
-    engine = decoding_engine(n, prompt_len, steps + 20, block_size,
-                             cdiv(prompt_len, block_size) + n * cdiv(steps + 40, block_size))
-    # start clean: garbage from the sizes before would bill this one for its collection
+def engine_phases(shapes, steps, block_size=16, burst=5):
+    """For each (n, prompt_len) of shapes, an engine of n sequences decoding after prompts of
+    prompt_len: (steps, phases) microseconds per sequence, and the engine's own time (all but
+    the no-op model) per step. The engines take turns, burst steps each, so that the machine's
+    other load, which comes and goes over seconds, falls on all of them alike; a burst's first
+    step finds the caches holding another engine's data, its others find its own, as steps
+    back to back do (the median is theirs)."""
+    engines = [decoding_engine(n, prompt_len, steps + 20, block_size, cdiv(prompt_len, block_size)
+                               + n * cdiv(steps + 40, block_size)) for n, prompt_len in shapes]
+    # start clean: garbage from the building would bill the first steps for its collection
     gc.collect()
-    phases = np.array([timed_step(engine) for _ in range(steps)]) * 1e6 / n  # (steps, 5)
-    return phases, phases[:, [0, 1, 3, 4]].sum(axis=1)
+    times = [[] for _ in engines]
+    for _ in range(cdiv(steps, burst)):
+        for engine, timed in zip(engines, times):
+            timed += [timed_step(engine) for _ in range(burst)]
+    return [(phases, phases[:, [0, 1, 3, 4]].sum(axis=1))
+            for n, timed in zip((n for n, _ in shapes), times)
+            for phases in [np.array(timed[:steps]) * 1e6 / n]]                     # (steps, 5)
 
 
 def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
@@ -1445,8 +1454,8 @@ def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
     time: by running sequences, and by context length (the step's work is the same, so its cost
     should be too); and the time to take a block from free lists of up to 100k cached blocks."""
     results, rows = {}, []
-    for n in sizes:
-        phases, engine_us = engine_phases(n, prompt_len, steps)
+    for n, (phases, engine_us) in zip(sizes, engine_phases([(n, prompt_len) for n in sizes],
+                                                           steps)):
         median = dict(zip(PHASES, np.median(phases, axis=0).tolist()))
         results[n] = dict(engine_us_per_seq=float(np.median(engine_us)),
                           fastest_step_us_per_seq=float(engine_us.min()),
@@ -1454,13 +1463,14 @@ def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
         rows.append([n, f"{n * np.median(engine_us) / 1e3:.2f}", f"{np.median(engine_us):.2f}",
                      f"{engine_us.min():.2f}", *(f"{v:.2f}" for v in median.values())])
     print_table(f"Engine overhead per decode step with a no-op model, {prompt_len}-token "
-                f"prompts, median of {steps} steps (goal: <= 10 us per running sequence)",
+                f"prompts, median of {steps} steps, the sizes in turns (goal: <= 10 us per "
+                "running sequence at 256)",
                 ["running seqs", "engine ms/step", "us/seq", "fastest step", *PHASES[:2],
                  "(no-op model)", *PHASES[3:]], rows)
     results["context"], rows = {}, []
     for n in context_sizes:
-        for context in contexts:
-            phases, engine_us = engine_phases(n, context, steps)
+        timed = engine_phases([(n, context) for context in contexts], steps)
+        for context, (phases, engine_us) in zip(contexts, timed):
             median = np.median(phases, axis=0)
             results["context"][f"{n}x{context}"] = dict(
                 engine_us_per_seq=float(np.median(engine_us)),
@@ -1470,7 +1480,8 @@ def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
                          f"{np.median(engine_us) / base:.2f}x",
                          *(f"{v:.2f}" for i, v in enumerate(median) if i != 2)])
     print_table(f"Engine time per sequence and decode step against context length (goal: at "
-                f"{contexts[-1]} tokens within 1.2x of {contexts[0]}), median of {steps} steps",
+                f"{contexts[-1]} tokens within 1.2x of {contexts[0]}), median of {steps} steps, "
+                "the contexts in turns",
                 ["running seqs", "context", "us/seq", f"vs {contexts[0]}",
                  *(p for p in PHASES if p != "model")], rows)
     takes = {policy: {n: time_block_take(n, policy) for n in take_sizes}
