@@ -2327,7 +2327,9 @@ class OutputProcessor:
         result = StepResult(proposals=proposals)
         if logits is None:
             return result
+        running = {g.request_id: g for g in self.scheduler.running}
         row_of = {}  # seq_id -> its first row of logits, for sequences whose last token is in
+        ready = {}  # request_id -> group: the scheduler completes a group's sequences together
         num_rows, owed = 0, []  # owed: (seq, position p), prompt logprobs from the rows after
         for seq, num_new in plan.scheduled:
             start = seq.num_computed_tokens
@@ -2336,12 +2338,10 @@ class OutputProcessor:
             if start + num_new == len(seq):
                 row_of[seq.seq_id] = num_rows  # then a row after each of its proposals
                 num_rows += 1 + len(proposals.get(seq.seq_id, ()))
-        running = {g.request_id: g for g in self.scheduler.running}
+                ready[seq.request_id] = running[seq.request_id]
         if owed:
             result.prompt_logprobs = self.prompt_logprob_entries(owed, logits[num_rows:], running)
-        # The scheduler completes all sequences of a group in the same step.
-        result.ready = list({seq.request_id: running[seq.request_id] for seq, _ in plan.scheduled
-                             if seq.seq_id in row_of}.values())
+        result.ready = list(ready.values())
         to_sample = []  # (group, seq, sample index, row)
         for group in result.ready:
             seqs, params = group.seqs, group.params
