@@ -445,14 +445,15 @@ class PhysicalBlock:
 
 class BlockTable:
     """A sequence's block table: the physical block of each of its logical blocks, in order.
-    The ids live in a numpy int32 row that doubles as it fills, so the model runner copies a
-    step's tables into the batch as rows, without walking Python lists (vLLM v1 keeps
-    persistent block tables so, updated by the blocks that change). Read it as a list; change
-    it by append, item assignment and truncate, each journaled once the allocator has given
-    it its journal."""
+    The ids live in a numpy int32 row that doubles as it fills, and each change moves its
+    version, so the model runner keeps the batch's rows and writes a table's row again only
+    when it changed (ModelRunner.batch_table), without walking Python lists. Read it as a list;
+    change it by append, item assignment and truncate, each journaled once the allocator has
+    given it its journal."""
 
     def __init__(self):
         self.ids, self.n, self.journal = np.zeros(4, dtype=np.int32), 0, None
+        self.version = 0  # counts its changes: the model runner rewrites its batch row on one
 
     def __len__(self):
         return self.n
@@ -484,12 +485,14 @@ class BlockTable:
             self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
         self.ids[self.n] = block_id
         self.n += 1
+        self.version += 1
         if self.journal is not None:
             self.journal.record(self.truncate, self.n - 1)
 
     def __setitem__(self, i, block_id):
         old = self[i]
         self.ids[i % self.n] = block_id
+        self.version += 1
         if self.journal is not None:
             self.journal.record(self.__setitem__, i, old)
 
@@ -498,6 +501,7 @@ class BlockTable:
         if self.journal is not None:
             self.journal.record(self.extend, self[n:])
         self.n = min(n, self.n)
+        self.version += 1
 
     def extend(self, block_ids):
         for block_id in block_ids:
@@ -1920,6 +1924,7 @@ class ModelRunner:
                                         pin_memory=device.type == "cuda")
         # per layer, an 8-bit cache's scales, fixed here once (kernel.py says how and why)
         self.kv_scales = calibrate_kv_scales(model, shape, dtype)  # [{k_scale, v_scale}]
+        self.table_rows = []  # per KV cache group, the batch's block table rows: batch_table
 
     def execute(self, plan, proposals):
         """Copy the blocks the plan orders, then run its scheduled tokens, each sequence's
@@ -1957,10 +1962,33 @@ class ModelRunner:
             src, dst = zip(*plan.blocks_to_copy)
             self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
 
+    def batch_table(self, g, seq_tables):
+        """KV cache group g's block tables as the batch's (S, max_blocks) int32 rows, each ending
+        in -1s. The rows stay between steps (vLLM v1's persistent block table), and row i is
+        written again only when another table holds it now or its table changed since (each
+        change moves the table's version): a decode step writes the rows of the sequences that
+        took a block, not every row a sequence holds."""
+        width = max(table.n for table in seq_tables)
+        if len(self.table_rows) <= g:
+            self.table_rows.append((np.full((0, 0), -1, dtype=np.int32), [], []))
+        rows, tables, versions = self.table_rows[g]  # what each row holds, and as of which change
+        if len(seq_tables) > rows.shape[0] or width > rows.shape[1]:  # more room, all rows anew
+            rows = np.full((max(len(seq_tables), 2 * rows.shape[0]),
+                            max(width, 2 * rows.shape[1])), -1, dtype=np.int32)
+            tables, versions = [None] * len(rows), [0] * len(rows)
+            self.table_rows[g] = rows, tables, versions
+        for i, table in enumerate(seq_tables):
+            if tables[i] is not table or versions[i] != table.version:
+                rows[i, :table.n] = table.ids[:table.n]
+                rows[i, table.n:] = -1
+                tables[i], versions[i] = table, table.version
+        return rows[:len(seq_tables), :width].copy()  # the batch's own: the rows change next step
+
     def prepare(self, chunks, prompt_logprobs=True):
         """Pack chunks into one varlen batch; after the rows of logits each chunk wants, the rows
-        that prompt logprobs need, if asked for. The work is per token scheduled and per block
-        table row copied, in numpy, never per token a sequence holds."""
+        that prompt logprobs need, if asked for. The Python work is per token scheduled and per
+        block table that changed, never per token a sequence holds; the block tables are copied
+        into the batch whole, one numpy copy (as vLLM v1 copies its block table each step)."""
         bs, chunks = self.block_size, list(chunks)
         q_lens = np.array([len(c.tokens) for c in chunks])                            # (S,)
         starts = np.array([c.start for c in chunks])                                   # (S,)
@@ -1969,11 +1997,7 @@ class ModelRunner:
         positions = np.arange(cu_seqlens_q[-1]) - cu_seqlens_q[owner] + starts[owner]  # (T,)
         block_tables, slot_mappings = [], []  # per KV cache group
         for g in range(len(chunks[0].seq.block_tables)):
-            seq_tables = [c.seq.block_tables[g] for c in chunks]  # group g's table of each chunk
-            tables = np.full((len(chunks), max(table.n for table in seq_tables)), -1,
-                             dtype=np.int32)                               # (S, max_blocks)
-            for row, table in zip(tables, seq_tables):
-                row[:table.n] = table.ids[:table.n]  # rows end in -1s
+            tables = self.batch_table(g, [c.seq.block_tables[g] for c in chunks])  # (S, max_blocks)
             block_tables.append(tables)
             slot_mappings.append(tables[owner, positions // bs].astype(np.int64) * bs
                                  + positions % bs)                                  # (T,)

@@ -3823,6 +3823,35 @@ def test_a_hybrid_model_generates_like_naive_on_every_backend(backend):
     assert_all_blocks_free(engine)
 
 
+@pytest.mark.model
+@settings(max_examples=examples(60), deadline=None)
+@given(data=st.data())
+def test_the_batch_block_table_is_each_table_then_minus_ones_whatever_changed_between_steps(
+        data):
+    """ModelRunner.batch_table keeps its rows from step to step and writes a row again only when
+    its table changed or another table holds it now. After any changes between two steps (a
+    block appended, replaced or truncated away, a table swapped for a new one, sequences
+    leaving and coming in another order), row i is the step's table i, then -1s."""
+    runner = Engine(MODEL, block_size=2, num_blocks=8).model_runner
+    tables = [nanopaged.BlockTable() for _ in range(4)]
+    for _ in range(data.draw(st.integers(1, 10))):
+        for i, table in enumerate(tables):
+            change = data.draw(st.sampled_from(["append", "replace", "truncate", "new", "none"]))
+            if change == "append" or change == "replace" and not table.n:
+                table.append(data.draw(st.integers(-1, 9)))
+            elif change == "replace":
+                table[data.draw(st.integers(0, table.n - 1))] = data.draw(st.integers(-1, 9))
+            elif change == "truncate":
+                table.truncate(data.draw(st.integers(0, table.n)))
+            elif change == "new":  # another table in its place
+                tables[i] = nanopaged.BlockTable()
+        step = data.draw(st.lists(st.sampled_from(tables), min_size=1, max_size=4,
+                                  unique_by=id))
+        width = max(table.n for table in step)
+        assert runner.batch_table(0, step).tolist() == \
+            [table.tolist() + [-1] * (width - table.n) for table in step]
+
+
 # -----------------------------------------------------------------------------
 # 9. Sampling: the pipeline against transformers' processors, seeds, logprobs  (-m sampling)
 
