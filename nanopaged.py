@@ -2388,8 +2388,8 @@ class OutputProcessor:
         row after it, as if nothing were proposed (speculative.py keeps the draws that confirm
         the proposals). Then where each stops. A SampleUpdate each."""
         draws = []  # (group, seq, sample index, row, the proposals before this draw)
-        for group, seq, index, row in to_sample:
-            draws.append((group, seq, index, row, []))
+        for group, seq, index, row in to_sample:  # the draw after its last token, then one
+            draws.append((group, seq, index, row, []))  # after each of its proposals
             proposal = proposals.get(seq.seq_id, ())
             for j in range(1, 1 + len(proposal)):
                 draws.append((group, seq, index, row + j, proposal[:j]))
