@@ -1982,13 +1982,14 @@ class ModelRunner:
                 rows[i, :table.n] = table.ids[:table.n]
                 rows[i, table.n:] = -1
                 tables[i], versions[i] = table, table.version
-        return rows[:len(seq_tables), :width].copy()  # the batch's own: the rows change next step
+        # a view: the step reads it before the next one writes (a GPU's batch gets a copy)
+        return rows[:len(seq_tables), :width]
 
     def prepare(self, chunks, prompt_logprobs=True):
         """Pack chunks into one varlen batch; after the rows of logits each chunk wants, the rows
-        that prompt logprobs need, if asked for. The Python work is per token scheduled and per
-        block table that changed, never per token a sequence holds; the block tables are copied
-        into the batch whole, one numpy copy (as vLLM v1 copies its block table each step)."""
+        that prompt logprobs need, if asked for. The work is per token scheduled and per block
+        table that changed, never per token or block a sequence holds (but on a GPU, where the
+        block tables go over whole in one copy, as vLLM v1 copies its block table each step)."""
         bs, chunks = self.block_size, list(chunks)
         q_lens = np.array([len(c.tokens) for c in chunks])                            # (S,)
         starts = np.array([c.start for c in chunks])                                   # (S,)
