@@ -1988,8 +1988,8 @@ class ModelRunner:
     def prepare(self, chunks, prompt_logprobs=True):
         """Pack chunks into one varlen batch; after the rows of logits each chunk wants, the rows
         that prompt logprobs need, if asked for. The work is per token scheduled and per block
-        table that changed, never per token or block a sequence holds (but on a GPU, where the
-        block tables go over whole in one copy, as vLLM v1 copies its block table each step)."""
+        table that changed, never per token a sequence holds: on the CPU the batch reads the
+        kept block table rows in place; a GPU gets them in one copy, as vLLM v1's each step."""
         bs, chunks = self.block_size, list(chunks)
         q_lens = np.array([len(c.tokens) for c in chunks])                            # (S,)
         starts = np.array([c.start for c in chunks])                                   # (S,)
@@ -2389,10 +2389,9 @@ class OutputProcessor:
         row after it, as if nothing were proposed (speculative.py keeps the draws that confirm
         the proposals). Then where each stops. A SampleUpdate each."""
         draws = []  # (group, seq, sample index, row, the proposals before this draw)
-        for group, seq, index, row in to_sample:  # the draw after its last token, then one
-            draws.append((group, seq, index, row, []))  # after each of its proposals
-            proposal = proposals.get(seq.seq_id, ())
-            for j in range(1, 1 + len(proposal)):
+        for group, seq, index, row in to_sample:
+            proposal = proposals.get(seq.seq_id, [])
+            for j in range(1 + len(proposal)):
                 draws.append((group, seq, index, row + j, proposal[:j]))
         groups, seqs, _, rows, proposed = map(list, zip(*draws))  # a list each, an item a draw
         logits = logits if rows == list(range(len(logits))) else logits[rows]           # (D, V)
