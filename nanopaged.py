@@ -1973,8 +1973,10 @@ class ModelRunner:
             self.table_rows.append((np.full((0, 0), -1, dtype=np.int32), [], []))
         rows, tables, versions = self.table_rows[g]  # what each row holds, and as of which change
         if len(seq_tables) > rows.shape[0] or width > rows.shape[1]:  # more room, all rows anew
-            rows = np.full((max(len(seq_tables), 2 * rows.shape[0]),
-                            max(width, 2 * rows.shape[1])), -1, dtype=np.int32)
+            # each way as a list grows, alone: a wider table doubles the width, not the rows
+            shape = [have if need <= have else max(need, 2 * have)
+                     for need, have in zip((len(seq_tables), width), rows.shape)]
+            rows = np.full(shape, -1, dtype=np.int32)
             tables, versions = [None] * len(rows), [0] * len(rows)
             self.table_rows[g] = rows, tables, versions
         for i, table in enumerate(seq_tables):

@@ -3831,9 +3831,13 @@ def test_the_batch_block_table_is_each_table_then_minus_ones_whatever_changed_be
     """ModelRunner.batch_table keeps its rows from step to step and writes a row again only when
     its table changed or another table holds it now. After any changes between two steps (a
     block appended, replaced or truncated away, a table swapped for a new one, sequences
-    leaving and coming in another order), row i is the step's table i, then -1s."""
+    leaving and coming in another order), row i is the step's table i, then -1s. And the rows
+    kept grow as a list does, each way on its own: at most twice the most tables and twice the
+    widest table a step has had, and never less than before."""
     runner = Engine(MODEL, block_size=2, num_blocks=8).model_runner
     tables = [nanopaged.BlockTable() for _ in range(4)]
+    most = widest = 0
+    before = (0, 0)
     for _ in range(data.draw(st.integers(1, 10))):
         for i, table in enumerate(tables):
             change = data.draw(st.sampled_from(["append", "replace", "truncate", "new", "none"]))
@@ -3850,6 +3854,11 @@ def test_the_batch_block_table_is_each_table_then_minus_ones_whatever_changed_be
         width = max(table.n for table in step)
         assert runner.batch_table(0, step).tolist() == \
             [table.tolist() + [-1] * (width - table.n) for table in step]
+        most, widest = max(most, len(step)), max(widest, width)
+        kept = runner.table_rows[0][0].shape
+        assert kept[0] <= 2 * most and kept[1] <= 2 * widest, (kept, most, widest)
+        assert kept[0] >= before[0] and kept[1] >= before[1], (kept, before)
+        before = kept
 
 
 # -----------------------------------------------------------------------------
