@@ -76,10 +76,11 @@ class Detokenizer:
         return stop, text if cut == -1 else text[:cut]
 
     @staticmethod
-    def visible(seq, params, finished):
-        """The text a streamed output shows: while the sequence runs, all but the last
-        len(longest stop string) - 1 characters, which may yet begin a stop string to cut."""
+    def visible(seq, params, finished, start=0):
+        """The text a streamed output shows, from character start on: while the sequence runs,
+        all but the last len(longest stop string) - 1 characters, which may yet begin a stop
+        string to cut (a stop string found later starts past them, so what was shown stays)."""
         hold = 0
         if not (finished or params.include_stop_str_in_output or not params.stop):
             hold = max(map(len, params.stop)) - 1
-        return seq.text[:max(0, len(seq.text) - hold)]
+        return seq.text[start:max(0, len(seq.text) - hold)]

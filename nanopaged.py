@@ -200,6 +200,11 @@ class SamplingParams:
     logits_processors: list | None = setting(
         None, "None or a list of callables", lambda x: x is None or isinstance(
             x, (list, tuple)) and all(map(callable, x)), beams=False, http=False)
+    # what step() returns of the request, as vLLM's RequestOutputKind: "cumulative", each sample
+    # as it stands; "delta", what each sample gained since the last output, so that a stream
+    # costs what it adds, not what it holds; "final_only", one output, at the end (generate's)
+    output_kind: str = setting("cumulative", "'cumulative', 'delta' or 'final_only'",
+                               lambda x: x in ("cumulative", "delta", "final_only"), http=False)
 
     def __post_init__(self):
         check_fields(self)
@@ -212,6 +217,10 @@ class SamplingParams:
         if self.n > 1 and self.beam_width is not None:
             raise ValueError("SamplingParams: choose n > 1 (parallel sampling) or beam_width "
                              "(beam search), not both")
+        if self.output_kind == "delta" and self.beam_width is not None:
+            raise ValueError("SamplingParams.output_kind 'delta' does not apply to beam search "
+                             "(the best beams change, so no output extends the one before): "
+                             "use 'cumulative' or 'final_only'")
         # beams rank by (penalised) log-probabilities, as transformers' beam search, which
         # draws nothing: temperature, top_k and top_p do not apply to them
         for f in fields(self):
@@ -250,6 +259,10 @@ class Sequence:
         self.finish_reason = None
         self.stop_reason = None  # the stop token id or stop string that ended it (vLLM's)
         self.text = None  # its output decoded so far, when the engine has a tokenizer
+        # where its next delta output starts (output_kind "delta"): the output tokens and the
+        # characters of text that earlier outputs reported
+        self.num_reported_tokens = 0
+        self.num_reported_chars = 0
 
     def __len__(self):
         return len(self.token_ids)
@@ -2615,8 +2628,10 @@ def beam_search_step(group, logits, stops, eos_token_ids=frozenset()):
 def request_output(group, detokenizer=None):
     """A snapshot of the request as it stands: finished, or still running with the tokens it
     has so far; with a detokenizer, the text too (a streamed one without what may begin a stop
-    string). Built in a step's commit from what the run computed: no tokenizer code runs."""
-    params = group.params
+    string); asked for deltas, what it gained since its last output. Built in a step's commit
+    from what the run computed: no tokenizer code runs."""
+    params, delta = group.params, group.params.output_kind == "delta"
+    first = True  # the request's first output, which a delta's prompt logprobs come with
     if params.beam_width is not None and group.is_finished:
         # rank by length-normalised log-probability, so short hypotheses are not favoured
         best = sorted(group.hypotheses, key=lambda h: -h.cumulative_logprob
@@ -2630,22 +2645,36 @@ def request_output(group, detokenizer=None):
                                     cumulative_logprob=seq.cumulative_logprob, text=seq.text)
                    for i, seq in enumerate(group.seqs)]
     else:
-        outputs = [CompletionOutput(
-            index=seq.index, token_ids=seq.output_token_ids, finish_reason=seq.finish_reason,
-            cumulative_logprob=seq.cumulative_logprob,
-            logprobs=None if params.logprobs is None else list(seq.logprobs),
-            text=None if detokenizer is None else detokenizer.visible(seq, params,
-                                                                      seq.finish_reason),
-            stop_reason=seq.stop_reason)
-            for seq in samples_in_order(group)]
+        samples = samples_in_order(group)
+        if delta:  # a sample that finished in an earlier output has nothing more to say
+            first = not any(seq.num_reported_tokens for seq in samples)
+            samples = [seq for seq in samples if seq.num_output_tokens > seq.num_reported_tokens]
+        outputs = [sample_output(seq, params, detokenizer, delta) for seq in samples]
+    prompt_logprobs = list(group.prompt_logprobs) if group.prompt_logprobs and first else None
     m = group.metrics  # frozen: a later change replaces it, and this output keeps its own
     return RequestOutput(
         request_id=group.request_id, prompt_token_ids=group.prompt_token_ids, outputs=outputs,
         metrics=m, time_to_first_token=m.first_token_time - m.arrival_time,
         latency=m.finished_time and m.finished_time - m.arrival_time,
         num_preemptions=group.num_preemptions, finished=group.is_finished,
-        num_cached_tokens=group.num_cached_tokens,
-        prompt_logprobs=list(group.prompt_logprobs) if group.prompt_logprobs else None)
+        num_cached_tokens=group.num_cached_tokens, prompt_logprobs=prompt_logprobs)
+
+
+def sample_output(seq, params, detokenizer=None, delta=False):
+    """A sample's CompletionOutput: all it has so far, or (delta) what it gained since its last
+    output, which moves its marks: the only change that building an output makes."""
+    tokens, chars = (seq.num_reported_tokens, seq.num_reported_chars) if delta else (0, 0)
+    text = None if detokenizer is None else detokenizer.visible(seq, params, seq.finish_reason,
+                                                                chars)
+    out = CompletionOutput(
+        index=seq.index, token_ids=seq.token_ids[seq.num_prompt_tokens + tokens:],
+        finish_reason=seq.finish_reason, cumulative_logprob=seq.cumulative_logprob,
+        logprobs=None if params.logprobs is None else seq.logprobs[tokens:], text=text,
+        stop_reason=seq.stop_reason)
+    if delta:
+        seq.num_reported_tokens = seq.num_output_tokens
+        seq.num_reported_chars += len(text or "")
+    return out
 
 
 def samples_in_order(group):
@@ -2790,7 +2819,8 @@ class Engine:
             self.set_observer(self.deferred(observer))
         try:
             groups = self.output_processor.commit(plan, result)
-            outputs = [request_output(group, self.detokenizer) for group in groups]
+            outputs = [request_output(group, self.detokenizer) for group in groups
+                       if group.is_finished or group.params.output_kind != "final_only"]
             for group in groups:
                 if group.is_finished:
                     notify(self, "finished", request=group.request_id)
@@ -2893,7 +2923,10 @@ class Engine:
                 checked.append(self.check_request(prompt, p, q))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self._enqueue(*request) for request in zip(checked, params, priority)]
+        # each request's one output, at its end: nothing is built for the steps between
+        final = {id(p): replace(p, output_kind="final_only") for p in params}
+        ids = [self._enqueue(prompt, final[id(p)], q)
+               for prompt, p, q in zip(checked, params, priority)]
         outputs = {}
         while any(i not in outputs for i in ids):
             outputs.update((o.request_id, o) for o in self.step() if o.finished)

@@ -1218,6 +1218,8 @@ def test_engine_on_the_triton_kernel_with_an_8bit_cache_generates_like_the_torch
     (dict(logprobs=2, beam_width=2), r"logprobs does not apply to beam search"),
     (dict(prompt_logprobs=1.0), r"prompt_logprobs must be None or an int >= 0, got 1.0"),
     (dict(n=2, beam_width=2), "not both"),
+    (dict(output_kind="stream"), r"output_kind must be 'cumulative', 'delta' or 'final_only'"),
+    (dict(output_kind="delta", beam_width=2), r"output_kind 'delta' does not apply to beam"),
 ])
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -4723,6 +4725,76 @@ def test_step_streams_every_request_that_gained_tokens(requests, mode):
 
 @pytest.mark.engine
 @settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 31), min_size=1, max_size=8),
+                                   st.integers(1, 6), st.sampled_from(["greedy", "n=2", "beam=2"]),
+                                   st.lists(st.text("abcdefgh", min_size=1, max_size=3),
+                                            max_size=2)),
+                         min_size=1, max_size=5),
+       mode=st.sampled_from(["recompute", "swap"]), speculate=st.booleans())
+def test_delta_outputs_add_up_to_the_cumulative_ones_and_final_only_is_their_last(
+        requests, mode, speculate):
+    """The same requests in three engines stepped side by side, each asking for another
+    output_kind (vLLM's RequestOutputKind). At every step, a "delta" request's outputs so far,
+    joined per sample, are the "cumulative" one's: tokens, logprobs and text (held back before a
+    possible stop string); a delta holds just the samples that gained tokens, and the prompt's
+    logprobs come with the first. A "final_only" request has one output, at its end, equal to
+    the cumulative one's. Beams, which cannot stream deltas, ask for final_only in the delta
+    engine, beside the others; in a pool tight enough to preempt, speculating (no beams then)
+    or not."""
+    def params(i, kind, stop, output_kind):
+        beam = kind == "beam=2" and not speculate
+        return SamplingParams(
+            max_tokens=requests[i][1], temperature=0 if kind != "n=2" else 1.0, seed=i,
+            n=2 if kind == "n=2" else 1, beam_width=2 if beam else None,
+            stop=None if beam else stop, logprobs=None if beam else 1, prompt_logprobs=1,
+            output_kind="final_only" if beam and output_kind == "delta" else output_kind)
+    kinds = ["cumulative", "delta", "final_only"]
+    engines = [Engine(MODEL, block_size=2, num_blocks=24, preemption_mode=mode,
+                      max_num_batched_tokens=8, tokenizer=UserTokenizer(),
+                      speculative_config=speculative_config("ngram", 2, MODEL) if speculate
+                      else None) for _ in kinds]
+    for engine, output_kind in zip(engines, kinds):
+        for i, (prompt, _, kind, stop) in enumerate(requests):
+            engine.add_request(prompt, params(i, kind, stop, output_kind))
+    joined, seen, finals = {}, set(), {}  # (request, sample) -> [tokens, logprobs, text]
+    for _ in range(500):  # bounded: see drain
+        if not engines[0].requests:
+            break
+        cumulative, delta, final = ({o.request_id: o for o in e.step()} for e in engines)
+        assert set(engines[0].requests) == set(engines[1].requests) == set(engines[2].requests)
+        for rid, o in final.items():
+            assert o.finished and rid not in finals
+            finals[rid] = o
+        for rid, c in cumulative.items():
+            if requests[rid][2] == "beam=2" and not speculate:
+                assert rid not in delta or delta[rid].outputs == c.outputs and c.finished
+                continue
+            d, before = delta[rid], {k: list(v[0]) for k, v in joined.items() if k[0] == rid}
+            assert (d.prompt_logprobs is not None) == (rid not in seen)
+            assert d.prompt_logprobs in (None, c.prompt_logprobs)
+            seen.add(rid)
+            for s in d.outputs:
+                j = joined.setdefault((rid, s.index), [[], [], ""])
+                j[0] += s.token_ids
+                j[1] += s.logprobs
+                j[2] += s.text
+            for s in c.outputs:  # every sample, joined, as it stands
+                assert joined[rid, s.index] == [s.token_ids, s.logprobs, s.text]
+            gained = {s.index for s in c.outputs if s.token_ids != before.get((rid, s.index))}
+            assert [s.index for s in d.outputs] == sorted(gained)
+            by_index = {s.index: s for s in c.outputs}
+            for s in d.outputs:
+                assert (s.finish_reason, s.stop_reason) == (by_index[s.index].finish_reason,
+                                                            by_index[s.index].stop_reason)
+            assert d.finished == c.finished
+            if c.finished:
+                assert finals[rid].outputs == c.outputs
+                assert finals[rid].prompt_logprobs == c.prompt_logprobs
+    assert not any(e.requests for e in engines) and len(finals) == len(requests)
+
+
+@pytest.mark.engine
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=st.lists(st.tuples(st.lists(st.integers(0, 7), min_size=1, max_size=8),
                                    st.integers(1, 6),
                                    st.sampled_from(["greedy", "seeded", "n=2", "beam=2"])),
@@ -6636,7 +6708,7 @@ def test_stop_strings_end_and_stream_the_text_as_vllms_rules_say(text, prompt_te
     stop strings cut from that text and from the alphabet (across token boundaries, inside
     multi-byte characters): the engine's text, tokens, finish_reason and stop_reason are those of
     vLLM's rule, recomputed from scratch after every token, and every step streams the text as
-    vLLM streams it."""
+    vLLM streams it; asked for deltas, the texts each step sends add up to that stream's."""
     tok = byte_bpe()
     ids, prompt = random_tokenization(tok, text, cuts), tok.encode(prompt_text).ids
     pieces = st.integers(0, len(text) - 1).flatmap(lambda i: st.integers(i + 1, len(text)).map(
@@ -6648,10 +6720,14 @@ def test_stop_strings_end_and_stream_the_text_as_vllms_rules_say(text, prompt_te
     params = SamplingParams(max_tokens=len(ids), temperature=0, stop=stop, min_tokens=min_tokens,
                             include_stop_str_in_output=include, logits_processors=[forcing(ids)])
     engine = Engine(model, block_size=4, num_blocks=64, tokenizer=tok)
-    streamed = []
+    deltas = Engine(model, block_size=4, num_blocks=64, tokenizer=tok)
+    streamed, sent = [], ""
     request_id = engine.add_request(prompt, params)
+    deltas.add_request(prompt, dataclasses.replace(params, output_kind="delta"))
     while engine.requests:
         streamed += [o.outputs[0] for o in engine.step() if o.request_id == request_id]
+        sent += "".join(o.outputs[0].text for o in deltas.step())
+        assert sent == streamed[-1].text
     out = streamed[-1]
     expected_text, num_tokens, stop_string = vllm_stop_reference(tok, prompt, ids, stop, include,
                                                                  min_tokens)
