@@ -370,7 +370,6 @@ class Submission:
     priority: int
     outputs: "Mailbox"  # (submission, RequestOutput or StepFailed), in order
     index: int = 0  # which prompt of the HTTP request
-    stream: bool = True  # its client hears of every step's tokens, else only of the last
     request_id: int | None = None  # the engine's, once added
     started: bool = False  # it has had its first token
     finished: bool = False  # its last output (or its failure) has been handed to the client
@@ -496,8 +495,7 @@ class EngineLoop:
             if not sub.started:  # its first token: its prompt is prefilled
                 sub.started = True
                 self.num_prompt_tokens += len(out.prompt_token_ids)
-            if sub.stream or out.finished:
-                handed.append((sub, out))
+            handed.append((sub, out))  # a stream's deltas, or another's final output alone
             if out.finished:
                 del self.live[out.request_id]
                 self.finished[out.outputs[0].finish_reason] += 1
@@ -597,8 +595,9 @@ async def results(subs):
 
 
 # -----------------------------------------------------------------------------
-# From RequestOutputs to the OpenAI API's responses. step() returns each request's outputs so
-# far (cumulative); a Cursor turns them into what each choice gained since the client last heard.
+# From RequestOutputs to the OpenAI API's responses. A stream's requests ask step() for deltas
+# (output_kind "delta"), the others for their final output alone; a Cursor numbers the choices
+# and carries what each has sent so far.
 
 
 @dataclass(slots=True)
@@ -619,32 +618,32 @@ class Delta:
 
 @dataclass
 class Cursor:
-    """Turns a request's outputs, which step() gives cumulative, into what each choice gained
-    since the client last heard."""
+    """Turns a request's outputs, each what its samples gained since the last (a delta, or the
+    final output, which is all of it), into the choices' deltas."""
     call: "Call"
-    sent: dict = field(default_factory=dict)  # choice index -> (tokens, characters, offset, done)
+    sent: dict = field(default_factory=dict)  # choice index -> (tokens, text offset)
 
     def deltas(self, sub, out, tokens):
         call = self.call
         for c in out.outputs:
             index = sub.index * call.n + c.index
             first = index not in self.sent
-            num_tokens, num_chars, offset, done = self.sent.get(index, (0, 0, 0, False))
+            num_tokens, offset = self.sent.get(index, (0, 0))
             ids, text, entries = c.token_ids, c.text or "", c.logprobs
             finish, stop = c.finish_reason, c.stop_reason
             if call.prompt_only:  # max_tokens 0: the engine's one token is not the client's
                 ids, text, entries, stop = [], "", entries and [], None
                 finish = finish and "length"
-            if done or len(ids) == num_tokens and finish is None:
-                continue
-            d = Delta(index, ids[num_tokens:], text[num_chars:], entries and entries[num_tokens:],
-                      finish, stop, offset, len(ids))
+            d = Delta(index, ids, text, entries, finish, stop, offset, num_tokens + len(ids))
             if first:
                 self.start(d, sub, out)
             if d.logprobs is not None:  # the text offsets of later tokens' logprobs
                 offset = d.text_offset + sum(len(tokens.text(t)) for t in d.token_ids)
-            self.sent[index] = (len(ids), len(text), offset, finish is not None)
+            self.sent[index] = (d.num_tokens, offset)
             yield d
+
+    def num_tokens(self):  # the choices' generated tokens so far
+        return sum(n for n, _ in self.sent.values())
 
     def start(self, d, sub, out):
         """A choice's first delta: the prompt before it if echoed, and its prompt_logprobs."""
@@ -756,10 +755,9 @@ def chat_choice(d, k, tokens, streaming):
                 logprobs=None if d.logprobs is None else chat_logprobs(d, k, tokens))
 
 
-def usage(finals, prompt_only=False):
-    """Tokens of the prompts (each once, however many samples) and of every choice."""
+def usage(finals, completion):
+    """Tokens of the prompts (each once, however many samples) and completion, every choice's."""
     prompt = sum(len(out.prompt_token_ids) for out in finals)
-    completion = 0 if prompt_only else sum(len(c.token_ids) for out in finals for c in out.outputs)
     return token_usage(prompt, completion) | dict(
         prompt_tokens_details=dict(cached_tokens=sum(o.num_cached_tokens for o in finals)))
 
@@ -843,12 +841,12 @@ def prepare(req, served, chat):
             # logits its prefill makes anyway (no forward more), and the answer leaves it out
             call.prompt_only, max_tokens = True, 1
     own = dict(max_tokens=max_tokens_of(max_tokens, names["max_tokens"], served, prompts),
-               logprobs=call.logprobs)
+               logprobs=call.logprobs, output_kind="delta" if req.stream else "final_only")
     if call.echo and call.logprobs is not None:  # echoed logprobs are prompt logprobs
         own["prompt_logprobs"] = max(call.logprobs, req.prompt_logprobs or 0)
     params = sampling_params(req, served, prompts, own, names)
     mailbox = Mailbox()
-    call.subs = [Submission(p, params, req.priority, mailbox, i, req.stream)
+    call.subs = [Submission(p, params, req.priority, mailbox, i)
                  for i, p in enumerate(prompts)]
     return call
 
@@ -874,7 +872,7 @@ async def serve(call, loop, served, request):
         more["prompt_logprobs"] = prompt_logprobs(out.prompt_token_ids, out.prompt_logprobs,
                                                   call.prompt_logprobs, tokens)
     return Response(encode_json(call.envelope(
-        served.names[0], choices, False, usage=usage([o for _, o in finals], call.prompt_only),
+        served.names[0], choices, False, usage=usage([o for _, o in finals], cursor.num_tokens()),
         **more)), media_type="application/json")
 
 
@@ -931,7 +929,7 @@ async def events(call, loop, served):
                 finals += [out] if out.finished else []
             yield b"".join(chunks)
         if options.include_usage:
-            yield call.chunk(None, usage(finals, call.prompt_only))
+            yield call.chunk(None, usage(finals, cursor.num_tokens()))
     except (StepFailed, APIError) as e:  # the status line went out already: an error event
         yield sse(error_body(str(e), "server_error"))
     finally:
