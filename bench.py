@@ -1438,6 +1438,29 @@ def engine_phases(n, prompt_len, steps, block_size=16):
     return phases, phases[:, [0, 1, 3, 4]].sum(axis=1)
 
 
+def output_growth(n, lengths, kinds, window=32, prompt_len=16, block_size=16):
+    """The engine's own time (all but the no-op model) per sequence and decode step of n
+    sequences as their outputs grow: an engine per output_kind of kinds, stepped in turns, so
+    that the machine's other load falls on all alike. At each of lengths, the median of the
+    window steps before it, in us."""
+    num_tokens = prompt_len + lengths[-1] + 8
+    engines = [Engine(NoOpModel(max_seq_len=num_tokens), block_size=block_size,
+                      num_blocks=n * cdiv(num_tokens, block_size) + 8, max_num_seqs=n,
+                      max_num_batched_tokens=n * prompt_len, device="cpu") for _ in kinds]
+    for engine, kind in zip(engines, kinds):
+        for _ in range(n):
+            engine.add_request([1] * prompt_len, SamplingParams(
+                max_tokens=lengths[-1] + 4, temperature=0, ignore_eos=True, output_kind=kind))
+    gc.collect()
+    engine_us = {kind: [] for kind in kinds}
+    for _ in range(lengths[-1]):
+        for engine, kind in zip(engines, kinds):
+            phases = timed_step(engine)  # seconds
+            engine_us[kind].append(1e6 * (sum(phases) - phases[2]) / n)
+    return {kind: {length: float(np.median(us[length - window:length])) for length in lengths}
+            for kind, us in engine_us.items()}
+
+
 def least_of_rounds(shapes, steps, rounds):
     """engine_phases of each (n, prompt_len) of shapes, the shapes in turns for rounds: of each,
     the run with the least median. The machine's other load, which comes and goes over seconds,
@@ -1453,11 +1476,13 @@ def least_of_rounds(shapes, steps, rounds):
 
 def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
                    contexts=(128, 1024, 4096, 16384), context_sizes=(64, 256), rounds=3,
-                   take_sizes=(1_000, 10_000, 100_000), observer=None):
+                   take_sizes=(1_000, 10_000, 100_000), observer=None,
+                   outputs=dict(n=64, lengths=(128, 1024, 4096))):
     """Median over decode steps (the garbage collector's pauses included) of the engine's own
     time, the least of rounds taken in turns: by running sequences, and by context length (the
-    step's work is the same, so its cost should be too); and the time to take a block from free
-    lists of up to 100k cached blocks."""
+    step's work is the same, so its cost should be too); then as the outputs grow, by what
+    step() is asked to return; and the time to take a block from free lists of up to 100k
+    cached blocks."""
     results, rows = {}, []
     timed = least_of_rounds([(n, prompt_len) for n in sizes], steps, rounds)
     for n, (phases, engine_us) in zip(sizes, timed):
@@ -1488,6 +1513,18 @@ def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
                 f"the least of {rounds} rounds",
                 ["running seqs", "context", "us/seq", f"vs {contexts[0]}",
                  *(p for p in PHASES if p != "model")], rows)
+    kinds = ("cumulative", "delta", "final_only")
+    growth = output_growth(outputs["n"], outputs["lengths"], kinds)
+    results["outputs"] = growth
+    first = outputs["lengths"][0]
+    print_table(f"Engine time per sequence and decode step as the outputs grow, {outputs['n']} "
+                "sequences, by SamplingParams.output_kind (cumulative: every output so far, at "
+                "each step; delta: what each step added; final_only: the end alone, as generate "
+                f"asks), engines stepped in turns, us, median of the 32 steps before each length "
+                f"(vs: against {first})",
+                ["output_kind", *map(str, outputs["lengths"]), "vs"],
+                [[kind, *(f"{us:.2f}" for us in g.values()),
+                  f"{g[outputs['lengths'][-1]] / g[first]:.2f}x"] for kind, g in growth.items()])
     takes = {policy: {n: time_block_take(n, policy) for n in take_sizes}
              for policy in EVICTION_POLICIES}
     print_table("Taking a block (evicting the first cached one by the policy), publishing and "
@@ -1957,6 +1994,7 @@ QUICK = dict(memory=dict(num_requests=20),
                        device_blocks=10, tier_blocks=(4, 16), block_size=4),
              overhead=dict(sizes=(16,), prompt_len=16, steps=5, contexts=(16, 256), rounds=1,
                            context_sizes=(8,), take_sizes=(1_000, 10_000),
+                           outputs=dict(n=8, lengths=(32, 64)),
                            observer=dict(sizes=(16,), prompt_len=16, steps=5, rounds=1)),
              tensor_parallel=dict(num_requests=2, max_tokens=8),
              soak=dict(num_requests=1000),
