@@ -1806,12 +1806,12 @@ def serving_summary(records, seconds):
     return out
 
 
-def serve_engine():
+def serve_engine(flags):
     """An engine built from the server's flags, as server.py builds its own (one thread for the
     built-in model: demo.load sets it, for this process)."""
     import demo
     import server
-    _, engine, _ = demo.load(server.argument_parser().parse_args(SERVE_FLAGS))
+    _, engine, _ = demo.load(server.argument_parser().parse_args(flags))
     return engine
 
 
@@ -1869,7 +1869,7 @@ def guidellm_summary(report):
                 p99_itl_ms=m["inter_token_latency_ms"]["percentiles"]["p99"])
 
 
-def print_serving(results, num_requests, rounds):
+def print_serving(results, num_requests, rounds, model):
     rows = []
     for name, r in results.items():
         if isinstance(r, dict) and "mean_ttft_ms" in r:
@@ -1881,7 +1881,7 @@ def print_serving(results, num_requests, rounds):
                          *ms, cpu])
     print_table(f"Online serving over HTTP: {num_requests} ShareGPT-like requests "
                 f"({results['Engine.generate']['output_tokens']} output tokens, greedy, "
-                "ignore_eos) to `python server.py` (the built-in model), Poisson arrivals "
+                f"ignore_eos) to `python server.py` ({model}), Poisson arrivals "
                 "(inf: all at once), streaming clients in a process of their own (the openai "
                 "package's; all at once, bare ones); ms; CPU: the server process's (or "
                 f"Engine.generate's) per output token, us; all at once: the least CPU of {rounds}"
@@ -1907,24 +1907,29 @@ def print_serving(results, num_requests, rounds):
 
 
 def bench_serve(num_requests=100, rates=(4.0, 16.0), max_output=256, rounds=3,
-                guidellm=dict(requests=64, concurrency=16, prompt_tokens=64, output_tokens=128)):
+                guidellm=dict(requests=64, concurrency=16, prompt_tokens=64, output_tokens=128),
+                model=None):
     """Requests/s, output tokens/s, TTFT, TPOT and ITL through `python server.py` (started on a
     free port, stopped at the end) at each arrival rate; then all at once, over HTTP and through
     Engine.generate in this process, taking turns for rounds (the table keeps the run of each
     that took the least CPU: other load on the machine only adds to it; the ratio is the median
-    of the rounds'), for what the HTTP path costs; then guidellm against the same server."""
+    of the rounds'), for what the HTTP path costs; then guidellm against the same server.
+    model: a checkpoint folder to serve instead of the built-in model (its prompts are bytes,
+    so its vocabulary must hold them)."""
     import concurrent.futures
     import multiprocessing
 
     import server
     workload, threads = serve_workload(num_requests, max_output), torch.get_num_threads()
+    flags = SERVE_FLAGS + ([] if model is None else [  # the name the clients ask for
+        "--model", model, "--served-model-name", "pydoc-gpt"])
     results = {}
     spawn = multiprocessing.get_context("spawn")
     with (tempfile.TemporaryDirectory() as folder, open(os.path.join(folder, "log"), "w+") as log,
           concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as clients):
         try:
-            engine = serve_engine()
-            with server.running_server(SERVE_FLAGS, timeout_s=120, log=log) as url:
+            engine = serve_engine(flags)
+            with server.running_server(flags, timeout_s=120, log=log) as url:
                 clients.submit(clients_run, url, workload[:2], math.inf).result()  # warm-ups
                 generate_run(engine, workload[:2])
                 for rate in rates:
@@ -1963,7 +1968,7 @@ def bench_serve(num_requests=100, rates=(4.0, 16.0), max_output=256, rounds=3,
     results["http_over_generate_cpu_per_token"] = float(np.median(ratios))
     results["http_over_generate_output_throughput"] = (
         http["output_throughput"] / gen["output_throughput"])
-    print_serving(results, num_requests, rounds)
+    print_serving(results, num_requests, rounds, model or "the built-in model")
     return results
 
 
@@ -2085,6 +2090,10 @@ def main():
                    help="every section, the soak included, at a small size (a check that each\n"
                    "runs, in about a minute); writes to a temporary folder unless --out-dir")
     p.add_argument("--out-dir", help=f"where results.json and the plots go (default {OUT_DIR})")
+    p.add_argument("--serve-model", metavar="PATH",
+                   help="with --serve: serve this checkpoint folder instead of the built-in\n"
+                   "model, all at once only (no rates, no guidellm): 32 requests of up to 32\n"
+                   "tokens, kept in results.json as serve_model")
     args = p.parse_args()
     chosen = [name for name in list(SECTIONS) + ["soak"] if getattr(args, name)] or list(SECTIONS)
     if args.quick:
@@ -2099,7 +2108,12 @@ def main():
     for name in chosen:
         start = time.perf_counter()
         kwargs = QUICK.get(name, {}) if args.quick else {}
-        results[name] = dict(SECTIONS, soak=bench_soak, kernel_aot=bench_kernel_aot)[name](**kwargs)
+        if name == "serve" and args.serve_model:
+            kwargs |= dict(model=args.serve_model, num_requests=32, max_output=32, rates=(),
+                           guidellm=None)
+            name = "serve_model"
+        results[name] = dict(SECTIONS, soak=bench_soak, kernel_aot=bench_kernel_aot,
+                             serve_model=bench_serve)[name](**kwargs)
         results[name + "_machine"] = machine()
         print(f"({name}: {time.perf_counter() - start:.0f}s)")
     with open(path, "w") as f:
