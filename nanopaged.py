@@ -365,7 +365,8 @@ class CompletionOutput:
 
 @dataclass(slots=True)
 class RequestOutput:
-    """A request as it stood after a step: a snapshot, which later steps leave as it is."""
+    """A request as it stood after a step: a snapshot, which later steps leave as it is (with
+    SamplingParams.output_kind "delta", its samples hold what they gained in the step)."""
     request_id: int
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]  # n samples in order, or the beams best first
