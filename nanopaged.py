@@ -2647,8 +2647,8 @@ def request_output(group, detokenizer=None):
                    for i, seq in enumerate(group.seqs)]
     else:
         samples = samples_in_order(group)
-        if delta:  # a sample that finished in an earlier output has nothing more to say
-            first = not any(seq.num_reported_tokens for seq in samples)
+        first = not samples[0].num_reported_tokens  # sample 0 reports in the first output
+        if delta and group.finished:  # one that finished in an earlier output has nothing new
             samples = [seq for seq in samples if seq.num_output_tokens > seq.num_reported_tokens]
         outputs = [sample_output(seq, params, detokenizer, delta) for seq in samples]
     prompt_logprobs = list(group.prompt_logprobs) if group.prompt_logprobs and first else None
@@ -2673,7 +2673,7 @@ def sample_output(seq, params, detokenizer=None, delta=False):
         logprobs=None if params.logprobs is None else seq.logprobs[tokens:], text=text,
         stop_reason=seq.stop_reason)
     if delta:
-        seq.num_reported_tokens = seq.num_output_tokens
+        seq.num_reported_tokens += len(out.token_ids)
         seq.num_reported_chars += len(text or "")
     return out
 
