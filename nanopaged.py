@@ -2355,6 +2355,7 @@ class OutputProcessor:
         self.detokenizer = detokenizer  # text and stop strings, with a tokenizer
         self.proposer = proposer  # speculative decoding's: it verifies and counts proposals
         self.num_generated_tokens = 0
+        self.num_prompt_tokens = 0  # of the requests that have had a first token, each once
 
     @property
     def allocator(self):
@@ -2515,6 +2516,7 @@ class OutputProcessor:
         for group in result.ready:
             if group.metrics.first_token_time is None:
                 group.metrics = replace(group.metrics, first_token_time=now)
+                self.num_prompt_tokens += len(group.prompt_token_ids)
             if group.request_id in result.beams:
                 self.apply_beam_step(group, result.beams[group.request_id])
         # New samples fork from the prompt before it gains its own first token.
@@ -3117,6 +3119,7 @@ def engine_stats(engine):
         # minus the blocks in use: the blocks that sharing saved
         num_logical_blocks=sum(len(table) - table.count(NO_BLOCK) for _, table in tables),
         num_generated_tokens=engine.output_processor.num_generated_tokens,
+        num_prompt_tokens=engine.output_processor.num_prompt_tokens,  # vLLM's prompt_tokens_total
         # speculative decoding: tokens proposed, and those the target model drew too
         num_proposed_tokens=proposer.num_proposed_tokens if proposer else 0,
         num_accepted_tokens=proposer.num_accepted_tokens if proposer else 0,

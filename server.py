@@ -371,7 +371,6 @@ class Submission:
     outputs: "Mailbox"  # (submission, RequestOutput or StepFailed), in order
     index: int = 0  # which prompt of the HTTP request
     request_id: int | None = None  # the engine's, once added
-    started: bool = False  # it has had its first token
     finished: bool = False  # its last output (or its failure) has been handed to the client
     cancelled: bool = False  # its client left: never add it, or abort it
 
@@ -417,7 +416,6 @@ class EngineLoop:
         self.stopping = False
         self.live = {}  # request_id -> Submission, while the engine has the request
         self.finished = Counter()  # requests by how they ended: stop, length, abort, error
-        self.num_prompt_tokens = 0  # prompts of requests that got their first token
         self.dead = None  # the exception that stopped the loop itself (a bug), if one did
         self.scheduled = set()  # the request ids the step in progress scheduled
         self.thread = threading.Thread(target=self.run, name="engine loop", daemon=True)
@@ -492,9 +490,6 @@ class EngineLoop:
         handed = []
         for out in outputs:
             sub = self.live[out.request_id]
-            if not sub.started:  # its first token: its prompt is prefilled
-                sub.started = True
-                self.num_prompt_tokens += len(out.prompt_token_ids)
             handed.append((sub, out))  # a stream's deltas, or another's final output alone
             if out.finished:
                 del self.live[out.request_id]
@@ -552,7 +547,7 @@ class EngineLoop:
         s |= dict(num_requests_running=len(scheduler.running),
                   num_requests_waiting=len(scheduler.waiting),
                   num_requests_swapped=len(scheduler.swapped),
-                  num_prompt_tokens=self.num_prompt_tokens, finished=dict(self.finished))
+                  finished=dict(self.finished))
         for future in wanted:
             self.loop.call_soon_threadsafe(answer, future, s)
 

@@ -5676,8 +5676,10 @@ def counters_from_the_outside(engine, queue_before, seen):
 def test_stats_counters_are_what_the_queues_and_tables_imply(
         requests, shared, block_size, spare, mode, caching, abort_at):
     """After every step, stats() against counters_from_the_outside(): free and cached blocks,
-    the sharing it reports, the slots filled, the queues, preemptions step by step, and every
-    token drawn (each sample's streamed tokens, aborted ones too)."""
+    the sharing it reports, the slots filled, the queues, preemptions step by step, every
+    token drawn (each sample's streamed tokens, aborted ones too), and the prompt tokens of the
+    requests that have had a first token, each once (vLLM's prompt_tokens_total), however often
+    a preemption computes them again."""
     prompts = [shared + prompt for prompt, _, _ in requests]
     params = [SamplingParams(max_tokens=m, temperature=0 if kind == "greedy" else 1.0, seed=i,
                              n=2 if kind == "n=2" else 1)
@@ -5698,6 +5700,7 @@ def test_stats_counters_are_what_the_queues_and_tables_imply(
         expected, queues = counters_from_the_outside(engine, queues, seen)
         preemptions += expected.pop("preempted")
         stats = engine.stats()
+        assert stats["num_prompt_tokens"] == sum(len(prompts[r]) for r in {r for r, _ in seen})
         assert stats["num_preemptions"] == preemptions
         assert stats["num_generated_tokens"] == expected.pop("generated")
         assert stats["kv_utilization"] == pytest.approx(expected.pop("kv_utilization"))
