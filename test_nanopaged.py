@@ -4731,8 +4731,7 @@ def test_step_streams_every_request_that_gained_tokens(requests, mode):
                                             max_size=2)),
                          min_size=1, max_size=5),
        mode=st.sampled_from(["recompute", "swap"]), speculate=st.booleans())
-def test_delta_outputs_add_up_to_the_cumulative_ones_and_final_only_is_their_last(
-        requests, mode, speculate):
+def test_delta_outputs_add_up_to_the_cumulative_ones(requests, mode, speculate):
     """The same requests in three engines stepped side by side, each asking for another
     output_kind (vLLM's RequestOutputKind). At every step, a "delta" request's outputs so far,
     joined per sample, are the "cumulative" one's: tokens, logprobs and text (held back before a
