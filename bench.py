@@ -1367,17 +1367,21 @@ def time_block_take(num_blocks, policy, reps=2000):
     return (time.perf_counter() - start) / reps * 1e6
 
 
-def decoding_engine(n, prompt_len, max_tokens, block_size, num_blocks, observer=None):
+WARM_UP_STEPS = 10  # decoding_engine's: each makes one output token
+
+
+def decoding_engine(n, prompt_len, max_tokens, block_size, num_blocks, observer=None,
+                    output_kind="cumulative"):
     """A no-op model's engine whose n sequences decode at every step from here on: their
-    prompts of prompt_len prefilled (one prompt, so they share its full blocks) and 10 steps
-    warmed up, each with room for max_tokens."""
+    prompts of prompt_len prefilled (one prompt, so they share its full blocks) and
+    WARM_UP_STEPS steps warmed up, each with room for max_tokens."""
     model = NoOpModel(max_seq_len=prompt_len + max_tokens)
     engine = Engine(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=n,
                     max_num_batched_tokens=n * prompt_len, device="cpu", observer=observer)
     for _ in range(n):
-        engine.add_request([1] * prompt_len, SamplingParams(max_tokens=max_tokens,
-                                                            temperature=0, ignore_eos=True))
-    for _ in range(10):
+        engine.add_request([1] * prompt_len, SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True, output_kind=output_kind))
+    for _ in range(WARM_UP_STEPS):
         engine.step()
     return engine
 
@@ -1443,21 +1447,17 @@ def output_growth(n, lengths, kinds, window=32, prompt_len=16, block_size=16):
     sequences as their outputs grow: an engine per output_kind of kinds, stepped in turns, so
     that the machine's other load falls on all alike. At each of lengths, the median of the
     window steps before it, in us."""
-    num_tokens = prompt_len + lengths[-1] + 8
-    engines = [Engine(NoOpModel(max_seq_len=num_tokens), block_size=block_size,
-                      num_blocks=n * cdiv(num_tokens, block_size) + 8, max_num_seqs=n,
-                      max_num_batched_tokens=n * prompt_len, device="cpu") for _ in kinds]
-    for engine, kind in zip(engines, kinds):
-        for _ in range(n):
-            engine.add_request([1] * prompt_len, SamplingParams(
-                max_tokens=lengths[-1] + 4, temperature=0, ignore_eos=True, output_kind=kind))
+    max_tokens = lengths[-1] + 4
+    engines = [decoding_engine(n, prompt_len, max_tokens, block_size, 8 + n * cdiv(
+        prompt_len + max_tokens, block_size), output_kind=kind) for kind in kinds]
     gc.collect()
-    engine_us = {kind: [] for kind in kinds}
-    for _ in range(lengths[-1]):
+    engine_us = {kind: [] for kind in kinds}  # [i]: the step making token WARM_UP_STEPS + i + 1
+    for _ in range(lengths[-1] - WARM_UP_STEPS):
         for engine, kind in zip(engines, kinds):
             phases = timed_step(engine)  # seconds
             engine_us[kind].append(1e6 * (sum(phases) - phases[2]) / n)
-    return {kind: {length: float(np.median(us[length - window:length])) for length in lengths}
+    return {kind: {length: float(np.median(us[length - WARM_UP_STEPS - window:
+                                              length - WARM_UP_STEPS])) for length in lengths}
             for kind, us in engine_us.items()}
 
 
@@ -1999,7 +1999,7 @@ QUICK = dict(memory=dict(num_requests=20),
                        device_blocks=10, tier_blocks=(4, 16), block_size=4),
              overhead=dict(sizes=(16,), prompt_len=16, steps=5, contexts=(16, 256), rounds=1,
                            context_sizes=(8,), take_sizes=(1_000, 10_000),
-                           outputs=dict(n=8, lengths=(32, 64)),
+                           outputs=dict(n=8, lengths=(48, 80)),
                            observer=dict(sizes=(16,), prompt_len=16, steps=5, rounds=1)),
              tensor_parallel=dict(num_requests=2, max_tokens=8),
              soak=dict(num_requests=1000),
