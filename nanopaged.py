@@ -371,12 +371,19 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]  # n samples in order, or the beams best first
     metrics: RequestMetrics  # as of this output (frozen: later steps replace the request's)
-    time_to_first_token: float  # seconds from add_request to the first sampled token
-    latency: float | None  # seconds from add_request to the last; None until finished
     num_preemptions: int
     finished: bool = True  # step() also returns unfinished requests that gained a token
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with prompt_logprobs
+
+    @property
+    def time_to_first_token(self):  # seconds from add_request to the first sampled token
+        return self.metrics.first_token_time - self.metrics.arrival_time
+
+    @property
+    def latency(self):  # seconds from add_request to the last; None until finished
+        m = self.metrics
+        return None if m.finished_time is None else m.finished_time - m.arrival_time
 
 
 # Each part that changes paging tells an observer what it did, if one listens
@@ -2425,7 +2432,8 @@ class OutputProcessor:
         eos = self.config.eos_token_ids
         logprobs = log_probs(logits)                                                   # (D, V)
         chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
-        top = logprobs.topk(max(p.logprobs or 0 for p in meta.params))  # for those who asked
+        asked = [p.logprobs for p in meta.params if p.logprobs is not None]  # top-k logprobs
+        top = logprobs.topk(max(asked)) if asked else None
         tokens, updates, d = tokens.tolist(), [], 0
         for group, seq, index, _ in to_sample:
             proposal = proposals.get(seq.seq_id)
@@ -2524,10 +2532,11 @@ class OutputProcessor:
                    for u in result.samples]
         for seq, update in zip(samples, result.samples):
             self.apply_sample(seq, update, result.proposals.get(seq.seq_id))
-        for group in result.ready:
-            if group.is_finished:
-                group.metrics = replace(group.metrics, finished_time=time.perf_counter())
-        self.scheduler.remove_finished()
+        finished = [group for group in result.ready if group.is_finished]
+        for group in finished:
+            group.metrics = replace(group.metrics, finished_time=time.perf_counter())
+        if finished:
+            self.scheduler.remove_finished()
         return result.ready
 
     def apply_sample(self, seq, update, proposal):
@@ -2654,11 +2663,9 @@ def request_output(group, detokenizer=None):
             samples = [seq for seq in samples if seq.num_output_tokens > seq.num_reported_tokens]
         outputs = [sample_output(seq, params, detokenizer, delta) for seq in samples]
     prompt_logprobs = list(group.prompt_logprobs) if group.prompt_logprobs and first else None
-    m = group.metrics  # frozen: a later change replaces it, and this output keeps its own
     return RequestOutput(
         request_id=group.request_id, prompt_token_ids=group.prompt_token_ids, outputs=outputs,
-        metrics=m, time_to_first_token=m.first_token_time - m.arrival_time,
-        latency=m.finished_time and m.finished_time - m.arrival_time,
+        metrics=group.metrics,  # frozen: a later step replaces the group's, not these
         num_preemptions=group.num_preemptions, finished=group.is_finished,
         num_cached_tokens=group.num_cached_tokens, prompt_logprobs=prompt_logprobs)
 
