@@ -1853,6 +1853,23 @@ def http_cpu_run(url, workload, clients, bare=True):
     return r | dict(cpu_seconds=server_cpu_seconds(url) - cpu)
 
 
+def cpu_in_turns(runs, rounds, results):
+    """Each of the two runs in turns, rounds times: into results, the run of each that took the
+    least CPU (other load only adds to it); returns each round's first-over-second CPU ratio."""
+    (first, _), (second, _) = runs.items()
+    gc.collect()  # as server.py does: each side's collector walks only what its
+    gc.freeze()  # run makes, not what start-up made (here, every section's modules)
+    ratios = []
+    for _ in range(rounds):
+        pair = {name: run() for name, run in runs.items()}
+        ratios.append(pair[first]["cpu_seconds"] / pair[second]["cpu_seconds"])
+        for name, r in pair.items():
+            if name not in results or r["cpu_seconds"] < results[name]["cpu_seconds"]:
+                results[name] = r
+    gc.unfreeze()
+    return ratios
+
+
 def guidellm_summary(report):
     """guidellm's own figures of its one benchmark: requests by status, output tokens/s, TTFT
     and ITL (its medians and p99s, ms)."""
@@ -1935,19 +1952,9 @@ def bench_serve(num_requests=100, rates=(4.0, 16.0), max_output=256, rounds=3,
                 for rate in rates:
                     results[f"http @ {rate}/s"] = clients.submit(
                         clients_run, url, workload, rate).result()
-                runs = {"http @ inf/s": lambda: http_cpu_run(url, workload, clients),
-                        "Engine.generate": lambda: generate_run(engine, workload)}
-                gc.collect()  # as server.py does: each side's collector walks only what its
-                gc.freeze()  # run makes, not what start-up made (here, every section's modules)
-                ratios = []  # per round: the HTTP run's CPU over the Engine.generate run's after it
-                for _ in range(rounds):  # taking turns
-                    pair = {name: run() for name, run in runs.items()}
-                    ratios.append(pair["http @ inf/s"]["cpu_seconds"]
-                                  / pair["Engine.generate"]["cpu_seconds"])
-                    for name, r in pair.items():
-                        if name not in results or r["cpu_seconds"] < results[name]["cpu_seconds"]:
-                            results[name] = r
-                gc.unfreeze()
+                ratios = cpu_in_turns({
+                    "http @ inf/s": lambda: http_cpu_run(url, workload, clients),
+                    "Engine.generate": lambda: generate_run(engine, workload)}, rounds, results)
                 results["http @ inf/s, openai clients"] = http_cpu_run(url, workload, clients,
                                                                        bare=False)
                 if guidellm:
@@ -2053,8 +2060,7 @@ SECTIONS = dict(memory=bench_memory, capacity=bench_capacity, sharing=bench_shar
                 serve=bench_serve, page=bench_page)
 
 
-def main():
-    global OUT_DIR
+def argument_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawTextHelpFormatter)
     helps = dict(
@@ -2094,7 +2100,12 @@ def main():
                    help="with --serve: serve this checkpoint folder instead of the built-in\n"
                    "model, all at once only (no rates, no guidellm): 32 requests of up to 32\n"
                    "tokens, kept in results.json as serve_model")
-    args = p.parse_args()
+    return p
+
+
+def main():
+    global OUT_DIR
+    args = argument_parser().parse_args()
     chosen = [name for name in list(SECTIONS) + ["soak"] if getattr(args, name)] or list(SECTIONS)
     if args.quick:
         chosen = [name for name in list(SECTIONS) + ["soak"] if getattr(args, name)] or list(QUICK)
