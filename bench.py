@@ -1444,21 +1444,27 @@ def engine_phases(n, prompt_len, steps, block_size=16):
 
 def output_growth(n, lengths, kinds, window=32, prompt_len=16, block_size=16):
     """The engine's own time (all but the no-op model) per sequence and decode step of n
-    sequences as their outputs grow: an engine per output_kind of kinds, stepped in turns, so
-    that the machine's other load falls on all alike. At each of lengths, the median of the
-    window steps before it, in us."""
-    max_tokens = lengths[-1] + 4
-    engines = [decoding_engine(n, prompt_len, max_tokens, block_size, 8 + n * cdiv(
-        prompt_len + max_tokens, block_size), output_kind=kind) for kind in kinds]
+    sequences whose outputs have reached each of lengths, by output_kind: an engine per kind and
+    length, brought to its length, then all of them stepped in turns for window steps, so that
+    the machine's other load, which drifts over seconds, falls on every length and kind alike.
+    The median of each engine's steps, in us."""
+    max_tokens = lengths[-1] + window + 4
+    engines = {}
+    for kind in kinds:
+        for length in lengths:
+            engine = decoding_engine(n, prompt_len, max_tokens, block_size, 8 + n * cdiv(
+                prompt_len + max_tokens, block_size), output_kind=kind)
+            for _ in range(length - WARM_UP_STEPS):  # its next step makes token length + 1
+                engine.step()
+            engines[kind, length] = engine
     gc.collect()
-    engine_us = {kind: [] for kind in kinds}  # [i]: the step making token WARM_UP_STEPS + i + 1
-    for _ in range(lengths[-1] - WARM_UP_STEPS):
-        for engine, kind in zip(engines, kinds):
+    engine_us = {key: [] for key in engines}
+    for _ in range(window):
+        for key, engine in engines.items():
             phases = timed_step(engine)  # seconds
-            engine_us[kind].append(1e6 * (sum(phases) - phases[2]) / n)
-    return {kind: {length: float(np.median(us[length - WARM_UP_STEPS - window:
-                                              length - WARM_UP_STEPS])) for length in lengths}
-            for kind, us in engine_us.items()}
+            engine_us[key].append(1e6 * (sum(phases) - phases[2]) / n)
+    return {kind: {length: float(np.median(engine_us[kind, length])) for length in lengths}
+            for kind in kinds}
 
 
 def least_of_rounds(shapes, steps, rounds):
@@ -1520,8 +1526,8 @@ def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
     print_table(f"Engine time per sequence and decode step as the outputs grow, {outputs['n']} "
                 "sequences, by SamplingParams.output_kind (cumulative: every output so far, at "
                 "each step; delta: what each step added; final_only: the end alone, as generate "
-                f"asks), engines stepped in turns, us, median of the 32 steps before each length "
-                f"(vs: against {first})",
+                "asks), an engine per kind and length, all stepped in turns, us, median of 32 "
+                f"steps from each length on (vs: against {first})",
                 ["output_kind", *map(str, outputs["lengths"]), "vs"],
                 [[kind, *(f"{us:.2f}" for us in g.values()),
                   f"{g[outputs['lengths'][-1]] / g[first]:.2f}x"] for kind, g in growth.items()])
