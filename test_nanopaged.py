@@ -4296,6 +4296,21 @@ def assert_logprobs(entries, tokens, ref, k, abs_tol):
 
 
 @pytest.mark.sampling
+def check_logprobs(out, prompt, p, hf):
+    """out's logprobs, cumulative logprob and prompt logprobs against transformers' model hf."""
+    tokens = out.outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + tokens])).logits[0].log_softmax(-1)  # (T, V)
+    assert_logprobs(out.outputs[0].logprobs, tokens, ref[len(prompt) - 1:], p.logprobs, 1e-4)
+    assert out.outputs[0].cumulative_logprob == pytest.approx(
+        sum(ref[len(prompt) - 1 + t, tok].item() for t, tok in enumerate(tokens)), abs=1e-3)
+    if p.prompt_logprobs is None:
+        assert out.prompt_logprobs is None
+    else:
+        assert out.prompt_logprobs[0] is None
+        assert_logprobs(out.prompt_logprobs[1:], prompt[1:], ref, p.prompt_logprobs, 1e-4)
+
+
 def test_logprobs_are_the_models_as_transformers_computes_them(hf_folder):
     """SamplingParams.logprobs=k: per generated token, the k likeliest tokens' log-probabilities
     and the drawn token's, under the model itself (vLLM's raw logprobs); prompt_logprobs=k the
@@ -4305,23 +4320,12 @@ def test_logprobs_are_the_models_as_transformers_computes_them(hf_folder):
         path, hf = hf_folder(name)
         model = GPT.from_pretrained(str(path))
         prompt = [(7 * j + 3) % 97 for j in range(9)]
-        params = [SamplingParams(max_tokens=6, temperature=0, logprobs=3, prompt_logprobs=2),
-                  SamplingParams(max_tokens=6, temperature=0.8, top_k=5, seed=1, logprobs=0)]
-        engine = Engine(model, block_size=4, num_blocks=64, max_num_batched_tokens=4)
-        for out in engine.generate([prompt] * 2, params):
-            tokens, p = out.outputs[0].token_ids, params[out.request_id]
-            with torch.no_grad():
-                ref = hf(torch.tensor([prompt + tokens])).logits[0].log_softmax(-1)  # (T, V)
-            assert_logprobs(out.outputs[0].logprobs, tokens, ref[len(prompt) - 1:], p.logprobs,
-                            1e-4)
-            assert out.outputs[0].cumulative_logprob == pytest.approx(
-                sum(ref[len(prompt) - 1 + t, tok].item() for t, tok in enumerate(tokens)),
-                abs=1e-3)
-            if p.prompt_logprobs is None:
-                assert out.prompt_logprobs is None
-            else:
-                assert out.prompt_logprobs[0] is None
-                assert_logprobs(out.prompt_logprobs[1:], prompt[1:], ref, p.prompt_logprobs, 1e-4)
+        both = [SamplingParams(max_tokens=6, temperature=0, logprobs=3, prompt_logprobs=2),
+                SamplingParams(max_tokens=6, temperature=0.8, top_k=5, seed=1, logprobs=0)]
+        for params in (both, both[1:]):  # together, and logprobs=0 with no row asking for more
+            engine = Engine(model, block_size=4, num_blocks=64, max_num_batched_tokens=4)
+            for out in engine.generate([prompt] * len(params), params):
+                check_logprobs(out, prompt, params[out.request_id], hf)
     for name in ("logprobs", "prompt_logprobs"):
         with pytest.raises(ValueError, match=rf"{name}=33 exceeds the vocabulary \(32\)"):
             Engine(MODEL, block_size=4, num_blocks=8).add_request([1], SamplingParams(**{name: 33}))
