@@ -7,6 +7,7 @@ bench.py: the numbers that made PagedAttention matter, measured side by side in 
                                  #            --tensor-parallel --serve
                                  #            --soak (the soak is not in "every")
     python bench.py --kernel --aot   # the Triton kernels compiled for sm_80/86/90, without a GPU
+    python bench.py --overhead --against OLD.py  # the step against another checkout's, in turns
     python bench.py --quick          # every section (the soak too) at a small size, in a temp dir
 
 Each section prints a table, and the run writes results/results.json plus PNG plots to
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import importlib.util
 import io
 import itertools
 import json
@@ -42,6 +44,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import nanopaged  # noqa: E402
 from demo import DEMO_MODEL  # noqa: E402
 from nanopaged import (GPT, EVICTION_POLICIES, BlockAllocator, Engine, GPTConfig,  # noqa: E402
                        SamplingParams, Sequence, blocks_held, cdiv, kv_block_shape, step_chunks)
@@ -1311,10 +1314,10 @@ def plot_window(held):
 class NoOpModel(nn.Module):
     """Stands in for a GPT: zero logits, no compute, so what is timed is the engine itself."""
 
-    def __init__(self, vocab_size=256, max_seq_len=4096, **config):
+    def __init__(self, vocab_size=256, max_seq_len=4096, config_cls=GPTConfig, **config):
         super().__init__()
-        self.config = GPTConfig(**dict(dict(n_layer=1, n_head=1, n_embd=8), **config),
-                                vocab_size=vocab_size, max_seq_len=max_seq_len)
+        self.config = config_cls(**dict(dict(n_layer=1, n_head=1, n_embd=8), **config),
+                                 vocab_size=vocab_size, max_seq_len=max_seq_len)
         self.dummy = nn.Parameter(torch.zeros(1))
 
     def forward(self, idx, batch, kv_cache):
@@ -1371,16 +1374,20 @@ WARM_UP_STEPS = 10  # decoding_engine's: each makes one output token
 
 
 def decoding_engine(n, prompt_len, max_tokens, block_size, num_blocks, observer=None,
-                    output_kind="cumulative"):
+                    output_kind="cumulative", module=None):
     """A no-op model's engine whose n sequences decode at every step from here on: their
     prompts of prompt_len prefilled (one prompt, so they share its full blocks) and
-    WARM_UP_STEPS steps warmed up, each with room for max_tokens."""
-    model = NoOpModel(max_seq_len=prompt_len + max_tokens)
-    engine = Engine(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=n,
-                    max_num_batched_tokens=n * prompt_len, device="cpu", observer=observer)
+    WARM_UP_STEPS steps warmed up, each with room for max_tokens. module: another checkout's
+    nanopaged (overhead_against's), whose GPTConfig, Engine and SamplingParams build it."""
+    module = module or nanopaged
+    model = NoOpModel(max_seq_len=prompt_len + max_tokens, config_cls=module.GPTConfig)
+    engine = module.Engine(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=n,
+                           max_num_batched_tokens=n * prompt_len, device="cpu", observer=observer)
+    # code before output_kind had cumulative outputs only, and no such field
+    kind = {} if output_kind == "cumulative" else dict(output_kind=output_kind)
     for _ in range(n):
-        engine.add_request([1] * prompt_len, SamplingParams(
-            max_tokens=max_tokens, temperature=0, ignore_eos=True, output_kind=output_kind))
+        engine.add_request([1] * prompt_len, module.SamplingParams(
+            max_tokens=max_tokens, temperature=0, ignore_eos=True, **kind))
     for _ in range(WARM_UP_STEPS):
         engine.step()
     return engine
@@ -1403,7 +1410,6 @@ def observer_cost(sizes=(32, 256), prompt_len=64, steps=20, rounds=3):
     """What telling an observer costs (nanopaged.notify): events per decode step; with nobody
     listening, their calls' share of the step (calls x the time of one call, measured alone);
     with a pagetrace.Trace recording, the step's time against none (interleaved rounds)."""
-    import nanopaged
     import pagetrace
     rows, results = [], {}
     part = SimpleNamespace(observer=None)
@@ -1467,6 +1473,47 @@ def output_growth(n, lengths, kinds, window=32, prompt_len=16, block_size=16):
             for kind in kinds}
 
 
+def other_checkout(path):
+    """The nanopaged.py at path as a module beside this checkout's (what it imports, kernel.py
+    and the rest, is this checkout's)."""
+    spec = importlib.util.spec_from_file_location("nanopaged_against", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def overhead_against(path, sizes=(32, 256), prompt_len=128, steps=50, rounds=3):
+    """This checkout's engine against the one of the nanopaged.py at path (another checkout's:
+    the code before a change), n decoding sequences each, stepped in turns in one process, whole
+    steps (the no-op model's call in both): the machine's drift, which moves both times by more
+    than a change does, cancels in their ratio. The medians of all rounds' steps, us a sequence,
+    and of the steps' ratios (this over that)."""
+    other, results, rows = other_checkout(path), {}, []
+    for n in sizes:
+        us = {"this": [], "against": []}
+        for _ in range(rounds):
+            engines = {name: decoding_engine(n, prompt_len, steps + 20, 16, 8 + n * cdiv(
+                prompt_len + steps + 40, 16), module=module) for name, module in (
+                ("this", None), ("against", other))}
+            gc.collect()
+            for _ in range(steps):
+                for name, engine in engines.items():
+                    start = time.perf_counter()
+                    engine.step()
+                    us[name].append((time.perf_counter() - start) * 1e6 / n)
+        this, against = np.array(us["this"]), np.array(us["against"])
+        results[n] = dict(us_per_seq=float(np.median(this)),
+                          against_us_per_seq=float(np.median(against)),
+                          ratio=float(np.median(this / against)))
+        rows.append([n, f"{np.median(this):.2f}", f"{np.median(against):.2f}",
+                     f"{np.median(this / against):.3f}"])
+    print_table(f"Engine step against {path}'s, {prompt_len}-token prompts, no-op model, the "
+                f"two stepped in turns in one process, {rounds} x {steps} steps each, us a "
+                "sequence (medians; ratio: the median of the steps' ratios)",
+                ["running seqs", "this checkout", "against", "ratio"], rows)
+    return results
+
+
 def least_of_rounds(shapes, steps, rounds):
     """engine_phases of each (n, prompt_len) of shapes, the shapes in turns for rounds: of each,
     the run with the least median. The machine's other load, which comes and goes over seconds,
@@ -1480,15 +1527,37 @@ def least_of_rounds(shapes, steps, rounds):
     return [best[shape] for shape in shapes]
 
 
+def context_sweep(contexts, sizes, steps, rounds):
+    """The engine's time per sequence and decode step at each context length (the step's work
+    is the same, so its cost should be too), by running sequences, the least of rounds."""
+    results, rows = {}, []
+    shapes = [(n, context) for n in sizes for context in contexts]
+    for (n, context), (phases, engine_us) in zip(shapes, least_of_rounds(shapes, steps, rounds)):
+        median = np.median(phases, axis=0)
+        results[f"{n}x{context}"] = dict(
+            engine_us_per_seq=float(np.median(engine_us)),
+            **{f"{k}_us_per_seq": float(v) for k, v in zip(PHASES, median)})
+        base = results[f"{n}x{contexts[0]}"]["engine_us_per_seq"]
+        rows.append([n, context, f"{np.median(engine_us):.2f}",
+                     f"{np.median(engine_us) / base:.2f}x",
+                     *(f"{v:.2f}" for i, v in enumerate(median) if i != 2)])
+    print_table(f"Engine time per sequence and decode step against context length (goal: at "
+                f"{contexts[-1]} tokens within 1.2x of {contexts[0]}), median of {steps} steps, "
+                f"the least of {rounds} rounds",
+                ["running seqs", "context", "us/seq", f"vs {contexts[0]}",
+                 *(p for p in PHASES if p != "model")], rows)
+    return results
+
+
 def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
                    contexts=(128, 1024, 4096, 16384), context_sizes=(64, 256), rounds=3,
                    take_sizes=(1_000, 10_000, 100_000), observer=None,
-                   outputs=dict(n=64, lengths=(128, 1024, 4096))):
+                   outputs=dict(n=64, lengths=(128, 1024, 4096)), against=None):
     """Median over decode steps (the garbage collector's pauses included) of the engine's own
     time, the least of rounds taken in turns: by running sequences, and by context length (the
     step's work is the same, so its cost should be too); then as the outputs grow, by what
-    step() is asked to return; and the time to take a block from free lists of up to 100k
-    cached blocks."""
+    step() is asked to return; the time to take a block from free lists of up to 100k cached
+    blocks; and, given against (another checkout's nanopaged.py), overhead_against."""
     results, rows = {}, []
     timed = least_of_rounds([(n, prompt_len) for n in sizes], steps, rounds)
     for n, (phases, engine_us) in zip(sizes, timed):
@@ -1503,22 +1572,7 @@ def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
                 "per running sequence at 256)",
                 ["running seqs", "engine ms/step", "us/seq", "fastest step", *PHASES[:2],
                  "(no-op model)", *PHASES[3:]], rows)
-    results["context"], rows = {}, []
-    shapes = [(n, context) for n in context_sizes for context in contexts]
-    for (n, context), (phases, engine_us) in zip(shapes, least_of_rounds(shapes, steps, rounds)):
-        median = np.median(phases, axis=0)
-        results["context"][f"{n}x{context}"] = dict(
-            engine_us_per_seq=float(np.median(engine_us)),
-            **{f"{k}_us_per_seq": float(v) for k, v in zip(PHASES, median)})
-        base = results["context"][f"{n}x{contexts[0]}"]["engine_us_per_seq"]
-        rows.append([n, context, f"{np.median(engine_us):.2f}",
-                     f"{np.median(engine_us) / base:.2f}x",
-                     *(f"{v:.2f}" for i, v in enumerate(median) if i != 2)])
-    print_table(f"Engine time per sequence and decode step against context length (goal: at "
-                f"{contexts[-1]} tokens within 1.2x of {contexts[0]}), median of {steps} steps, "
-                f"the least of {rounds} rounds",
-                ["running seqs", "context", "us/seq", f"vs {contexts[0]}",
-                 *(p for p in PHASES if p != "model")], rows)
+    results["context"] = context_sweep(contexts, context_sizes, steps, rounds)
     kinds = ("cumulative", "delta", "final_only")
     growth = output_growth(outputs["n"], outputs["lengths"], kinds)
     results["outputs"] = growth
@@ -1539,6 +1593,8 @@ def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
                 [[policy, *(f"{us:.1f}" for us in t.values())] for policy, t in takes.items()])
     results["take_block_us"] = takes
     results["observer"] = observer_cost(**(observer or {}))
+    if against:
+        results["against"] = overhead_against(against)
     return results
 
 
@@ -1590,7 +1646,6 @@ def bench_soak(num_requests=10_000, num_blocks=64, block_size=16, arrival_p=0.2,
 
 def tp_rank(rank, world_size, port, kv_cache_bytes, num_requests, max_tokens, queue):
     """One rank of a gloo group on the CPU: the demo model, sharded, serving a fixed workload."""
-    import nanopaged
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # one core per rank, as torchrun sets it
@@ -2102,6 +2157,10 @@ def argument_parser():
                    help="every section, the soak included, at a small size (a check that each\n"
                    "runs, in about a minute); writes to a temporary folder unless --out-dir")
     p.add_argument("--out-dir", help=f"where results.json and the plots go (default {OUT_DIR})")
+    p.add_argument("--against", metavar="PATH",
+                   help="with --overhead: also step this checkout's engine in turns with the one\n"
+                   "of the nanopaged.py at PATH, in one process (the code before a change:\n"
+                   "git show REV:nanopaged.py > PATH), for the ratio of their steps")
     p.add_argument("--serve-model", metavar="PATH",
                    help="with --serve: serve this checkpoint folder instead of the built-in\n"
                    "model, all at once only (no rates, no guidellm): 32 requests of up to 32\n"
@@ -2125,6 +2184,8 @@ def main():
     for name in chosen:
         start = time.perf_counter()
         kwargs = QUICK.get(name, {}) if args.quick else {}
+        if name == "overhead" and args.against:
+            kwargs |= dict(against=args.against)
         if name == "serve" and args.serve_model:
             kwargs |= dict(model=args.serve_model, num_requests=32, max_output=32, rates=(),
                            guidellm=None)

@@ -8218,6 +8218,24 @@ def test_the_page_replays_the_trace_in_a_real_browser(tmp_path):
 
 
 @pytest.mark.bench
+def test_overhead_against_steps_the_other_checkouts_engine_beside_this_ones(tmp_path):
+    """bench.py --overhead --against PATH times an engine of PATH's code beside this checkout's:
+    a copy that counts its steps counts every step of its engine, and none of this one's."""
+    import bench
+    path = tmp_path / "nanopaged.py"
+    path.write_text(open(nanopaged.__file__).read() + "\n\nSTEPS = []\n_step = Engine.step\n"
+                    "Engine.step = lambda self: STEPS.append(1) or _step(self)\n")
+    other = bench.other_checkout(path)
+    engine = bench.decoding_engine(4, 16, 8, 16, 32, module=other)
+    assert isinstance(engine, other.Engine) and not isinstance(engine, Engine)
+    assert len(other.STEPS) == bench.WARM_UP_STEPS
+    mine = bench.decoding_engine(4, 16, 8, 16, 32)
+    assert isinstance(mine, Engine) and len(other.STEPS) == bench.WARM_UP_STEPS
+    result = bench.overhead_against(path, sizes=(4,), prompt_len=16, steps=3, rounds=1)
+    assert result[4]["ratio"] > 0 and result[4]["against_us_per_seq"] > 0
+
+
+@pytest.mark.bench
 def test_bench_quick_runs_every_section_and_leaves_the_readmes_results_alone():
     here = os.path.dirname(os.path.abspath(__file__))
     cited = os.path.join(here, "results", "results.json")
