@@ -1477,18 +1477,24 @@ def other_checkout(path):
     """The nanopaged.py at path as a module beside this checkout's (what it imports, kernel.py
     and the rest, is this checkout's)."""
     spec = importlib.util.spec_from_file_location("nanopaged_against", path)
+    if spec is None or not os.path.isfile(path):
+        raise ValueError(f"--against {path}: not a Python file (a checkout's nanopaged.py)")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    missing = [name for name in ("GPTConfig", "Engine", "SamplingParams")
+               if not hasattr(module, name)]
+    if missing:
+        raise ValueError(f"--against {path}: it has no {', '.join(missing)}: not a nanopaged.py")
     return module
 
 
-def overhead_against(path, sizes=(32, 256), prompt_len=128, steps=50, rounds=3):
-    """This checkout's engine against the one of the nanopaged.py at path (another checkout's:
-    the code before a change), n decoding sequences each, stepped in turns in one process, whole
-    steps (the no-op model's call in both): the machine's drift, which moves both times by more
-    than a change does, cancels in their ratio. The medians of all rounds' steps, us a sequence,
-    and of the steps' ratios (this over that)."""
-    other, results, rows = other_checkout(path), {}, []
+def overhead_against(other, path, sizes=(32, 256), prompt_len=128, steps=50, rounds=3):
+    """This checkout's engine against the one of other, the nanopaged.py at path (another
+    checkout's: the code before a change), n decoding sequences each, stepped in turns in one
+    process, whole steps (the no-op model's call in both): the machine's drift, which moves both
+    times by more than a change does, cancels in their ratio. The medians of all rounds' steps,
+    us a sequence, and of the steps' ratios (this over that)."""
+    results, rows = {}, []
     for n in sizes:
         us = {"this": [], "against": []}
         for _ in range(rounds):
@@ -1558,6 +1564,7 @@ def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
     step's work is the same, so its cost should be too); then as the outputs grow, by what
     step() is asked to return; the time to take a block from free lists of up to 100k cached
     blocks; and, given against (another checkout's nanopaged.py), overhead_against."""
+    other = against and other_checkout(against)  # a bad path fails before the long runs
     results, rows = {}, []
     timed = least_of_rounds([(n, prompt_len) for n in sizes], steps, rounds)
     for n, (phases, engine_us) in zip(sizes, timed):
@@ -1594,7 +1601,7 @@ def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
     results["take_block_us"] = takes
     results["observer"] = observer_cost(**(observer or {}))
     if against:
-        results["against"] = overhead_against(against)
+        results["against"] = overhead_against(other, against)
     return results
 
 

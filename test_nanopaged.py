@@ -8231,8 +8231,13 @@ def test_overhead_against_steps_the_other_checkouts_engine_beside_this_ones(tmp_
     assert len(other.STEPS) == bench.WARM_UP_STEPS
     mine = bench.decoding_engine(4, 16, 8, 16, 32)
     assert isinstance(mine, Engine) and len(other.STEPS) == bench.WARM_UP_STEPS
-    result = bench.overhead_against(path, sizes=(4,), prompt_len=16, steps=3, rounds=1)
+    result = bench.overhead_against(other, path, sizes=(4,), prompt_len=16, steps=3, rounds=1)
     assert result[4]["ratio"] > 0 and result[4]["against_us_per_seq"] > 0
+    (tmp_path / "other.py").write_text("Engine = None\n")
+    for bad, named in [(tmp_path / "none.py", "not a Python file"),
+                       (tmp_path / "other.py", "no GPTConfig, SamplingParams")]:
+        with pytest.raises(ValueError, match=named):
+            bench.other_checkout(bad)
 
 
 @pytest.mark.bench
