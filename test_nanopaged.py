@@ -4295,7 +4295,6 @@ def assert_logprobs(entries, tokens, ref, k, abs_tol):
             assert lp == pytest.approx(ref[t, i].item(), abs=abs_tol)
 
 
-@pytest.mark.sampling
 def check_logprobs(out, prompt, p, hf):
     """out's logprobs, cumulative logprob and prompt logprobs against transformers' model hf."""
     tokens = out.outputs[0].token_ids
@@ -4311,6 +4310,7 @@ def check_logprobs(out, prompt, p, hf):
         assert_logprobs(out.prompt_logprobs[1:], prompt[1:], ref, p.prompt_logprobs, 1e-4)
 
 
+@pytest.mark.sampling
 def test_logprobs_are_the_models_as_transformers_computes_them(hf_folder):
     """SamplingParams.logprobs=k: per generated token, the k likeliest tokens' log-probabilities
     and the drawn token's, under the model itself (vLLM's raw logprobs); prompt_logprobs=k the
