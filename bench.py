@@ -1463,14 +1463,32 @@ def output_growth(n, lengths, kinds, window=32, prompt_len=16, block_size=16):
             for _ in range(length - WARM_UP_STEPS):  # its next step makes token length + 1
                 engine.step()
             engines[kind, length] = engine
-    gc.collect()
-    engine_us = {key: [] for key in engines}
-    for _ in range(window):
-        for key, engine in engines.items():
-            phases = timed_step(engine)  # seconds
-            engine_us[key].append(1e6 * (sum(phases) - phases[2]) / n)
+    engine_us = steps_in_turns(engines, window, n, engine_seconds)
     return {kind: {length: float(np.median(engine_us[kind, length])) for length in lengths}
             for kind in kinds}
+
+
+def steps_in_turns(engines, steps, n, seconds):
+    """Each engine's steps, us per sequence of its n, the engines stepped in turns (so that the
+    machine's other load, which drifts over seconds, falls on all alike); seconds(engine) steps
+    it once and says how long that took."""
+    gc.collect()  # start clean: no engine's step pays for garbage made before
+    us = {key: [] for key in engines}
+    for _ in range(steps):
+        for key, engine in engines.items():
+            us[key].append(1e6 * seconds(engine) / n)
+    return us
+
+
+def engine_seconds(engine):  # one step, all but the no-op model (timed_step's phases)
+    phases = timed_step(engine)
+    return sum(phases) - phases[2]
+
+
+def step_seconds(engine):  # one whole step, as any checkout's Engine takes it
+    start = time.perf_counter()
+    engine.step()
+    return time.perf_counter() - start
 
 
 def other_checkout(path):
@@ -1501,12 +1519,8 @@ def overhead_against(other, path, sizes=(32, 256), prompt_len=128, steps=50, rou
             engines = {name: decoding_engine(n, prompt_len, steps + 20, 16, 8 + n * cdiv(
                 prompt_len + steps + 40, 16), module=module) for name, module in (
                 ("this", None), ("against", other))}
-            gc.collect()
-            for _ in range(steps):
-                for name, engine in engines.items():
-                    start = time.perf_counter()
-                    engine.step()
-                    us[name].append((time.perf_counter() - start) * 1e6 / n)
+            for name, times in steps_in_turns(engines, steps, n, step_seconds).items():
+                us[name] += times
         this, against = np.array(us["this"]), np.array(us["against"])
         results[n] = dict(us_per_seq=float(np.median(this)),
                           against_us_per_seq=float(np.median(against)),
