@@ -1468,6 +1468,19 @@ def output_growth(n, lengths, kinds, window=32, prompt_len=16, block_size=16):
             for kind in kinds}
 
 
+@contextlib.contextmanager
+def torch_threads(n=None):
+    """torch's intra-op threads: n inside (None: as they are), and as they were before, after.
+    As a decorator too: the section it decorates runs on n."""
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def steps_in_turns(engines, steps, n, seconds):
     """Each engine's steps, us per sequence of its n, the engines stepped in turns (so that the
     machine's other load, which drifts over seconds, falls on all alike); seconds(engine) steps
@@ -1569,6 +1582,7 @@ def context_sweep(contexts, sizes, steps, rounds):
     return results
 
 
+@torch_threads(1)
 def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
                    contexts=(128, 1024, 4096, 16384), context_sizes=(64, 256), rounds=3,
                    take_sizes=(1_000, 10_000, 100_000), observer=None,
@@ -1577,7 +1591,10 @@ def bench_overhead(sizes=(32, 256, 1024), prompt_len=128, steps=50,
     time, the least of rounds taken in turns: by running sequences, and by context length (the
     step's work is the same, so its cost should be too); then as the outputs grow, by what
     step() is asked to return; the time to take a block from free lists of up to 100k cached
-    blocks; and, given against (another checkout's nanopaged.py), overhead_against."""
+    blocks; and, given against (another checkout's nanopaged.py), overhead_against. On one of
+    torch's threads, as the engine's own work is: the no-op model has nothing to split, and a
+    second thread only adds its wake-ups to each small op of the sampler (OMP_WAIT_POLICY is
+    PASSIVE here: about 1 us a sequence at 256, measured)."""
     other = against and other_checkout(against)  # a bad path fails before the long runs
     results, rows = {}, []
     timed = least_of_rounds([(n, prompt_len) for n in sizes], steps, rounds)
@@ -2019,13 +2036,15 @@ def bench_serve(num_requests=100, rates=(4.0, 16.0), max_output=256, rounds=3,
     import multiprocessing
 
     import server
-    workload, threads = serve_workload(num_requests, max_output), torch.get_num_threads()
+    workload = serve_workload(num_requests, max_output)
     flags = SERVE_FLAGS + ([] if model is None else [  # the name the clients ask for
         "--model", model, "--served-model-name", "pydoc-gpt"])
     results = {}
     spawn = multiprocessing.get_context("spawn")
+    # torch_threads(): serve_engine sets this process's threads (demo.load); the sections after
+    # this one keep theirs
     with (tempfile.TemporaryDirectory() as folder, open(os.path.join(folder, "log"), "w+") as log,
-          concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as clients):
+          concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as clients, torch_threads()):
         try:
             engine = serve_engine(flags)
             with server.running_server(flags, timeout_s=120, log=log) as url:
@@ -2045,8 +2064,6 @@ def bench_serve(num_requests=100, rates=(4.0, 16.0), max_output=256, rounds=3,
         except Exception:
             print(server.read_back(log))  # what the server said before it failed
             raise
-        finally:
-            torch.set_num_threads(threads)  # the sections after this one keep theirs
     for name in ("http @ inf/s", "http @ inf/s, openai clients", "Engine.generate"):
         r = results[name]
         r["cpu_us_per_token"] = 1e6 * r["cpu_seconds"] / r["output_tokens"]

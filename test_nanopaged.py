@@ -8241,6 +8241,27 @@ def test_overhead_against_steps_the_other_checkouts_engine_beside_this_ones(tmp_
 
 
 @pytest.mark.bench
+def test_overhead_times_the_engine_on_one_thread_and_gives_the_process_its_own_back(monkeypatch):
+    """The engine's own time is one thread's work: --overhead runs on one of torch's threads,
+    and the sections after it (or a caller) get the process's count back, even if it fails."""
+    import bench
+    seen = []
+
+    def timed(*args, **kwargs):  # the section's first timing
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(bench, "least_of_rounds", timed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="stop here"):
+            bench.bench_overhead()
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.bench
 def test_bench_quick_runs_every_section_and_leaves_the_readmes_results_alone():
     here = os.path.dirname(os.path.abspath(__file__))
     cited = os.path.join(here, "results", "results.json")
