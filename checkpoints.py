@@ -306,11 +306,13 @@ def render_chat(path, messages, add_generation_prompt=True):
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = lambda x, ensure_ascii=False, indent=None, separators=None, \
-        sort_keys=False: json.dumps(x, ensure_ascii=ensure_ascii, indent=indent,
-                                    separators=separators, sort_keys=sort_keys)
+    env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)  # Llama 3.1
     # older files store a special token as an AddedToken's dict: its text is "content"

@@ -661,8 +661,8 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     short = [i for i, n in enumerate(q_lens) if 1 < n <= SHORT_Q_LEN]
     short = [short] if len(short) > 1 else [[i] for i in short]
-    groups = ([decode] if decode and decodes else []) + short + \
-        [[i] for i, n in enumerate(q_lens) if n > SHORT_Q_LEN]
+    long = [[i] for i, n in enumerate(q_lens) if n > SHORT_Q_LEN]
+    groups = ([decode] if decode and decodes else []) + short + long
     chunks = []
     for group in groups:  # to be cut, shortest first: a call's spans are then alike
         if len(group) * max(spans[i] for i in group) * token_bytes > CHUNK_BYTES:

@@ -2723,10 +2723,10 @@ class Engine:
                  speculative_config=None, tokenizer=None, observer=None, prefix_cache_cls=None,
                  cpu_cache_bytes: int = 0, cpu_eviction_policy=None):
         # the annotated settings: an int held as numpy's or torch's is taken as that int
-        block_size, num_blocks, kv_cache_bytes, num_cpu_blocks, max_num_seqs, \
-            max_num_batched_tokens, swap_space, cpu_cache_bytes = map(as_int, (
-                block_size, num_blocks, kv_cache_bytes, num_cpu_blocks, max_num_seqs,
-                max_num_batched_tokens, swap_space, cpu_cache_bytes))
+        (block_size, num_blocks, kv_cache_bytes, num_cpu_blocks, max_num_seqs,
+         max_num_batched_tokens, swap_space, cpu_cache_bytes) = map(as_int, (
+            block_size, num_blocks, kv_cache_bytes, num_cpu_blocks, max_num_seqs,
+            max_num_batched_tokens, swap_space, cpu_cache_bytes))
         device, backend, dtype = check_engine_settings(
             model, device, attention_backend, preemption_mode, enable_prefix_caching, swap_space,
             kv_cache_dtype, scheduling_policy, eviction_policy, cpu_eviction_policy,

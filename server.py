@@ -787,8 +787,9 @@ class Call:
         return self.subs[0].params.n
 
     def envelope(self, model, choices, streaming, **more):
-        kind = ("chat.completion.chunk" if streaming else "chat.completion") if self.chat \
-            else "text_completion"
+        kind = "text_completion"
+        if self.chat:
+            kind = "chat.completion.chunk" if streaming else "chat.completion"
         return dict(id=("chatcmpl-" if self.chat else "cmpl-") + self.id, object=kind,
                     created=self.created, model=model, choices=choices, **more)
 
