@@ -1245,7 +1245,7 @@ def attention_kinds(window, n_layer=4):
 def kv_bytes_held(engine):
     """The KV bytes the running sequences hold (each block once)."""
     per_block = math.prod(kv_block_shape(engine.config, engine.block_size)) * 4  # float32
-    return len(blocks_held(seq for g in engine.scheduler.running for seq in g.seqs)) * per_block
+    return len(blocks_held(seq for r in engine.scheduler.running for seq in r.seqs)) * per_block
 
 
 def bench_window(window=256, contexts=(256, 512, 1024, 2048, 4096), block_size=16,
@@ -1659,8 +1659,8 @@ def bench_soak(num_requests=10_000, num_blocks=64, block_size=16, arrival_p=0.2,
                 aborted += 1
             finished += sum(out.finished for out in engine.step())
             step += 1
-            for group in engine.scheduler.running:
-                admitted_at.setdefault(group.request_id, step)
+            for request in engine.scheduler.running:
+                admitted_at.setdefault(request.request_id, step)
             peak = max(peak, num_blocks - engine.allocator.num_free_blocks)
         s, waits = engine.stats(), [admitted_at[r] - arrived_at[r] for r in admitted_at]
         assert finished + aborted == num_requests, "a request was lost"

@@ -96,11 +96,11 @@ class Streamer:
 def block_map(engine):
     """Physical KV memory as a grid of cells, one per block, and who owns each."""
     owners = {}  # block id -> request ids whose sequences point at it (every table of each)
-    for group in engine.scheduler.running:
-        for table in (table for seq in group.seqs for table in seq.block_tables):
+    for request in engine.scheduler.running:
+        for table in (table for seq in request.seqs for table in seq.block_tables):
             for block_id in table:
-                owners.setdefault(block_id, set()).add(group.request_id)
-    letters = {g.request_id: CELLS[i % len(CELLS)] for i, g in enumerate(engine.scheduler.running)}
+                owners.setdefault(block_id, set()).add(request.request_id)
+    letters = {r.request_id: CELLS[i % len(CELLS)] for i, r in enumerate(engine.scheduler.running)}
     cells = []
     for block in engine.allocator.blocks:
         ids = owners.get(block.block_id)
@@ -118,7 +118,7 @@ def block_map(engine):
 def cpu_block_map(engine, letters):
     """The CPU pool as cells: a swapped-out request's block (its letter, upper-case when its
     sequences share it), a free block the CPU tier caches a prefix in (:), or a free one (.)."""
-    owners = {b: g.request_id for g in engine.scheduler.swapped for seq in g.seqs
+    owners = {b: r.request_id for r in engine.scheduler.swapped for seq in r.seqs
               for table in seq.block_tables for b in table}
     letters.update({g.request_id: CELLS[(len(letters) + i) % len(CELLS)]
                     for i, g in enumerate(engine.scheduler.swapped)})

@@ -50,8 +50,8 @@ import kernel
 # -----------------------------------------------------------------------------
 # 1. Sequences and requests, and the lifecycle of a request (paper, sections 4.3 to 4.5)
 #
-# A request is a SequenceGroup of Sequences: one while its prompt is prefilled, then n
-# parallel samples or beam_width beams. Every sequence keeps one invariant: its tokens
+# A Request holds Sequences: one while its prompt is prefilled, then n parallel samples or
+# beam_width beams. Every sequence keeps one invariant: its tokens
 # [0, num_computed_tokens) have their K/V in the cache, and [num_computed_tokens, len) are
 # the ones to compute next. A step computes some of them; only a step that computes the
 # last one yields logits, and so a next token. Where a request is, is which queue holds it:
@@ -68,8 +68,8 @@ import kernel
 # for it), running -> finished when every sequence stops; abort() leaves from anywhere.
 # Recompute frees the blocks, which sets num_computed_tokens to 0: the prompt and the tokens
 # generated so far are prefilled again (less what the prefix cache still holds). Swap keeps
-# num_computed_tokens and moves the blocks to CPU memory and back. A recomputed group of
-# several sequences holds back the last token of each: the group advances in lockstep (its
+# num_computed_tokens and moves the blocks to CPU memory and back. A recomputed request of
+# several sequences holds back the last token of each: the request advances in lockstep (its
 # beams are compared, its samples were forked together), so all its sequences must reach
 # their last tokens in the same step, which the scheduler makes one decode step for all.
 
@@ -315,15 +315,16 @@ class RequestMetrics:  # vLLM's; time.perf_counter() seconds, each set where the
     time_in_queue: float | None = None  # first_scheduled_time - arrival_time
 
 
-class SequenceGroup:
+class Request:
     """The sequences of one request, scheduled and preempted together: one while the prompt is
-    prefilled, then n parallel samples or beam_width beams (vLLM's sequence group)."""
+    prefilled, then n parallel samples or beam_width beams (vLLM v0's sequence group, which v1
+    renamed Request)."""
 
     def __init__(self, request_id, prompt_token_ids, params, seq, priority=0):
         self.request_id, self.params, self.priority = request_id, params, priority
         self.prompt_token_ids = list(prompt_token_ids)
         self.seqs = [seq]  # the live ones
-        self.finished = []  # parallel samples that finished
+        self.finished_seqs = []  # parallel samples that finished
         self.hypotheses = []  # beam search: the finished hypotheses (BeamHypothesis)
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         self.num_cached_tokens = 0  # prompt tokens the prefix cache held at the first admission
@@ -1225,14 +1226,14 @@ class SwapPool(BlockPool):
 # long prompt is prefilled over several steps without stalling running decodes. When a
 # decode finds no free block, the running request that comes last is preempted (paper, 4.5).
 #
-# schedule() is a step's plan: it moves groups between queues and takes the blocks their
+# schedule() is a step's plan: it moves requests between queues and takes the blocks their
 # tokens need, every change journaled (section 2), and returns what the step runs. It changes
 # no sequence but its paging state (block table, num_computed_tokens on a hit or a preemption);
 # the tokens, the counters and the times change in the step's commit (section 11).
 
-SCHEDULING_POLICIES = {  # the order: a SequenceGroup's key (fixed while queued), smaller first
-    "fcfs": lambda group: group.request_id,  # first come, first served: ids count arrivals
-    "priority": lambda group: (group.priority, group.request_id),  # vLLM's: lower first
+SCHEDULING_POLICIES = {  # the order: a Request's key (fixed while queued), smaller first
+    "fcfs": lambda request: request.request_id,  # first come, first served: ids count arrivals
+    "priority": lambda request: (request.priority, request.request_id),  # vLLM's: lower first
 }
 
 
@@ -1245,8 +1246,8 @@ class SchedulerOutput:
     blocks_to_copy: list = field(default_factory=list)  # (src, dst) device blocks, copy-on-write
     blocks_to_offload: list = field(default_factory=list)  # (device, cpu block) to the CPU tier
     blocks_to_reload: list = field(default_factory=list)  # (cpu, device block) from the CPU tier
-    admitted: list = field(default_factory=list)  # groups admitted from waiting
-    preempted: list = field(default_factory=list)  # groups preempted
+    admitted: list = field(default_factory=list)  # requests admitted from waiting
+    preempted: list = field(default_factory=list)  # requests preempted
     lookahead: list = field(default_factory=list)  # (seq, slots) for proposals: see speculative
     num_batched_tokens: int = 0
 
@@ -1271,28 +1272,28 @@ class Scheduler:
         self.swapped = []  # preempted by swap, blocks in the CPU pool
         self.num_preemptions = 0
 
-    def add(self, group):  # into its queue by the key, after its equals
-        insort(self.waiting, group, key=self.key)
+    def add(self, request):  # into its queue by the key, after its equals
+        insort(self.waiting, request, key=self.key)
 
     def has_unfinished(self):
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self):
         """This step's plan, in four phases (after the blocks that sliding windows left behind
-        go back): 1. decodes of running groups, first first (preempting when blocks run out);
-        2. swapped-out groups come back; 3. prefill chunks of running groups; 4. waiting groups
-        are admitted while blocks, sequence slots and the token budget allow. Then, speculating,
-        lookahead slots from what is left."""
+        go back): 1. decodes of running requests, first first (preempting when blocks run out);
+        2. swapped-out requests come back; 3. prefill chunks of running requests; 4. waiting
+        requests are admitted while blocks, sequence slots and the token budget allow. Then,
+        speculating, lookahead slots from what is left."""
         out = SchedulerOutput()
         if any(self.allocator.windows):  # blocks the windows left behind go back, for this step
-            for seq in (seq for group in self.running for seq in group.seqs):
+            for seq in (seq for request in self.running for seq in request.seqs):
                 self.allocator.free_window_blocks(seq)
         self._schedule_decodes(out)
         num_seqs = sum(g.params.num_seqs for g in self.running)  # room held for all samples of each
         num_seqs = self._swap_in(out, num_seqs)
-        for group in self.running:
-            if not group.is_decoding:
-                self._schedule_prefill(group, out)
+        for request in self.running:
+            if not request.is_decoding:
+                self._schedule_prefill(request, out)
         self._admit(out, num_seqs)
         if self.num_lookahead_slots:
             self._reserve_lookahead(out)
@@ -1301,85 +1302,85 @@ class Scheduler:
         out.blocks_to_reload = self.allocator.reloads
         return out
 
-    def _move(self, group, source, target):
-        """Move group from one queue to another, in its place by the key; journaled, so a failed
+    def _move(self, request, source, target):
+        """Move request from one queue to another, in its place by the key; journaled, so a failed
         step's undo puts it back where it was."""
-        i = source.index(group)
+        i = source.index(request)
         del source[i]
-        insort(target, group, key=self.key)
-        self.allocator.journal.record(self._move_back, group, source, i, target)
+        insort(target, request, key=self.key)
+        self.allocator.journal.record(self._move_back, request, source, i, target)
 
     @staticmethod
-    def _move_back(group, source, i, target):
-        target.remove(group)
-        source.insert(i, group)
+    def _move_back(request, source, i, target):
+        target.remove(request)
+        source.insert(i, request)
 
     def _schedule_decodes(self, out):
-        # A group whose next tokens need blocks that are not free preempts the last running
-        # group, possibly itself.
+        # A request whose next tokens need blocks that are not free preempts the last running
+        # request, possibly itself.
         i = 0
         while i < len(self.running):
-            group = self.running[i]
-            if not group.is_decoding or self._over_budget(out, len(group.seqs)):
+            request = self.running[i]
+            if not request.is_decoding or self._over_budget(out, len(request.seqs)):
                 i += 1
                 continue
-            while not self.allocator.can_append(group.seqs):
+            while not self.allocator.can_append(request.seqs):
                 victim = self.running[-1]
                 self._preempt(victim, out)
-                if victim is group:
+                if victim is request:
                     break
             else:
-                self._append_slots(group, out)
+                self._append_slots(request, out)
                 i += 1
 
     def _swap_in(self, out, num_seqs):
-        # First first, unless this step had to preempt or a waiting group comes before them.
+        # First first, unless this step had to preempt or a waiting request comes before them.
         swap_pool = self.allocator.swap_pool
         while self.swapped and not out.preempted and not self._ahead(self.waiting, self.swapped):
-            group = self.swapped[0]
+            request = self.swapped[0]
             # + a block for each sequence's next token, in each of its tables
-            need = (swap_pool.num_blocks_to_swap_in(group.seqs)
-                    + sum(len(seq.block_tables) for seq in group.seqs))
-            if (not self._fits(need) or num_seqs + group.params.num_seqs > self.max_num_seqs
-                    or self._over_budget(out, len(group.seqs))):
+            need = (swap_pool.num_blocks_to_swap_in(request.seqs)
+                    + sum(len(seq.block_tables) for seq in request.seqs))
+            if (not self._fits(need) or num_seqs + request.params.num_seqs > self.max_num_seqs
+                    or self._over_budget(out, len(request.seqs))):
                 if not self.running:  # nothing will free blocks for it: recompute, not wait forever
-                    self._recompute(group, self.swapped)
+                    self._recompute(request, self.swapped)
                 break
-            num_seqs += group.params.num_seqs
-            out.blocks_to_swap_in += swap_pool.swap_in(group.seqs)
-            self._move(group, self.swapped, self.running)
-            notify(self, "resume", request=group.request_id)
-            if group.is_decoding:
-                self._append_slots(group, out)
+            num_seqs += request.params.num_seqs
+            out.blocks_to_swap_in += swap_pool.swap_in(request.seqs)
+            self._move(request, self.swapped, self.running)
+            notify(self, "resume", request=request.request_id)
+            if request.is_decoding:
+                self._append_slots(request, out)
         return num_seqs
 
     def _admit(self, out, num_seqs):
-        # None while a swapped-out group comes before them, and none in a step that had to
+        # None while a swapped-out request comes before them, and none in a step that had to
         # preempt, which would only preempt again.
         while (self.waiting and not out.preempted and not self._ahead(self.swapped, self.waiting)
                and out.num_batched_tokens < self.max_num_batched_tokens):
-            group = self.waiting[0]
-            need = sum(self.allocator.num_blocks_to_allocate(seq) for seq in group.seqs)
-            if not self._fits(need) or num_seqs + group.params.num_seqs > self.max_num_seqs:
+            request = self.waiting[0]
+            need = sum(self.allocator.num_blocks_to_allocate(seq) for seq in request.seqs)
+            if not self._fits(need) or num_seqs + request.params.num_seqs > self.max_num_seqs:
                 break  # nobody overtakes the first waiting request
-            num_seqs += group.params.num_seqs
-            self._move(group, self.waiting, self.running)
-            out.admitted.append(group)
-            notify(self, "admit", request=group.request_id)
-            self.allocator.allocate_together(group.seqs)
-            if not group.is_decoding:
-                self._schedule_prefill(group, out)
-            elif not self._over_budget(out, len(group.seqs)):
-                self._append_slots(group, out)  # recomputed samples, all but the last tokens cached
+            num_seqs += request.params.num_seqs
+            self._move(request, self.waiting, self.running)
+            out.admitted.append(request)
+            notify(self, "admit", request=request.request_id)
+            self.allocator.allocate_together(request.seqs)
+            if not request.is_decoding:
+                self._schedule_prefill(request, out)
+            elif not self._over_budget(out, len(request.seqs)):
+                self._append_slots(request, out)  # recomputed samples, all but the last cached
 
-    def _ahead(self, queue, other):  # whether queue's first group comes before other's
+    def _ahead(self, queue, other):  # whether queue's first request comes before other's
         return bool(queue) and self.key(queue[0]) < self.key(other[0])
 
     def _over_budget(self, out, num_tokens):
         return out.num_batched_tokens + num_tokens > self.max_num_batched_tokens
 
     def _fits(self, num_blocks):
-        # Alone on the device, a group needs no watermark: there is nobody left to preempt.
+        # Alone on the device, a request needs no watermark: there is nobody left to preempt.
         spare = self.watermark_blocks if self.running else 0
         return num_blocks + spare <= self.allocator.num_free_blocks
 
@@ -1390,16 +1391,16 @@ class Scheduler:
         out.num_batched_tokens += num_new
         self.allocator.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
 
-    def _append_slots(self, group, out):
-        for seq in group.seqs:
+    def _append_slots(self, request, out):
+        for seq in request.seqs:
             out.blocks_to_copy += self.allocator.append_slot(seq)
             self._schedule(seq, 1, out)
 
-    def _schedule_prefill(self, group, out):
+    def _schedule_prefill(self, request, out):
         # Samples or beams being recomputed stop one token short: their last tokens go together
-        # as one decode step, so the group gets all its next-token logits at once (section 1).
-        hold_back = 1 if len(group.seqs) > 1 else 0
-        for seq in group.seqs:
+        # as one decode step, so the request gets all its next-token logits at once (section 1).
+        hold_back = 1 if len(request.seqs) > 1 else 0
+        for seq in request.seqs:
             num_new = min(len(seq) - hold_back - seq.num_computed_tokens,
                           self.max_num_batched_tokens - out.num_batched_tokens)
             if num_new > 0:
@@ -1412,64 +1413,64 @@ class Scheduler:
         holds back what plain decoding would run; and never past max_tokens."""
         a = self.allocator
         last = {seq.seq_id for seq, n in out.scheduled if seq.num_computed_tokens + n == len(seq)}
-        for group in self.running:
-            for seq in group.seqs:
+        for request in self.running:
+            for seq in request.seqs:
                 if seq.seq_id not in last or not seq.num_output_tokens:
                     continue
                 # a slot takes a block in each table: of the free blocks, its share
                 num_free = a.num_free_blocks // len(seq.block_tables)
                 room = (len(seq.block_table) + num_free) * a.block_size - len(seq)
                 slots = min(self.num_lookahead_slots, room,
-                            group.params.max_tokens - seq.num_output_tokens - 1,
+                            request.params.max_tokens - seq.num_output_tokens - 1,
                             self.max_num_batched_tokens - out.num_batched_tokens)
                 if slots > 0:
                     a.append_lookahead_slots(seq, slots)
                     out.lookahead.append((seq, slots))
                     out.num_batched_tokens += slots
 
-    def _preempt(self, group, out):
-        """Take a running group's blocks: swap them out in swap mode (while the swap space holds
+    def _preempt(self, request, out):
+        """Take a running request's blocks: swap them out in swap mode (while the swap space holds
         them), else free them to be recomputed."""
-        out.preempted.append(group)
-        if self.preemption_mode == "swap" and self.allocator.swap_pool.can_swap_out(group.seqs):
-            out.blocks_to_swap_out += self.allocator.swap_pool.swap_out(group.seqs)
-            self._move(group, self.running, self.swapped)
-            notify(self, "preempt", request=group.request_id, mode="swap")
+        out.preempted.append(request)
+        if self.preemption_mode == "swap" and self.allocator.swap_pool.can_swap_out(request.seqs):
+            out.blocks_to_swap_out += self.allocator.swap_pool.swap_out(request.seqs)
+            self._move(request, self.running, self.swapped)
+            notify(self, "preempt", request=request.request_id, mode="swap")
         else:
-            self._recompute(group, self.running)
-            notify(self, "preempt", request=group.request_id, mode="recompute")
+            self._recompute(request, self.running)
+            notify(self, "preempt", request=request.request_id, mode="recompute")
 
-    def preempt_by_recompute(self, group):
-        """Outside a step (the undo of a failed one): free a running or swapped-out group's
+    def preempt_by_recompute(self, request):
+        """Outside a step (the undo of a failed one): free a running or swapped-out request's
         blocks and send it back to the waiting queue (a running one is preempted once more)."""
-        running = group in self.running
-        self._recompute(group, self.running if running else self.swapped)
+        running = request in self.running
+        self._recompute(request, self.running if running else self.swapped)
         if running:
-            self.count_preemption(group)
-        notify(self, "preempt", request=group.request_id, mode="recompute")
+            self.count_preemption(request)
+        notify(self, "preempt", request=request.request_id, mode="recompute")
 
-    def count_preemption(self, group):  # the one place preemptions are counted
-        group.num_preemptions += 1
+    def count_preemption(self, request):  # the one place preemptions are counted
+        request.num_preemptions += 1
         self.num_preemptions += 1
 
-    def _recompute(self, group, queue):
-        """Free the blocks of a group in queue (running, or swapped: CPU blocks) and send it to
+    def _recompute(self, request, queue):
+        """Free the blocks of a request in queue (running, or swapped: CPU blocks) and send it to
         the waiting queue, under FCFS to its front: it arrived before everything still waiting.
         What the prefix cache still holds of it, it finds again when readmitted."""
         pool = self.allocator.swap_pool if queue is self.swapped else self.allocator
-        for seq in group.seqs:
+        for seq in request.seqs:
             pool.free(seq)
-        self._move(group, queue, self.waiting)
+        self._move(request, queue, self.waiting)
 
-    def abort(self, group):
-        """Drop a group wherever it is and return all its blocks (between steps)."""
-        queue = next(q for q in (self.waiting, self.running, self.swapped) if group in q)
-        queue.remove(group)
+    def abort(self, request):
+        """Drop a request wherever it is and return all its blocks (between steps)."""
+        queue = next(q for q in (self.waiting, self.running, self.swapped) if request in q)
+        queue.remove(request)
         pool = self.allocator.swap_pool if queue is self.swapped else self.allocator
-        for seq in group.seqs:
-            if any(seq.block_tables):  # a waiting group holds none
+        for seq in request.seqs:
+            if any(seq.block_tables):  # a waiting request holds none
                 pool.free(seq)
-        group.seqs = []
+        request.seqs = []
 
     def remove_finished(self):
         self.running = [g for g in self.running if not g.is_finished]
@@ -2317,7 +2318,7 @@ def logprob_entry(token, logprob, top, r, k):
 
 class SampleUpdate(NamedTuple):
     """What one sample gains in a step: decided in its run, applied in its commit."""
-    group: SequenceGroup
+    request: Request
     seq: Sequence  # the sample, or the prompt's sequence that a new sample forks from
     index: int  # the sample's index: a new one's differs from seq's
     tokens: list  # drawn and kept, in order (more than one when proposed tokens are kept)
@@ -2347,7 +2348,7 @@ class BeamStep(NamedTuple):
 @dataclass
 class StepResult:
     """What a step's run computed, for its commit to apply."""
-    ready: list = field(default_factory=list)  # groups whose sequences got logits
+    ready: list = field(default_factory=list)  # requests whose sequences got logits
     samples: list = field(default_factory=list)  # SampleUpdate for each sample of those
     beams: dict = field(default_factory=dict)  # request_id -> BeamStep
     prompt_logprobs: list = field(default_factory=list)  # (seq, entry) computed this step
@@ -2378,7 +2379,7 @@ class OutputProcessor:
             return result
         running = {g.request_id: g for g in self.scheduler.running}
         row_of = {}  # seq_id -> its first row of logits, for sequences whose last token is in
-        ready = {}  # request_id -> group: the scheduler completes a group's sequences together
+        ready = {}  # request_id -> request: the scheduler completes a request's sequences together
         num_rows, owed = 0, []  # owed: (seq, position p), prompt logprobs from the rows after
         for seq, num_new in plan.scheduled:
             start = seq.num_computed_tokens
@@ -2391,19 +2392,19 @@ class OutputProcessor:
         if owed:
             result.prompt_logprobs = self.prompt_logprob_entries(owed, logits[num_rows:], running)
         result.ready = list(ready.values())
-        to_sample = []  # (group, seq, sample index, row)
-        for group in result.ready:
-            seqs, params = group.seqs, group.params
+        to_sample = []  # (request, seq, sample index, row)
+        for request in result.ready:
+            seqs, params = request.seqs, request.params
             if params.beam_width is not None:
                 rows = [row_of[seq.seq_id] for seq in seqs]
-                result.beams[group.request_id] = self.beam_step(group, logits[rows])
+                result.beams[request.request_id] = self.beam_step(request, logits[rows])
             elif params.n > 1 and len(seqs) == 1 and not seqs[0].num_output_tokens:
                 # parallel samples draw their first tokens from the prompt's logits
                 row = row_of[seqs[0].seq_id]
-                to_sample += [(group, seqs[0], i, row) for i in range(params.n)]
+                to_sample += [(request, seqs[0], i, row) for i in range(params.n)]
             else:
                 for seq in seqs:
-                    to_sample.append((group, seq, seq.index, row_of[seq.seq_id]))
+                    to_sample.append((request, seq, seq.index, row_of[seq.seq_id]))
         if to_sample:
             result.samples = self.draw(to_sample, logits, proposals)
         return result
@@ -2412,18 +2413,18 @@ class OutputProcessor:
         """Each sample's next token; speculating, one after each of its proposals too, from the
         row after it, as if nothing were proposed (speculative.py keeps the draws that confirm
         the proposals). Then where each stops. A SampleUpdate each."""
-        draws = []  # (group, seq, sample index, row, the proposals before this draw)
-        for group, seq, index, row in to_sample:
+        draws = []  # (request, seq, sample index, row, the proposals before this draw)
+        for request, seq, index, row in to_sample:
             proposal = proposals.get(seq.seq_id, [])
             for j in range(1 + len(proposal)):
-                draws.append((group, seq, index, row + j, proposal[:j]))
-        groups, seqs, _, rows, proposed = map(list, zip(*draws))  # a list each, an item a draw
+                draws.append((request, seq, index, row + j, proposal[:j]))
+        requests, seqs, _, rows, proposed = map(list, zip(*draws))  # a list each, an item a draw
         logits = logits if rows == list(range(len(logits))) else logits[rows]           # (D, V)
         meta = SamplingMetadata(
-            params=[group.params for group in groups], seqs=seqs, proposed=proposed,
-            generators=[None if group.seed is None else sample_generator(
-                group.seed, index, seq.num_output_tokens + len(before), self.device)
-                for group, seq, index, _, before in draws],
+            params=[request.params for request in requests], seqs=seqs, proposed=proposed,
+            generators=[None if request.seed is None else sample_generator(
+                request.seed, index, seq.num_output_tokens + len(before), self.device)
+                for request, seq, index, _, before in draws],
             eos_token_ids=self.config.eos_token_ids, device=logits.device)
         # Tensor parallel ranks run this same scheduler on bit-identical logits (the all-reduce
         # gives each the same sum), so greedy picks, beams and stops agree; a random draw may
@@ -2435,15 +2436,15 @@ class OutputProcessor:
         asked = [p.logprobs for p in meta.params if p.logprobs is not None]  # top-k logprobs
         top = logprobs.topk(max(asked)) if asked else None
         tokens, updates, d = tokens.tolist(), [], 0
-        for group, seq, index, _ in to_sample:
+        for request, seq, index, _ in to_sample:
             proposal = proposals.get(seq.seq_id)
             drawn = tokens[d:d + 1 + len(proposal or ())]
             kept = self.proposer.verify(drawn, proposal) if proposal else drawn
-            kept, reason, stop, text = self.stop_check(seq, group.params, kept, eos)
-            k = group.params.logprobs
+            kept, reason, stop, text = self.stop_check(seq, request.params, kept, eos)
+            k = request.params.logprobs
             entries = None if k is None else [logprob_entry(t, chosen[d + j], top, d + j, k)
                                               for j, t in enumerate(kept)]
-            updates.append(SampleUpdate(group=group, seq=seq, index=index, tokens=kept,
+            updates.append(SampleUpdate(request=request, seq=seq, index=index, tokens=kept,
                                         logprobs=chosen[d:d + len(kept)], entries=entries,
                                         text=text, finish_reason=reason, stop_reason=stop))
             d += len(drawn)
@@ -2478,22 +2479,22 @@ class OutputProcessor:
                 return tokens[:j + 1], "length", None, state
         return tokens, None, None, state
 
-    def beam_step(self, group, logits):
+    def beam_step(self, request, logits):
         """beam_search_step, and with a tokenizer the text of each next beam and hypothesis."""
-        step = beam_search_step(group, logits, self.stop_ids(group.params),
+        step = beam_search_step(request, logits, self.stop_ids(request.params),
                                 self.config.eos_token_ids)
         if self.detokenizer is None:
             return step
-        decode, beams = self.detokenizer.decode, group.seqs
+        decode, beams = self.detokenizer.decode, request.seqs
         return step._replace(
             hypotheses=[h._replace(text=decode(h.token_ids)) for h in step.hypotheses],
             texts=[decode(beams[parent].output_token_ids + [token])
                    for parent, token, _ in step.survivors])
 
-    def prompt_logprob_entries(self, owed, logits, groups):
+    def prompt_logprob_entries(self, owed, logits, requests):
         """Prompt token p + 1's logprob and the k likeliest, from the logits after position p."""
         logprobs = log_probs(logits)                                                   # (P, V)
-        ks = [groups[seq.request_id].params.prompt_logprobs for seq, _ in owed]
+        ks = [requests[seq.request_id].params.prompt_logprobs for seq, _ in owed]
         tokens = [seq.token_ids[p + 1] for seq, p in owed]
         index = torch.tensor(tokens, device=logprobs.device)[:, None]
         chosen = logprobs.gather(-1, index).squeeze(-1).tolist()
@@ -2510,31 +2511,31 @@ class OutputProcessor:
     # -- commit: apply, nothing can fail halfway ------------------------------------------
 
     def commit(self, plan, result):
-        """Advance the scheduled sequences past their new tokens, give each ready group what
-        the run decided, retire finished sequences. Returns the ready groups, to report."""
-        for group in plan.admitted:  # before num_computed_tokens moves on: the prefix hits
-            group.admitted()
-        for group in plan.preempted:
-            self.scheduler.count_preemption(group)
+        """Advance the scheduled sequences past their new tokens, give each ready request what
+        the run decided, retire finished sequences. Returns the ready requests, to report."""
+        for request in plan.admitted:  # before num_computed_tokens moves on: the prefix hits
+            request.admitted()
+        for request in plan.preempted:
+            self.scheduler.count_preemption(request)
         for seq, num_new in plan.scheduled:
             seq.num_computed_tokens += num_new
         for seq, entry in result.prompt_logprobs:
             seq.prompt_logprobs.append(entry)
         now = time.perf_counter()
-        for group in result.ready:
-            if group.metrics.first_token_time is None:
-                group.metrics = replace(group.metrics, first_token_time=now)
-                self.num_prompt_tokens += len(group.prompt_token_ids)
-            if group.request_id in result.beams:
-                self.apply_beam_step(group, result.beams[group.request_id])
+        for request in result.ready:
+            if request.metrics.first_token_time is None:
+                request.metrics = replace(request.metrics, first_token_time=now)
+                self.num_prompt_tokens += len(request.prompt_token_ids)
+            if request.request_id in result.beams:
+                self.apply_beam_step(request, result.beams[request.request_id])
         # New samples fork from the prompt before it gains its own first token.
-        samples = [u.seq if u.index == u.seq.index else self.fork(u.group, u.seq, u.index)
+        samples = [u.seq if u.index == u.seq.index else self.fork(u.request, u.seq, u.index)
                    for u in result.samples]
         for seq, update in zip(samples, result.samples):
             self.apply_sample(seq, update, result.proposals.get(seq.seq_id))
-        finished = [group for group in result.ready if group.is_finished]
-        for group in finished:
-            group.metrics = replace(group.metrics, finished_time=time.perf_counter())
+        finished = [request for request in result.ready if request.is_finished]
+        for request in finished:
+            request.metrics = replace(request.metrics, finished_time=time.perf_counter())
         if finished:
             self.scheduler.remove_finished()
         return result.ready
@@ -2555,26 +2556,26 @@ class OutputProcessor:
         if update.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = update.finish_reason, update.stop_reason
             self.allocator.free(seq)
-            update.group.seqs.remove(seq)
-            update.group.finished.append(seq)
+            update.request.seqs.remove(seq)
+            update.request.finished_seqs.append(seq)
         elif proposal is not None:
             self.allocator.trim(seq)  # the blocks only rejected proposals wrote go back
 
-    def apply_beam_step(self, group, step):
+    def apply_beam_step(self, request, step):
         """The next beams: a beam chosen twice forks, so both continuations share its blocks; a
         beam not chosen is freed, and what it shared lives on in the survivors."""
         self.num_generated_tokens += len(step.survivors) + len(step.hypotheses)
-        group.hypotheses += step.hypotheses
+        request.hypotheses += step.hypotheses
         if step.done:
-            for seq in group.seqs:
+            for seq in request.seqs:
                 self.allocator.free(seq)
-            group.seqs = []
+            request.seqs = []
             return
-        beams, chosen, survivors = group.seqs, set(), []
+        beams, chosen, survivors = request.seqs, set(), []
         for parent, _, _ in step.survivors:
             seq = beams[parent]
             if parent in chosen:
-                seq = self.fork(group, seq, 0, join=False)
+                seq = self.fork(request, seq, 0, join=False)
             chosen.add(parent)
             survivors.append(seq)
         for i, seq in enumerate(beams):
@@ -2586,24 +2587,24 @@ class OutputProcessor:
             if step.texts is not None:
                 seq.text = step.texts[i]
             self.allocator.prefix_cache.key_blocks(seq)
-        group.seqs = survivors
+        request.seqs = survivors
 
-    def fork(self, group, seq, index, join=True):
+    def fork(self, request, seq, index, join=True):
         child = seq.fork(next(self.seq_ids), index)
         self.allocator.fork(seq, child)
         if join:
-            group.seqs.append(child)
+            request.seqs.append(child)
         return child
 
 
-def beam_search_step(group, logits, stops, eos_token_ids=frozenset()):
+def beam_search_step(request, logits, stops, eos_token_ids=frozenset()):
     """The beam_width best one-token extensions of the live beams, by cumulative
     log-probability, as transformers' beam search with early_stopping=True: a candidate that
     ends (a stop token, or the last token max_tokens allows) is a finished hypothesis only if
     it ranks among the step's beam_width best; the search ends with beam_width hypotheses.
     repetition_penalty and min_tokens apply to the log-probabilities, as transformers'
     processors do. Decides; changes nothing."""
-    params, beams = group.params, group.seqs
+    params, beams = request.params, request.seqs
     width = params.beam_width
     logprobs = logits.double().log_softmax(-1)                                           # (k, V)
     meta = SamplingMetadata(params=[params] * len(beams), seqs=beams, proposed=[[]] * len(beams),
@@ -2633,20 +2634,20 @@ def beam_search_step(group, logits, stops, eos_token_ids=frozenset()):
             picks.append((parent, token, score))
         if rank + 1 >= width and (last or len(picks) == width):
             break
-    done = not picks or len(group.hypotheses) + len(hypotheses) >= width
+    done = not picks or len(request.hypotheses) + len(hypotheses) >= width
     return BeamStep(survivors=picks, hypotheses=hypotheses, done=done)
 
 
-def request_output(group, detokenizer=None):
+def request_output(request, detokenizer=None):
     """A snapshot of the request as it stands: finished, or still running with the tokens it
     has so far; with a detokenizer, the text too (a streamed one without what may begin a stop
     string); asked for deltas, what it gained since its last output. Built in a step's commit
     from what the run computed: no tokenizer code runs."""
-    params, delta = group.params, group.params.output_kind == "delta"
+    params, delta = request.params, request.params.output_kind == "delta"
     first = True  # the request's first output, which a delta's prompt logprobs come with
-    if params.beam_width is not None and group.is_finished:
+    if params.beam_width is not None and request.is_finished:
         # rank by length-normalised log-probability, so short hypotheses are not favoured
-        best = sorted(group.hypotheses, key=lambda h: -h.cumulative_logprob
+        best = sorted(request.hypotheses, key=lambda h: -h.cumulative_logprob
                       / len(h.token_ids) ** params.length_penalty)
         outputs = [CompletionOutput(index=i, token_ids=list(h.token_ids),
                                     finish_reason=h.finish_reason,
@@ -2655,19 +2656,19 @@ def request_output(group, detokenizer=None):
     elif params.beam_width is not None:  # the live beams, best first
         outputs = [CompletionOutput(index=i, token_ids=seq.output_token_ids, finish_reason=None,
                                     cumulative_logprob=seq.cumulative_logprob, text=seq.text)
-                   for i, seq in enumerate(group.seqs)]
+                   for i, seq in enumerate(request.seqs)]
     else:
-        samples = samples_in_order(group)
+        samples = samples_in_order(request)
         first = not samples[0].num_reported_tokens  # sample 0 reports in the first output
-        if delta and group.finished:  # one that finished in an earlier output has nothing new
+        if delta and request.finished_seqs:  # one finished in an earlier output has nothing new
             samples = [seq for seq in samples if seq.num_output_tokens > seq.num_reported_tokens]
         outputs = [sample_output(seq, params, detokenizer, delta) for seq in samples]
-    prompt_logprobs = list(group.prompt_logprobs) if group.prompt_logprobs and first else None
+    prompt_logprobs = list(request.prompt_logprobs) if request.prompt_logprobs and first else None
     return RequestOutput(
-        request_id=group.request_id, prompt_token_ids=group.prompt_token_ids, outputs=outputs,
-        metrics=group.metrics,  # frozen: a later step replaces the group's, not these
-        num_preemptions=group.num_preemptions, finished=group.is_finished,
-        num_cached_tokens=group.num_cached_tokens, prompt_logprobs=prompt_logprobs)
+        request_id=request.request_id, prompt_token_ids=request.prompt_token_ids, outputs=outputs,
+        metrics=request.metrics,  # frozen: a later step replaces the request's, not these
+        num_preemptions=request.num_preemptions, finished=request.is_finished,
+        num_cached_tokens=request.num_cached_tokens, prompt_logprobs=prompt_logprobs)
 
 
 def sample_output(seq, params, detokenizer=None, delta=False):
@@ -2687,12 +2688,12 @@ def sample_output(seq, params, detokenizer=None, delta=False):
     return out
 
 
-def samples_in_order(group):
+def samples_in_order(request):
     """A request's samples by index, finished or not. The live ones are in order already: a
     fork joins after its parent and the samples before it."""
-    if not group.finished:
-        return group.seqs
-    return sorted(group.finished + group.seqs, key=lambda s: s.index)
+    if not request.finished_seqs:
+        return request.seqs
+    return sorted(request.finished_seqs + request.seqs, key=lambda s: s.index)
 
 
 # -----------------------------------------------------------------------------
@@ -2762,7 +2763,7 @@ class Engine:
         self.proposer = proposer and proposer.allocate_cache(num_blocks, num_cpu_blocks,
                                                              block_size, self.model_runner)
         self.kv_cache = self.model_runner.kv_cache  # (2, n_layer, num_blocks, block_size, nkv, hs)
-        self.requests = {}  # request_id -> SequenceGroup, until it finishes or is aborted
+        self.requests = {}  # request_id -> Request, until it finishes or is aborted
         self.request_ids, self.seq_ids = itertools.count(), itertools.count()
         self.detokenizer = None  # text and stop strings need a tokenizer: decode(ids) -> str
         if tokenizer is not None:  # detokenizer.py, beside kernel.py: it imports nothing of ours
@@ -2828,13 +2829,13 @@ class Engine:
         if observer is not None:
             self.set_observer(self.deferred(observer))
         try:
-            groups = self.output_processor.commit(plan, result)
-            outputs = [request_output(group, self.detokenizer) for group in groups
-                       if group.is_finished or group.params.output_kind != "final_only"]
-            for group in groups:
-                if group.is_finished:
-                    notify(self, "finished", request=group.request_id)
-                    del self.requests[group.request_id]
+            requests = self.output_processor.commit(plan, result)
+            outputs = [request_output(request, self.detokenizer) for request in requests
+                       if request.is_finished or request.params.output_kind != "final_only"]
+            for request in requests:
+                if request.is_finished:
+                    notify(self, "finished", request=request.request_id)
+                    del self.requests[request.request_id]
         finally:
             self.set_observer(observer)
         self.num_steps += 1
@@ -2868,9 +2869,9 @@ class Engine:
                    cpu_uncached=sorted(cpu_taken))
             s = self.scheduler
             for queue, written in ((s.running, taken), (s.swapped, cpu_taken)):
-                for group in list(queue):  # a copy: groups leave the queue
-                    if written & blocks_held(group.seqs):
-                        s.preempt_by_recompute(group)
+                for request in list(queue):  # a copy: requests leave the queue
+                    if written & blocks_held(request.seqs):
+                        s.preempt_by_recompute(request)
         finally:
             self.set_observer(observer)
 
@@ -2892,12 +2893,12 @@ class Engine:
             self.detokenizer.start(seq)
         self.allocator.prefix_cache.key_blocks(seq)
         notify(self, "add", request=request_id, seq=seq.seq_id, prompt=prompt_token_ids)
-        group = SequenceGroup(request_id, prompt_token_ids, params, seq, as_int(priority))
+        request = Request(request_id, prompt_token_ids, params, seq, as_int(priority))
         if params.beam_width is None and params.temperature > 0:
             # without a seed, a seed drawn from torch's global RNG
-            group.seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
-        self.requests[request_id] = group
-        self.scheduler.add(group)
+            request.seed = params.seed if params.seed is not None else int(torch.randint(2**62, ()))
+        self.requests[request_id] = request
+        self.scheduler.add(request)
         return request_id
 
     def abort(self, request_id):
@@ -3085,7 +3086,7 @@ def schedule_summary(out):
                 lookahead=[(seq.seq_id, n) for seq, n in out.lookahead],
                 copies=out.blocks_to_copy, swap_in=out.blocks_to_swap_in,
                 swap_out=out.blocks_to_swap_out,
-                preempted=[group.request_id for group in out.preempted])
+                preempted=[request.request_id for request in out.preempted])
 
 
 def quiet(observer):  # the observer, its exceptions dropped
@@ -3100,7 +3101,7 @@ def quiet(observer):  # the observer, its exceptions dropped
 def engine_stats(engine):
     """Engine.stats(): the pool, the queues, and what paging saved."""
     a, s, bs = engine.allocator, engine.scheduler, engine.block_size
-    running = [seq for g in s.running for seq in g.seqs]
+    running = [seq for r in s.running for seq in r.seqs]
     tables = [(seq, table) for seq in running for table in seq.block_tables]
     filled = {}  # physical block -> token slots holding computed K/V (a shared block counts once)
     for seq, table in tables:

@@ -1296,8 +1296,8 @@ def test_prompts_refuse_bools_and_take_numpy_and_torch_ints(prompt, priority, da
         engine.add_request(prompt, params, priority=bool_)
     scalars = [data.draw(INT_SCALARS)(t) for t in prompt]
     request_id = engine.add_request(scalars, params, priority=data.draw(INT_SCALARS)(priority))
-    group = engine.requests[request_id]
-    assert repr((group.prompt_token_ids, group.seqs[0].token_ids, group.priority)) == \
+    request = engine.requests[request_id]
+    assert repr((request.prompt_token_ids, request.seqs[0].token_ids, request.priority)) == \
         repr((prompt, prompt, priority))
     engine.abort(request_id)
 
@@ -2036,8 +2036,8 @@ def test_a_recomputed_sequence_publishes_its_blocks_to_the_prefix_cache_again():
     keys.append(chain_hash(keys[-1], prompt[2:4]))
     keys.append(chain_hash(keys[-1], prompt[4:6]))
     assert all(k in a.prefix_cache.blocks_by_key for k in keys)
-    group = engine.requests[request_id]
-    engine.scheduler._preempt(group, nanopaged.SchedulerOutput())  # recompute: freed, still cached
+    request = engine.requests[request_id]
+    engine.scheduler._preempt(request, nanopaged.SchedulerOutput())  # recompute: freed, cached
     filler = make_seq(99, [0] * (a.num_free_blocks * 2))
     a.allocate(filler)  # takes every free block: the cached ones are evicted
     a.free(filler)
@@ -2671,7 +2671,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.s = s = nanopaged.Scheduler(a, max_num_seqs, max_num_batched_tokens, mode, watermark,
                                          scheduling_policy=policy)
         self.policy, self.key = policy, SCHEDULING_POLICIES[policy]
-        self.groups, self.next_id = {}, 0
+        self.requests, self.next_id = {}, 0
         # A shadow KV cache: each computed slot holds token + 4 * position, and the step's block
         # moves are made by the engine's own ModelRunner.copy_blocks, in its order.
         self.runner = runner = nanopaged.ModelRunner.__new__(nanopaged.ModelRunner)
@@ -2686,9 +2686,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             real_allocate(seq)
             assert before - a.num_free_blocks == expected, "num_blocks_to_allocate is wrong"
 
-        def append_slots(group, out):
-            expected, before = a.num_blocks_to_append(group.seqs), a.num_free_blocks
-            real_append_slots(group, out)
+        def append_slots(request, out):
+            expected, before = a.num_blocks_to_append(request.seqs), a.num_free_blocks
+            real_append_slots(request, out)
             assert before - a.num_free_blocks == expected, "num_blocks_to_append is wrong"
 
         a.allocate, s._append_slots = allocate, append_slots
@@ -2707,15 +2707,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         params = SamplingParams(max_tokens=max_tokens, n=n, stop_token_ids=[3] if stop else [])
         request_id = self.new_id()
         seq = Sequence(self.new_id(), prompt, len(prompt), request_id=request_id)
-        group = nanopaged.SequenceGroup(request_id, prompt, params, seq, priority)
-        self.groups[request_id] = group
-        s.add(group)
+        request = nanopaged.Request(request_id, prompt, params, seq, priority)
+        self.requests[request_id] = request
+        s.add(request)
 
-    @precondition(lambda self: self.groups)
+    @precondition(lambda self: self.requests)
     @rule(data=st.data())
     def abort(self, data):
-        group = self.groups.pop(data.draw(st.sampled_from(sorted(self.groups))))
-        self.s.abort(group)
+        request = self.requests.pop(data.draw(st.sampled_from(sorted(self.requests))))
+        self.s.abort(request)
 
     @rule(rng=st.randoms(use_true_random=False), num_steps=st.integers(1, 3))
     def steps(self, rng, num_steps):
@@ -2741,7 +2741,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.fake_model(out, rng, hashes)
 
     def expected_decodes_and_victims(self, pre):
-        """Step 1 of the policy on the state before the step: running groups decode in order;
+        """Step 1 of the policy on the state before the step: running requests decode in order;
         one whose blocks are not free preempts the last, and only then, until its blocks are."""
         running, refs, free, tokens = list(pre["running"]), list(pre["refs"]), pre["free"], 0
         decoded, victims, i, budget = [], [], 0, self.s.max_num_batched_tokens
@@ -2779,7 +2779,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert out.preempted == victims == pre["running"][::-1][:len(victims)]
         assert all(scheduled.get(seq.seq_id) == 1 for g in decoded for seq in g.seqs)
         # Any policy: what starts running comes before everything still waiting or swapped out by
-        # the key; admitted and swapped-in groups come off the front of their queues (nobody
+        # the key; admitted and swapped-in requests come off the front of their queues (nobody
         # overtakes), none after a preemption.
         key = self.key
         started = [g for g in s.running if g not in pre["running"]]
@@ -2806,7 +2806,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                     assert rest <= 0 or scheduled.get(seq.seq_id) == rest or left == 0, "chunk"
         spare = s.watermark_blocks if s.running else 0
         num_seqs = sum(g.params.num_seqs for g in s.running)
-        def ahead(queue, other):  # whether queue's first group comes before other's
+        def ahead(queue, other):  # whether queue's first request comes before other's
             return bool(queue) and key(queue[0]) < key(other[0])
 
         if s.waiting and not out.preempted and not ahead(s.swapped, s.waiting):
@@ -2821,7 +2821,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 and not ahead(pre["waiting"], s.swapped) and not ahead(s.waiting, s.swapped)):
             g = s.swapped[0]  # the budget as it stood before step 3's prefill chunks
             prefill_tokens = sum(n for seq, n in out.scheduled
-                                 if not self.groups[seq.request_id].is_decoding)
+                                 if not self.requests[seq.request_id].is_decoding)
             # + a block for each sequence's next token in each KV cache group
             need = a.swap_pool.num_blocks_to_swap_in(g.seqs) + len(g.seqs) * len(a.windows)
             assert (need + spare > a.num_free_blocks or len(g.seqs) > left + prefill_tokens
@@ -2842,24 +2842,25 @@ class SchedulerMachine(RuleBasedStateMachine):
                         "a write into a shared block"
                     kv[0, 0, block_id, p % bs] = seq.token_ids[p] + 4 * p
             seq.num_computed_tokens += n
-        ready = {seq.request_id: self.groups[seq.request_id] for seq, _ in out.scheduled
+        ready = {seq.request_id: self.requests[seq.request_id] for seq, _ in out.scheduled
                  if seq.num_computed_tokens == len(seq)}
-        for group in ready.values():
-            assert all(q.num_computed_tokens == len(q) for q in group.seqs), "completes together"
-            if group.params.n > 1 and len(group.seqs) == 1 and group.seqs[0].num_output_tokens == 0:
-                for i in range(1, group.params.n):
-                    child = group.seqs[0].fork(self.new_id(), i)
-                    a.fork(group.seqs[0], child)
-                    group.seqs.append(child)
-            for seq in list(group.seqs):
+        for request in ready.values():
+            assert all(q.num_computed_tokens == len(q) for q in request.seqs), "completes together"
+            first = request.seqs[0]
+            if request.params.n > 1 and len(request.seqs) == 1 and first.num_output_tokens == 0:
+                for i in range(1, request.params.n):
+                    child = request.seqs[0].fork(self.new_id(), i)
+                    a.fork(request.seqs[0], child)
+                    request.seqs.append(child)
+            for seq in list(request.seqs):
                 seq.token_ids.append(rng.randrange(4))
                 a.prefix_cache.key_blocks(seq)
-                p = group.params
+                p = request.params
                 if seq.token_ids[-1] in p.stop_token_ids or seq.num_output_tokens == p.max_tokens:
                     a.free(seq)
-                    group.seqs.remove(seq)
-            if group.is_finished:
-                del self.groups[group.request_id]
+                    request.seqs.remove(seq)
+            if request.is_finished:
+                del self.requests[request.request_id]
         self.s.remove_finished()
 
     @invariant()
@@ -2936,13 +2937,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "a"):
             return
         for _ in range(400):  # every request finishes: nobody starves, nothing deadlocks
-            if not self.groups:
+            if not self.requests:
                 break
             self.step(random.Random(0))
             self.blocks_owned_as_the_queues_say()
             self.queues_keep_the_policys_order()
             self.a_block_is_cached_iff_full_and_computed()
-        assert not self.groups and not self.s.has_unfinished()
+        assert not self.requests and not self.s.has_unfinished()
         assert self.a.num_free_blocks == self.a.num_blocks
         assert self.a.swap_pool.num_free_blocks == self.a.swap_pool.num_blocks
 
@@ -2977,7 +2978,7 @@ def test_windowed_samples_recomputed_together_fit_and_finish(setup, requests):
     for request in requests:
         machine.add(**request)
     worst = machine.a.most_blocks(len(requests[-1]["prompt"]) + requests[-1]["max_tokens"])
-    assert (len(machine.groups) == len(requests)) == (3 * worst <= machine.a.num_blocks)
+    assert (len(machine.requests) == len(requests)) == (3 * worst <= machine.a.num_blocks)
     machine.teardown()  # every request admitted finishes, and every block comes back
 
 
@@ -2993,11 +2994,11 @@ def test_a_request_recomputed_for_lack_of_swap_space_resumes_before_younger_swap
         m.add(prompt, max_tokens, n=1, stop=False)
     rng, queues = random.Random(0), []
     for _ in range(200):  # bounded: see drain
-        if not m.groups:
+        if not m.requests:
             break
         m.step(rng)
         queues.append(([g.request_id for g in m.s.waiting], [g.request_id for g in m.s.swapped]))
-    assert ([2], [4]) in queues and not m.groups
+    assert ([2], [4]) in queues and not m.requests
     m.teardown()
 
 
@@ -3011,9 +3012,9 @@ def test_a_request_recomputed_for_lack_of_swap_space_resumes_before_younger_swap
 def test_swaps_and_copies_in_one_step_keep_every_token_where_its_table_says(requests, block_size,
                                                                               num_blocks, seed,
                                                                               policy):
-    """Swap-heavy runs of the scheduler machine (several groups swapped out in a step, copy-on-write
-    beside swaps): ModelRunner.copy_blocks, in its order, leaves every computed token of every
-    running or swapped sequence in the slot its block table names."""
+    """Swap-heavy runs of the scheduler machine (several requests swapped out in a step,
+    copy-on-write beside swaps): ModelRunner.copy_blocks, in its order, leaves every computed
+    token of every running or swapped sequence in the slot its block table names."""
     m = SchedulerMachine()
     m.setup(block_size=block_size, num_blocks=num_blocks, num_cpu_blocks=16, mode="swap",
             caching=True, max_num_seqs=9, max_num_batched_tokens=16, watermark=0.01, policy=policy)
@@ -3030,11 +3031,11 @@ def test_swaps_and_copies_in_one_step_keep_every_token_where_its_table_says(requ
 
     m.runner.copy_blocks = copy_blocks
     for _ in range(300):  # bounded: see drain
-        if not m.groups:
+        if not m.requests:
             break
         m.step(rng)
         m.every_computed_token_is_where_its_block_table_says()
-    assert not m.groups
+    assert not m.requests
     event(f"steps with swap-outs and copies: {min(moves['both'], 2)}+, "
           f"several out: {min(moves['several out'], 2)}+")
     m.teardown()
@@ -3043,12 +3044,12 @@ def test_swaps_and_copies_in_one_step_keep_every_token_where_its_table_says(requ
 def decoding_group(allocator, request_id, n, first_seq_id):
     """A request of n samples, each two tokens long with the first computed: all decoding."""
     seqs = [Sequence(first_seq_id + i, [request_id, i], 1, i, request_id) for i in range(n)]
-    group = nanopaged.SequenceGroup(request_id, seqs[0].token_ids, SamplingParams(n=n), seqs[0])
-    group.seqs = seqs
+    request = nanopaged.Request(request_id, seqs[0].token_ids, SamplingParams(n=n), seqs[0])
+    request.seqs = seqs
     for seq in seqs:
         allocator.allocate(seq)
         seq.num_computed_tokens = 1
-    return group
+    return request
 
 
 @pytest.mark.scheduler
@@ -3121,7 +3122,7 @@ def test_an_engine_that_cannot_make_progress_raises_at_once(monkeypatch):
 def test_a_stall_counts_the_requests_of_every_queue_each_from_its_own():
     """The no-progress RuntimeError names how many requests wait and are swapped out and how many
     sequences run, each read from its own queue: a swap-mode engine runs until all three queues
-    hold requests, in counts that differ (and running sequences that outnumber running groups),
+    hold requests, in counts that differ (and running sequences that outnumber running requests),
     so that no two counts can trade places unseen; then its scheduler (a subclass, as a fork
     passes one) plans nothing. The stalled step changes nothing, and once the scheduler plans
     again every request ends as in a run that never stalled."""
@@ -3167,7 +3168,7 @@ def test_a_stall_counts_the_requests_of_every_queue_each_from_its_own():
 
 def checked_budgets(engine):
     """Check every SchedulerOutput: its tokens (prefill chunks, every sequence's decode, lookahead
-    slots) within max_num_batched_tokens, running sequences within max_num_seqs, and every group
+    slots) within max_num_batched_tokens, running sequences within max_num_seqs, and every request
     whose sequences all decode scheduled whole or not at all. Returns the steps' token counts."""
     s, counts = engine.scheduler, []
     schedule = s.schedule
@@ -3180,7 +3181,7 @@ def checked_budgets(engine):
         scheduled = {seq.seq_id for seq, _ in out.scheduled}
         for g in s.running:
             if g.is_decoding:
-                assert len({seq.seq_id in scheduled for seq in g.seqs}) == 1, "a group in part"
+                assert len({seq.seq_id in scheduled for seq in g.seqs}) == 1, "a request in part"
         counts.append(tokens)
         return out
     s.schedule = checked
@@ -3195,11 +3196,11 @@ def checked_budgets(engine):
        block_size=st.sampled_from([1, 2]))
 def test_every_step_keeps_its_budgets_with_groups_as_large_as_they_allow(width, slack, kind,
                                                                          data, mode, block_size):
-    """Groups of `width` samples or beams under a token budget just above a group's size (slack
+    """Requests of `width` samples or beams under a token budget just above a request's size (slack
     0-2), several decoding at once, in a pool tight enough to preempt (recompute, or swap and
-    back), with prefix caching (block size 1: a recomputed group comes back decoding, its prompt
+    back), with prefix caching (block size 1: a recomputed request comes back decoding, its prompt
     all cached): every step keeps max_num_batched_tokens and max_num_seqs and never schedules
-    part of a decoding group; outputs equal the same requests served with room to spare."""
+    part of a decoding request; outputs equal the same requests served with room to spare."""
     prompts = data.draw(st.lists(st.lists(st.integers(0, 7), min_size=1, max_size=6),
                                  min_size=2, max_size=4))
     max_tokens = data.draw(st.integers(2, 5))
@@ -3207,7 +3208,7 @@ def test_every_step_keeps_its_budgets_with_groups_as_large_as_they_allow(width, 
                             **({"n": width} if kind == "n" else {"beam_width": width}))
     worst = width * -(-(max(map(len, prompts)) + max_tokens) // block_size)
     engine = Engine(MODEL, block_size=block_size, num_blocks=worst + data.draw(st.integers(0, 6)),
-                    max_num_batched_tokens=width + slack,  # two groups' sequences fit at once:
+                    max_num_batched_tokens=width + slack,  # two requests' sequences fit at once:
                     max_num_seqs=2 * width + data.draw(st.integers(0, 2)), preemption_mode=mode)
     counts = checked_budgets(engine)
     outputs = [[c.token_ids for c in o.outputs] for o in engine.generate(prompts, params)]
@@ -3220,8 +3221,8 @@ def test_every_step_keeps_its_budgets_with_groups_as_large_as_they_allow(width, 
 @pytest.mark.scheduler
 @pytest.mark.parametrize("recomputed", [False, True])
 def test_a_decoding_group_runs_whole_within_the_budget_or_waits(recomputed):
-    """The two boundaries, one example each. A group of two samples decodes (2 tokens) under a
-    budget of 3; a second group of two that decodes too, already running or coming back from
+    """The two boundaries, one example each. A request of two samples decodes (2 tokens) under a
+    budget of 3; a second request of two that decodes too, already running or coming back from
     recompute with everything but its last tokens in the prefix cache, must wait: its 2 tokens
     would make 4."""
     allocator = BlockAllocator(64, 1)
@@ -4407,9 +4408,9 @@ def test_parallel_samples_equal_the_same_seeds_run_one_by_one(model, kv_cache_dt
     params = SamplingParams(max_tokens=12, temperature=1.0, n=4, seed=42)
     request_id = engine.add_request(prompt, params)
     engine.step()  # prefill once, fork, sample
-    group = engine.requests[request_id]
-    assert len(group.seqs) == 4 and len({tuple(s.block_table[:2]) for s in group.seqs}) == 1
-    assert engine.allocator.blocks[group.seqs[0].block_table[0]].ref_count == 4
+    request = engine.requests[request_id]
+    assert len(request.seqs) == 4 and len({tuple(s.block_table[:2]) for s in request.seqs}) == 1
+    assert engine.allocator.blocks[request.seqs[0].block_table[0]].ref_count == 4
     s = engine.stats()
     assert s["num_logical_blocks"] == 12 and s["num_blocks"] - s["num_free_blocks"] == 3
     outputs = drain(engine)
@@ -5250,7 +5251,7 @@ def test_a_field_your_copy_adds_to_a_sequence_needs_no_undo(monkeypatch):
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
     ids = [engine.add_request(p, SamplingParams(max_tokens=6, n=2, seed=i))
            for i, p in enumerate(prompts)]
-    groups = [engine.requests[i] for i in ids]
+    requests = [engine.requests[i] for i in ids]
     for _ in range(200):  # bounded: see drain
         if not engine.requests:
             break
@@ -5260,7 +5261,7 @@ def test_a_field_your_copy_adds_to_a_sequence_needs_no_undo(monkeypatch):
         except RuntimeError:
             assert engine_state(engine) == before
     assert not engine.requests and calls[0] >= 3
-    assert [[(s.num_draws, s.num_output_tokens) for s in g.finished] for g in groups] == \
+    assert [[(s.num_draws, s.num_output_tokens) for s in g.finished_seqs] for g in requests] == \
         [[(6, 6)] * 2] * 3
 
 
@@ -5392,11 +5393,11 @@ class EngineMachine(RuleBasedStateMachine):
         a, s = self.engine.allocator, self.engine.scheduler
         device, cpu = Counter(), Counter()
         for counter, queue in ((device, s.running), (cpu, s.swapped)):
-            for seq in (seq for group in queue for seq in group.seqs):
+            for seq in (seq for request in queue for seq in request.seqs):
                 for table in seq.block_tables:
                     counter.update(b for b in table if b != nanopaged.NO_BLOCK)
-        for group in s.waiting:
-            assert all(not any(seq.block_tables) for seq in group.seqs)
+        for request in s.waiting:
+            assert all(not any(seq.block_tables) for seq in request.seqs)
         assert all(a.blocks[b].ref_count == device[b] for b in range(a.num_blocks))
         assert all(a.swap_pool.blocks[b].ref_count == cpu[b] for b in range(a.swap_pool.num_blocks))
         assert a.num_free_blocks == sum(1 for b in a.blocks if b.ref_count == 0)
@@ -6237,8 +6238,8 @@ def checked_speculation(engine, register_cache):
     def step():
         outputs = real_step()
         a, bs, held = engine.allocator, engine.block_size, Counter()
-        for group in s.running:
-            for seq in group.seqs:
+        for request in s.running:
+            for seq in request.seqs:
                 held.update(seq.block_table)
                 assert len(seq.block_table) <= -(-len(seq) // bs), "a block past its tokens"
                 for i, block_id in enumerate(seq.block_table):
@@ -7877,7 +7878,7 @@ def assert_replay_is_the_engine(pool, engine):
 
     def tables(queue):  # each sequence's, by the trace's names (pagetrace.table_of)
         return {pagetrace.table_of(dict(seq=seq.seq_id, group=g)): table
-                for group in queue for seq in group.seqs
+                for request in queue for seq in request.seqs
                 for g, table in enumerate(seq.block_tables)}
     assert pool.tables == tables(s.running) and pool.cpu_tables == tables(s.swapped)
     assert pool.ref_counts() == Counter({b.block_id: b.ref_count for b in a.blocks
