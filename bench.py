@@ -102,9 +102,10 @@ def paged_utilization(trace, block_size):
     for i, (prompt_len, output_len) in enumerate(trace):
         seq = Sequence(i, [0] * prompt_len, prompt_len)
         allocator.allocate(seq)
-        for _ in range(output_len):
+        for _ in range(output_len):  # the prompt's chunk, then one token a step
             seq.token_ids.append(0)
-            allocator.append_slot(seq)
+            allocator.allocate_slots(seq, len(seq) - seq.num_computed_tokens)
+            seq.num_computed_tokens = len(seq)
             held += len(seq)
             reserved += len(seq.block_table) * block_size
         allocator.free(seq)
@@ -176,6 +177,9 @@ class ReservingAllocator(BlockAllocator):
         self.blocks_per_seq = -(-max_seq_len // self.block_size)
 
     def num_blocks_to_allocate(self, seq):
+        return self.blocks_per_seq
+
+    def num_blocks_to_admit(self, seq, chunk):
         return self.blocks_per_seq
 
     def allocate(self, seq):
@@ -749,6 +753,7 @@ def windowed_calls(paged, on_gpu, scale, case):
     """{"paged, window": the decode of paged_case's case with a sliding window of KERNEL_WINDOW
     positions (the blocks before it skipped)}, checked first against SDPA masked to the same
     window; {} where every context fits in the window."""
+    import kernel
     q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, k, v = case
     batch, n_kv, context, D = k.shape
     if context <= KERNEL_WINDOW:
@@ -757,7 +762,7 @@ def windowed_calls(paged, on_gpu, scale, case):
 
     def call():
         return paged(q, k_cache, v_cache, tables, seq_lens, cu_seqlens_q, scale, max_q_len=1,
-                     window=KERNEL_WINDOW, **({} if on_gpu else dict(plan=plan)))
+                     mask=kernel.Mask(window=KERNEL_WINDOW), **({} if on_gpu else dict(plan=plan)))
     pos = torch.arange(context, device=q.device)
     band = (pos < seq_lens[:, None]) & (pos >= seq_lens[:, None] - KERNEL_WINDOW)   # (B, L)
     expected = F.scaled_dot_product_attention(q.view(batch, n_kv, -1, D), k, v, scale=scale,
@@ -846,13 +851,13 @@ def bench_kernel(grid=None):
 # compute capability -> (shared memory per SM, most per program, threads per SM), from CUDA's
 # programming guide; every one of them has 64K registers per SM
 AOT_GPUS = {80: (167936, 166912, 2048), 86: (102400, 101376, 1536), 90: (233472, 232448, 2048)}
-# step -> (q_len of each sequence, its context, num_splits, a sliding window or None), batched as
-# by the engine; the window is a runtime argument (one binary for every window), taken here too
+# step -> (q_len of each sequence, its context, num_splits, a Mask or None), batched as by the
+# engine; the mask's numbers are runtime arguments (one binary for every mask), taken here too
 AOT_STEPS = {
     "decode": ([1] * 32, [1000] * 32, 1, None),
-    "split decode": ([1] * 2, [3000, 2000], 8, 1024),
+    "split decode": ([1] * 2, [3000, 2000], 8, dict(window=1024, sink=4)),
     "prefill": ([300, 200], [300, 500], 1, None),
-    "mixed": ([1] * 30 + [256, 100], [800] * 30 + [256, 900], 4, 512),
+    "mixed": ([1] * 30 + [256, 100], [800] * 30 + [256, 900], 4, dict(chunk=512)),
 }
 
 
@@ -998,11 +1003,13 @@ def aot_config(cc, dtype, head_dim, group, block_size, step, cache_dtype=None):
     """Every distinct kernel one engine step of this shape launches, compiled for cc: a list
     of aot_compile's rows, tagged with the configuration. An 8-bit cache_dtype: its launches,
     and the KV store's that quantizes into it."""
-    q_lens, contexts, num_splits, window = AOT_STEPS[step]
+    import kernel
+    q_lens, contexts, num_splits, mask = AOT_STEPS[step]
     args = engine_step(dtype, head_dim, group, block_size, q_lens, contexts,
                        cache_dtype=cache_dtype)
     scales = kv_scale_args(args)
-    launches = capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits, window=window,
+    mask = kernel.Mask(**mask) if mask else None
+    launches = capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits, mask=mask,
                                 **scales)
     if scales:  # k and v of the step's new tokens, as views of q's fused qkv like the engine's
         k = torch.zeros(sum(q_lens), 3, *args[1].shape[2:], dtype=dtype)[:, 1]  # (T, nkv, D)
@@ -1230,15 +1237,17 @@ def plot_tier(results):
 
 
 # -----------------------------------------------------------------------------
-# --window: sliding windows in paged memory, the blocks a window leaves behind given back
+# --window: attention kinds in paged memory, the blocks no token to come sees given back
 
 
-def attention_kinds(window, n_layer=4):
-    """A no-op model's layers: all full attention, all windowed (Mistral), or alternating
-    (a hybrid, two KV cache groups)."""
-    kinds = dict(full=None, windowed=["sliding_attention"] * n_layer,
+def attention_kinds(size, n_layer=4):
+    """A no-op model's layers: all full attention, all windowed (Mistral), all chunked (Llama 4's
+    local layers), or windows and full attention alternating (a hybrid, two KV cache groups);
+    windows and chunks of size positions."""
+    kinds = dict(full=["full_attention"] * n_layer, windowed=["sliding_attention"] * n_layer,
+                 chunked=["chunked_attention"] * n_layer,
                  hybrid=["full_attention", "sliding_attention"] * (n_layer // 2))
-    return {name: dict(n_layer=n_layer, sliding_window=window if layers else None,
+    return {name: dict(n_layer=n_layer, sliding_window=size, attention_chunk_size=size,
                        layer_types=layers) for name, layers in kinds.items()}
 
 
@@ -1248,26 +1257,66 @@ def kv_bytes_held(engine):
     return len(blocks_held(seq for r in engine.scheduler.running for seq in r.seqs)) * per_block
 
 
-def bench_window(window=256, contexts=(256, 512, 1024, 2048, 4096), block_size=16,
-                 budget_tokens=12288, num_requests=32, prompt_len=64, output_len=1024):
-    """One sequence's KV memory as its context grows, with full attention, sliding windows and
-    a hybrid of both; then how many sequences run at once at one KV budget, on long outputs."""
-    results, rows = dict(held={}, concurrency={}), []
+def longest_prompt_served(model, block_size, num_blocks, chunk, most):
+    """The longest prompt (up to most tokens) a pool of num_blocks serves to its first token:
+    the longest check_request accepts, which the engine then runs to the end. Cold: without
+    the prefix cache, which would find that chunked layers need none of a prompt's earlier
+    chunks."""
+    engine = Engine(model, block_size=block_size, num_blocks=num_blocks, device="cpu",
+                    max_num_batched_tokens=chunk, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0)
+
+    def accepted(n):
+        try:
+            engine.check_request([1] * n, params)
+        except ValueError:  # it could never run in this pool
+            return False
+        return True
+    lo, hi = 0, most
+    while lo < hi:  # the longest accepted: acceptance only shrinks as prompts grow
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if accepted(mid) else (lo, mid - 1)
+    out = engine.generate([[1] * lo], params)[0]
+    assert len(out.outputs[0].token_ids) == 1 and not engine.requests
+    return lo
+
+
+def blocks_during_prefill(model, block_size, prompt_len, chunk):
+    """[(tokens computed, blocks the sequence holds)] after each step of one long prefill, in a
+    pool that holds it whole under any kind."""
+    engine = Engine(model, block_size=block_size, num_blocks=2 * prompt_len // block_size + 8,
+                    device="cpu", max_num_batched_tokens=chunk, enable_prefix_caching=False)
+    engine.add_request([1] * prompt_len, SamplingParams(max_tokens=2, ignore_eos=True,
+                                                        temperature=0))
+    points = [(0, 0)]
+    while engine.requests:
+        engine.step()
+        for seq in (seq for r in engine.scheduler.running for seq in r.seqs):
+            if seq.num_computed_tokens <= prompt_len:
+                points.append((seq.num_computed_tokens, len(blocks_held([seq]))))
+    return points
+
+
+def bench_window(window=256, pool_blocks=64, block_size=16, chunk=256, most=65536,
+                 prefill_len=4096, budget_tokens=12288, num_requests=32, prompt_len=64,
+                 output_len=1024):
+    """The longest prompt one pool serves, by attention kind; the blocks one sequence holds as
+    its long prefill goes; then how many sequences run at once at one KV budget, on long
+    outputs."""
+    results, rows = dict(longest={}, prefill={}, concurrency={}), []
     for name, config in attention_kinds(window).items():
-        model = NoOpModel(max_seq_len=contexts[-1] + 1, **config)
-        engine = Engine(model, block_size=block_size, num_blocks=2 * contexts[-1], device="cpu")
-        engine.add_request([1] * 8, SamplingParams(max_tokens=contexts[-1] - 7, ignore_eos=True,
-                                                   temperature=0))
-        held = {}
-        while engine.requests:
-            engine.step()
-            seq = engine.scheduler.running[0].seqs[0] if engine.scheduler.running else None
-            if seq is not None and len(seq) in contexts:
-                held[len(seq)] = kv_bytes_held(engine) / 2**20
-        results["held"][name] = held
-        rows.append([name, *(f"{held[c]:.2f}" for c in contexts)])
-    print_table(f"KV MiB one sequence holds by context length (window {window}, blocks of "
-                f"{block_size}, 4 layers, float32)", ["attention", *map(str, contexts)], rows)
+        model = NoOpModel(max_seq_len=most + 1, **config)
+        longest = longest_prompt_served(model, block_size, pool_blocks, chunk, most)
+        results["longest"][name] = longest
+        points = blocks_during_prefill(model, block_size, prefill_len, chunk)
+        results["prefill"][name] = points
+        rows.append([name, longest, f"{longest / (pool_blocks * block_size):.1f}x",
+                     max(b for _, b in points)])
+    print_table(f"the longest prompt a pool of {pool_blocks} blocks of {block_size} serves "
+                f"(up to {most}), in chunks of {chunk}; the most blocks one "
+                f"sequence holds during a prefill of {prefill_len} (window and chunk {window}, "
+                "4 layers)", ["attention", "longest prompt", "x pool tokens",
+                              f"most blocks, {prefill_len} prefill"], rows)
     rows = []
     for name, config in attention_kinds(window).items():
         model = NoOpModel(max_seq_len=prompt_len + output_len, **config)
@@ -1289,19 +1338,20 @@ def bench_window(window=256, contexts=(256, 512, 1024, 2048, 4096), block_size=1
         rows.append([name, f"{np.mean(running):.1f}", max(running), s["num_preemptions"],
                      len(running)])
     print_table(f"{num_requests} requests of {prompt_len} + {output_len} tokens at one KV budget "
-                f"({budget_tokens} tokens of every layer's K/V), window {window}",
+                f"({budget_tokens} tokens of every layer's K/V), window and chunk {window}",
                 ["attention", "sequences at once, mean", "most", "preemptions", "steps"], rows)
-    plot_window(results["held"])
+    plot_window(results["prefill"], block_size, chunk)
     return results
 
 
-def plot_window(held):
+def plot_window(prefill, block_size, chunk):
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for name, points in held.items():
-        ax.plot(list(points), list(points.values()), marker="o", label=name)
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("KV MiB one sequence holds")
+    for name, points in prefill.items():
+        ax.plot(*zip(*points), marker=".", label=name)
+    ax.set_xlabel("prompt tokens computed")
+    ax.set_ylabel(f"blocks held (of {block_size} tokens)")
+    ax.set_title(f"one long prefill, in chunks of {chunk}", fontsize=10)
     ax.legend()
     fig.tight_layout()
     fig.savefig(os.path.join(OUT_DIR, "window.png"), dpi=110)
@@ -1355,6 +1405,7 @@ def time_block_take(num_blocks, policy, reps=2000):
     a, rng = BlockAllocator(num_blocks, block_size=1, eviction_policy=policy), random.Random(SEED)
     seq = Sequence(0, list(range(num_blocks)), num_blocks)
     a.allocate(seq)
+    a.allocate_slots(seq, num_blocks)
     seq.num_computed_tokens = num_blocks
     a.cache_full_blocks(seq)
     for b in a.blocks:  # scores that differ, as after hits
@@ -1364,6 +1415,7 @@ def time_block_take(num_blocks, policy, reps=2000):
     for i in range(reps):
         one = Sequence(i + 1, [num_blocks + i], 1)  # a token never seen: no hit, one eviction
         a.allocate(one)
+        a.allocate_slots(one, 1)
         one.num_computed_tokens = 1
         a.cache_full_blocks(one)
         a.free(one)
@@ -2099,8 +2151,9 @@ QUICK = dict(memory=dict(num_requests=20),
              speculative=dict(batches=(1, 2), max_tokens=8, repeats=1),
              kernel=dict(grid=[(1, 256, False), (4, 512, True)]),
              quality=dict(windows=2, prompts=2, kv_cache_dtypes=("fp8",)),
-             window=dict(window=8, contexts=(16, 32, 64), block_size=4, budget_tokens=64,
-                         num_requests=4, prompt_len=8, output_len=32),
+             window=dict(window=8, pool_blocks=8, block_size=4, chunk=8, most=256,
+                         prefill_len=64, budget_tokens=64, num_requests=4, prompt_len=8,
+                         output_len=32),
              tier=dict(num_convs=3, turns=2, first_len=16, turn_len=8, answer_len=4,
                        device_blocks=10, tier_blocks=(4, 16), block_size=4),
              overhead=dict(sizes=(16,), prompt_len=16, steps=5, contexts=(16, 256), rounds=1,
@@ -2175,8 +2228,8 @@ def argument_parser():
                 "held-out text, argmax agreement, greedy tokens agreeing",
         tier="the CPU tier on conversations that come back: prompt tokens computed again,\n"
              "hit rate by tier, time to first token; off, and at two sizes",
-        window="sliding windows: KV memory one sequence holds by context length (full,\n"
-               "windowed, hybrid) and sequences at once at one KV budget",
+        window="attention kinds (full, windowed, chunked, hybrid): the longest prompt one pool\n"
+               "serves, blocks held during a long prefill, sequences at once at one budget",
         overhead="engine time per running sequence per step with a no-op model",
         soak="10,000 requests with aborts through a small pool; asserts nothing is lost",
         tensor_parallel="KV bytes, blocks and sequences per rank at one budget, tokens/s "

@@ -15,7 +15,11 @@ import os
 import torch
 
 import nanopaged
-from nanopaged import ACTIVATIONS, LAYER_TYPES, GPTConfig, tp_shard, tp_split_dim
+from nanopaged import ACTIVATIONS, GPTConfig, tp_shard, tp_split_dim
+
+# the attention kinds (nanopaged.ATTENTION_KINDS) transformers' Mistral (Ministral) and Qwen2
+# layers run: their masks know no other layer_types
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Checkpoints: GPT-2's names are ours less "transformer."; the Llama family's are below, per layer
 # "transformer.h.N." -> "model.layers.N."; three names are q, k, v, stacked in that order in c_attn.

@@ -11,7 +11,7 @@ Tests: python -m pytest -q test_nanopaged.py   (no GPU: Triton runs under TRITON
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -25,27 +25,84 @@ except ImportError:  # no Triton wheel (macOS, Windows): the torch path below st
     HAS_TRITON = False
 
 # -----------------------------------------------------------------------------
+# Which keys a query sees: one rule, Mask, for every attention kind and every path below. A
+# query at position p sees key k iff k <= p (causal) and k is either one of the first `sink`
+# positions or at or after first_seen(p), the latest of
+#   p - window + 1   a sliding window of the last `window` positions, its own included (Jiang
+#                    et al., "Mistral 7B", 2023, after Beltagy et al., "Longformer", 2020;
+#                    transformers' sliding_window_overlay: k > p - window)
+#   p - p % chunk    chunked local attention: only p's own chunk of `chunk` positions (Llama 4;
+#                    transformers' chunked_overlay: k // chunk == p // chunk)
+# and 0. The defaults are full attention; sinks beside a window are StreamingLLM's (Xiao et
+# al., "Efficient Streaming Language Models with Attention Sinks", ICLR 2024). first_seen never
+# decreases with p, so every path reads the keys of a run of new tokens as the sinks, then
+# first_seen of its first token on: the blocks between are never read, nor their block-table
+# entries, and the allocator may give them back.
+
+NO_LIMIT = 2**31 - 1  # a window or chunk no context reaches: full attention, to the kernel
+
+
+class Mask(NamedTuple):
+    window: int | None = None  # the last `window` positions
+    chunk: int | None = None  # p's own chunk of `chunk` positions
+    sink: int = 0  # the first `sink` positions, whatever else
+
+    def first_seen(self, p):
+        """The first key past the sinks that a query at position p sees: p an int, or an
+        integer tensor of positions."""
+        after = p - self.window + 1 if self.window else p * 0
+        within = p - p % self.chunk if self.chunk else p * 0
+        if isinstance(p, torch.Tensor):
+            return torch.maximum(after, within)
+        return max(after, within)
+
+    def visible(self, q_pos, k_pos):
+        """Whether the query at q_pos sees the key at k_pos (integer tensors, broadcast)."""
+        return (k_pos <= q_pos) & ((k_pos >= self.first_seen(q_pos)) | (k_pos < self.sink))
+
+    def reach(self, context):
+        """The most keys a query sees in a context of that many positions."""
+        return min(context, self.sink + min(self.window or NO_LIMIT, self.chunk or NO_LIMIT))
+
+    @property
+    def kernel_args(self):  # what the Triton kernel takes: ints, NO_LIMIT for none
+        return self.window or NO_LIMIT, self.chunk or NO_LIMIT, self.sink
+
+
+FULL_ATTENTION = Mask()
+
+
+def check_mask(mask):
+    """A Mask of counts of positions below 2**31 (or None: full attention)."""
+    assert mask is None or isinstance(mask, Mask), f"mask must be a kernel.Mask, got {mask!r}"
+    for name, least in (("window", 1), ("chunk", 1), ("sink", 0)):
+        n, optional = getattr(mask or FULL_ATTENTION, name), name != "sink"
+        assert (n is None and optional) or (type(n) is int and least <= n < NO_LIMIT), \
+            f"Mask.{name} must be {'None or ' * optional}an int in {least}..{NO_LIMIT - 1}, " \
+            f"got {n!r}"
+
+
+# -----------------------------------------------------------------------------
 # Triton paged attention: one kernel for prefill, decode, chunked prefill and prefill on
 # top of a cached prefix. FlashAttention-2's online softmax (Dao, 2023) over K/V tiles
 # gathered through the block table, as in vLLM's paged attention; GQA heads share loads.
 # A step launches it twice at most, with tile shapes of their own: once over the decoding
 # sequences (one new token each, optionally split along the context), once over the query
-# tiles of all the others, numbered across sequences as in vLLM's unified attention.
-# A sliding window (Jiang et al., "Mistral 7B", 2023, after Beltagy et al., "Longformer", 2020)
-# limits each token to the last `window` positions, its own included, as transformers'
-# sliding_window_causal_mask_function has it: key k is seen from position p iff
-# p - window < k <= p. A program's loop starts at the window of its first new token, so blocks
-# wholly before it are never read, not even their block-table entries: they may be given back.
+# tiles of all the others, numbered across sequences as in vLLM's unified attention. A
+# program's keys are its mask's: the sinks before the first key its first row sees, then from
+# there to its last row, numbered one after the other, so a split and a tile never land on a
+# block between them.
 
 
-# the sequence and split counts, the block tables' width, the window and the split partials'
+# the sequence and split counts, the block tables' width, the mask and the split partials'
 # strides change from step to step or layer to layer: Triton's specialization of integers (== 1,
 # divisible by 16) would recompile
-@triton.jit(do_not_specialize=["num_seqs", "num_splits", "window", "stride_lt", "stride_lh",
-                               "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "num_splits", "window", "chunk", "sink", "stride_lt",
+                               "stride_lh", "stride_bt"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
-    block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, num_splits, window,
+    block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, num_splits,
+    window, chunk, sink,
     k_scale_ptr, v_scale_ptr,
     stride_qt, stride_qh,
     stride_cb, stride_cs, stride_ch,
@@ -90,7 +147,10 @@ def _paged_attention_kernel(
     q_idx = q_tile * BLOCK_Q + rows // GROUP_PAD
     head = kv_head * GROUP + rows % GROUP_PAD
     row_mask = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
-    q_pos = seq_len - q_len + q_idx  # its position: it sees keys q_pos - window < k <= q_pos
+    q_pos = seq_len - q_len + q_idx  # its position
+    # it sees keys first_seen <= k <= q_pos, q_span of them, and the sinks k < q_sink (Mask)
+    q_span = q_pos - tl.maximum(q_pos - window + 1, q_pos - q_pos % chunk) + 1
+    q_sink = tl.minimum(sink, q_pos + 1)
     # row of q and out; int64, a long batch * stride can pass 2**31
     token = (q_start + q_idx).to(tl.int64)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -105,29 +165,33 @@ def _paged_attention_kernel(
         # the scores once per tile, and V the output once at the end, not every loaded element
         qk_scale *= tl.load(k_scale_ptr)
 
-    # keys past the tile's last new token are masked for every row, and so are keys before the
-    # window of its first one: never load them
+    # keys past the tile's last new token are masked for every row, and so are keys between the
+    # sinks and the first key its first row sees: never load them. Key j of the program is at
+    # position j among the num_sink sinks, then at kv_start + j - num_sink
+    first_pos = seq_len - q_len + q_tile * BLOCK_Q
+    kv_start = tl.maximum(first_pos - window + 1, first_pos - first_pos % chunk)
     kv_end = seq_len - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
-    kv_start = tl.maximum(seq_len - q_len + q_tile * BLOCK_Q - window + 1, 0)
-    # split-KV (Flash-Decoding): this program takes one chunk of kv_start..kv_end, a whole number
-    # of BLOCK_N-key tiles
-    chunk = tl.cdiv(tl.cdiv(kv_end - kv_start, num_splits), BLOCK_N) * BLOCK_N
-    lo = kv_start + split * chunk
-    hi = tl.minimum(lo + chunk, kv_end)
+    num_sink = tl.minimum(sink, kv_start)
+    # split-KV (Flash-Decoding): this program takes one share of the keys, a whole number of
+    # BLOCK_N-key tiles
+    per_split = tl.cdiv(tl.cdiv(num_sink + kv_end - kv_start, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, num_sink + kv_end - kv_start)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max of scores (log2 units)
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2(score - m_i)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        pos_mask = pos < hi
+        j = start + tl.arange(0, BLOCK_N)
+        j_mask = j < hi
+        pos = tl.where(j < num_sink, j, j - num_sink + kv_start)
         # the physical slot of each key, so BLOCK_N does not depend on the cache block size;
         # masked lanes never read a padded (-1) table entry or a slot past seq_len
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_mask,
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=j_mask,
                         other=0)
         block = block.to(tl.int64)  # likewise block * stride in a large cache
         offset = pos % BLOCK_SIZE
-        kv_mask = pos_mask[:, None] & d_mask[None, :]
+        kv_mask = j_mask[:, None] & d_mask[None, :]
         slot_offs = block * stride_cb + offset * stride_cs + kv_head * stride_ch  # K and V alike
         kv_offs = slot_offs[:, None] + d[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # (N, D_PAD)
@@ -138,10 +202,11 @@ def _paged_attention_kernel(
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) fp32
         if DECODE:  # one new token, and the loop runs over exactly the keys it sees
-            s = tl.where(pos_mask[None, :], s, float("-inf"))
-        else:  # causal and within the window, 0 <= q_pos - pos < window: one unsigned compare
+            s = tl.where(j_mask[None, :], s, float("-inf"))
+        else:  # 0 <= q_pos - pos < q_span (one unsigned compare), or a sink
             behind = (q_pos[:, None] - pos[None, :]).to(tl.uint32)
-            s = tl.where(pos_mask[None, :] & (behind < window.to(tl.uint32)), s, float("-inf"))
+            seen = (behind < q_span[:, None].to(tl.uint32)) | (pos[None, :] < q_sink[:, None])
+            s = tl.where(j_mask[None, :] & seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no visible key yet (only possible in a split) keeps exp2 at 0, not NaN
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -265,18 +330,8 @@ def _resident_programs(q, args, config):
     return _resident[key]
 
 
-# full attention, to the kernel: a window no context reaches (an int32, as every window)
-NO_WINDOW = 2**31 - 1
-
-
-def check_window(window):
-    """A sliding window is None or 0 (full attention) or a number of positions below 2**31."""
-    assert window is None or (type(window) is int and 0 <= window < NO_WINDOW), \
-        f"window must be None or an int in 0..{NO_WINDOW - 1} (0: full attention), got {window!r}"
-
-
 def check_launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, num_splits=None,
-                 k_scale=None, v_scale=None, window=None):
+                 k_scale=None, v_scale=None, mask=None):
     """paged_attention's arguments as the kernel needs them: shapes, dtypes, devices, strides."""
     assert q.dim() == 3 and k_cache.dim() == 4, \
         "q is [num_tokens, n_head, head_dim], caches are 4-D"
@@ -304,11 +359,11 @@ def check_launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, num_
     assert q.stride(2) == k_cache.stride(3) == v_cache.stride(3) == 1, "head_dim must be contiguous"
     assert block_tables.stride(1) == 1 and seq_lens.is_contiguous() and cu_seqlens_q.is_contiguous()
     assert num_splits is None or 1 <= num_splits <= MAX_SPLITS, f"num_splits is in 1..{MAX_SPLITS}"
-    check_window(window)
+    check_mask(mask)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
-                    max_q_len=None, num_splits=None, k_scale=None, v_scale=None, window=None):
+                    max_q_len=None, num_splits=None, k_scale=None, v_scale=None, mask=None):
     """Causal attention of the packed new tokens q over their sequences' paged K/V.
     q [num_tokens, n_head, head_dim]; caches [num_blocks, block_size, n_kv_head, head_dim];
     block_tables int32 [num_seqs, max_blocks] (-1 past the end); seq_lens int32 [num_seqs]
@@ -316,11 +371,12 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     max_q_len (>= every q_len; if known) saves a device->host sync; num_splits (1..64) forces
     the split-KV of the decoding sequences (default: split_count, on a GPU). An 8-bit cache
     comes with k_scale and v_scale, one-element fp32 tensors on q's device (see quantize).
-    window: a sliding window of that many positions (a token at p sees p - window < k <= p), or
-    None / 0 for full attention. Table entries of blocks wholly before the window of a
-    sequence's first new token are never read: they may be anything (-1 for a freed block)."""
+    mask: which keys a token sees (a Mask: a sliding window, a chunk, sinks), or None for full
+    attention. Table entries of blocks wholly between a sequence's sinks and the first key its
+    first new token sees are never read: they may be anything (-1 for a freed block)."""
     check_launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, num_splits, k_scale,
-                 v_scale, window)
+                 v_scale, mask)
+    mask = mask or FULL_ATTENTION
     num_tokens, n_head, head_dim = q.shape
     block_size, n_kv_head = k_cache.shape[1:3]
     num_seqs = seq_lens.shape[0]
@@ -333,7 +389,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
 
     def args(out, lse, num_splits):
         return (q, k_cache, v_cache, out, lse, block_tables, seq_lens, cu_seqlens_q,
-                num_seqs, num_splits, window or NO_WINDOW, k_scale, v_scale,
+                num_seqs, num_splits, *mask.kernel_args, k_scale, v_scale,
                 q.stride(0), q.stride(1), *k_cache.stride()[:3],
                 *out.stride()[:3], *lse.stride()[:2], block_tables.stride(0),
                 scale * 1.4426950408889634)  # log2(e): the kernel uses exp2, cheaper than exp
@@ -344,7 +400,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     if num_splits is None:
         resident = _resident_programs(q, args(out[:, :, None], out, 1), decode) if q.is_cuda else 0
         context = block_tables.shape[1] * block_size  # the longest a decode can see
-        num_splits = split_count(num_seqs, n_kv_head, min(context, window or context), resident)
+        num_splits = split_count(num_seqs, n_kv_head, mask.reach(context), resident)
     if num_splits == 1:
         _paged_attention_kernel[(num_seqs, n_kv_head, 1)](*args(out[:, :, None], out, 1), **decode)
     else:  # partials of the decoding sequences, in buffers reused across calls (for CUDA graphs)
@@ -584,28 +640,29 @@ def _attend(q, k, v, mask, scale):
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
                           max_q_len=None, decode_attention=None, k_scale=None, v_scale=None,
-                          plan=None, window=None):
+                          plan=None, mask=None):
     """paged_attention in plain torch: the decoding sequences (q_len == 1) in one batched call,
     those with a few new tokens (2 to SHORT_Q_LEN: speculative verification, short prompts) in
     another, then one call per sequence with more; a batched call that would gather more than
     CHUNK_BYTES of K/V is cut into several. Accepts float64 (the tests run models in
     it). max_q_len is accepted for the same signature; this path reads the lengths on the host.
     K/V are gathered only from positions < seq_len, so unused slots (even NaN) are never read;
-    with a sliding window (paged_attention's), only from the window of each sequence's first new
-    token on, so blocks wholly before it are not read and their table entries may be anything.
-    decode_attention: a function (q, k_cache, v_cache, block_tables, seq_lens, scale, window) of
-    the decoding rows alone that replaces their batched call (paged_attention_flex, opt-in).
-    An 8-bit cache comes with k_scale and v_scale: what is gathered is dequantized to q's dtype.
-    plan: a dict that every layer of one step with this window passes (the backend keeps it in
-    Batch.scratch): the first call fills it with the step's gather indices and masks, the others
-    reuse them (as vLLM builds its attention metadata once per step), so a layer is a few ops:
-    gather, attend, scatter."""
+    with a mask (paged_attention's), only from its sinks and from the first key each sequence's
+    first new token sees on, so the blocks between are not read and their table entries may be
+    anything. decode_attention: a function (q, k_cache, v_cache, block_tables, seq_lens, scale,
+    mask) of the decoding rows alone that replaces their batched call (paged_attention_flex,
+    opt-in). An 8-bit cache comes with k_scale and v_scale: what is gathered is dequantized to
+    q's dtype. plan: a dict that every layer of one step with this mask passes (the backend keeps
+    it in Batch.scratch): the first call fills it with the step's gather indices and masks, the
+    others reuse them (as vLLM builds its attention metadata once per step), so a layer is a few
+    ops: gather, attend, scatter."""
     n_head, head_dim = q.shape[1:]
     n_kv_head = k_cache.shape[2]
     assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim
     assert n_head % n_kv_head == 0, "n_head must be a multiple of n_kv_head"
     check_scales(q, k_cache, v_cache, k_scale, v_scale)
-    check_window(window)
+    check_mask(mask)
+    mask = mask or FULL_ATTENTION
     if decode_attention is not None and k_scale is not None:
         raise ValueError("paged_attention_flex reads the cache in place: it takes no 8-bit cache")
     plan = {} if plan is None else plan
@@ -613,22 +670,22 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
         token_bytes = 2 * n_kv_head * head_dim * q.element_size()  # K and V, as attended
         plan.update(_attention_plan(block_tables, seq_lens, cu_seqlens_q, k_cache.shape[1],
                                     n_head // n_kv_head, decode_attention is None, token_bytes,
-                                    window))
-    assert plan["window"] == (window or None), "a plan serves the layers of one window"
+                                    mask))
+    assert plan["mask"] == mask, "a plan serves the layers of one mask"
     out = None if plan["whole"] else torch.empty_like(q)
     if decode_attention is not None and plan["decode"] is not None:
         idx = plan["decode"]
         rows = cu_seqlens_q.index_select(0, idx).long()              # (B,) their one new token
         o = decode_attention(q.index_select(0, rows), k_cache, v_cache,
                              block_tables.index_select(0, idx), seq_lens.index_select(0, idx),
-                             scale, window)                                      # (B, nh, D)
+                             scale, mask)                                        # (B, nh, D)
         out.index_copy_(0, rows, o.to(q.dtype))
-    for rows, slots, (B, Q, L), mask, kept, written in plan["calls"]:
+    for rows, slots, (B, Q, L), seen, kept, written in plan["calls"]:
         k, v = _gather_kv(k_cache, v_cache, slots, (B, L), (k_scale, v_scale), q.dtype)
         q_b = q if out is None else q.index_select(0, rows)
         q_b = q_b.view(B, Q, n_kv_head, -1, head_dim).permute(0, 2, 3, 1, 4)
         q_b = q_b.reshape(B, n_kv_head, -1, head_dim)  # (B, nkv, G*Q, D): per K/V head, G x Q
-        o = _attend(q_b, k, v, mask, scale).view(B, n_kv_head, -1, Q, head_dim)
+        o = _attend(q_b, k, v, seen, scale).view(B, n_kv_head, -1, Q, head_dim)
         o = o.permute(0, 3, 1, 2, 4).reshape(B * Q, n_head, head_dim)             # (B*Q, nh, D)
         if out is None:  # the plan's one call took q whole
             return o.to(q.dtype)
@@ -641,34 +698,34 @@ CHUNK_BYTES = 8 << 20  # K/V one call gathers, at most, unless one sequence alon
 
 
 def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes, token_bytes,
-                    window=None):
-    """The step's calls, each a group of sequences padded to its most new tokens, Q, and its
-    longest span, L: the positions a sequence's new tokens see, from the window of its first
-    one (0 without a window) to its end. The decodes (unless decode_attention takes them),
-    those with 2 to SHORT_Q_LEN new tokens when there are several, then each other sequence
-    alone. A group whose gathered K/V (token_bytes a position) would pass CHUNK_BYTES is cut,
-    shortest spans first, into calls that stay within it: each call pads only to its own
-    longest span, and its copy stays small (README: the budget's sweep). A call is
-    (rows of q, slots to gather, (B, Q, L), mask (B, 1, G*Q, L) or None, rows of o kept, rows of
-    out written): a padding row repeats its sequence's last and is not written back; positions
-    past a sequence's end re-read its last token, real values that the mask hides. Indices are
-    built on the host, which knows the lengths."""
+                    mask=FULL_ATTENTION):
+    """The step's calls, each a batch of sequences padded to its most new tokens, Q, and its
+    longest span, L: the keys a sequence's new tokens see, its mask's sinks and then from the
+    first key its first new token sees to its end (paged_attention's numbering). The decodes
+    (unless decode_attention takes them), those with 2 to SHORT_Q_LEN new tokens when there are
+    several, then each other sequence alone. A batch whose gathered K/V (token_bytes a position)
+    would pass CHUNK_BYTES is cut, shortest spans first, into calls that stay within it: each
+    call pads only to its own longest span, and its copy stays small (README: the budget's
+    sweep). A call is (rows of q, slots to gather, (B, Q, L), seen (B, 1, G*Q, L) or None, rows
+    of o kept, rows of out written): a padding row repeats its sequence's last and is not written
+    back; keys past a sequence's span re-read its last one, real values that seen hides. Indices
+    are built on the host, which knows the lengths."""
     cu, lens, dev = cu_seqlens_q.tolist(), seq_lens.tolist(), block_tables.device
-    window = window or None
     q_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
-    starts = [max(0, n - q - window + 1) if window else 0 for n, q in zip(lens, q_lens)]
-    spans = [n - start for n, start in zip(lens, starts)]
+    starts = [mask.first_seen(n - q) for n, q in zip(lens, q_lens)]  # its first new token's
+    sinks = [min(mask.sink, start) for start in starts]
+    spans = [k + n - start for k, n, start in zip(sinks, lens, starts)]
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     short = [i for i, n in enumerate(q_lens) if 1 < n <= SHORT_Q_LEN]
     short = [short] if len(short) > 1 else [[i] for i in short]
     long = [[i] for i, n in enumerate(q_lens) if n > SHORT_Q_LEN]
-    groups = ([decode] if decode and decodes else []) + short + long
+    batches = ([decode] if decode and decodes else []) + short + long
     chunks = []
-    for group in groups:  # to be cut, shortest first: a call's spans are then alike
-        if len(group) * max(spans[i] for i in group) * token_bytes > CHUNK_BYTES:
-            group = sorted(group, key=lambda i: spans[i])
-        chunks.append(group[:1])
-        for i in group[1:]:  # the longest span so far, so the one the call would pad to
+    for batch in batches:  # to be cut, shortest first: a call's spans are then alike
+        if len(batch) * max(spans[i] for i in batch) * token_bytes > CHUNK_BYTES:
+            batch = sorted(batch, key=lambda i: spans[i])
+        chunks.append(batch[:1])
+        for i in batch[1:]:  # the longest span so far, so the one the call would pad to
             if (len(chunks[-1]) + 1) * spans[i] * token_bytes > CHUNK_BYTES:
                 chunks.append([])
             chunks[-1].append(i)
@@ -679,33 +736,33 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
         rows = torch.tensor([cu[i] + j for i, j in last], device=dev)             # (B*Q,)
         span = torch.tensor([spans[i] for i in seqs], device=dev)[:, None]        # (B, 1)
         start = torch.tensor([starts[i] for i in seqs], device=dev)[:, None]      # (B, 1)
-        pos = torch.arange(L, device=dev)[None]                                   # (1, L)
-        positions = start + torch.minimum(pos, span - 1)                          # (B, L)
+        sink = torch.tensor([sinks[i] for i in seqs], device=dev)[:, None]        # (B, 1)
+        key = torch.minimum(torch.arange(L, device=dev)[None], span - 1)          # (B, L)
+        positions = torch.where(key < sink, key, key - sink + start)              # (B, L)
         blocks = block_tables[seqs].gather(1, positions // block_size).long()     # (B, L)
         slots = (blocks * block_size + positions % block_size).flatten()          # (B*L,)
-        mask = None  # decodes of one span: nothing to hide
+        seen = None  # decodes of one span: nothing to hide
         if Q > 1 or any(spans[i] < L for i in seqs):
-            # causal: new token j of a sequence sits at position len - q_len + j, sees up to
-            # there, and within a window the last `window` positions; pos counts from start
-            q_pos = torch.tensor([lens[i] - q_lens[i] + j - starts[i] for i, j in last],
-                                 device=dev).view(B, Q)[:, :, None]
-            mask = pos[:, None, :] <= q_pos                                          # (B, Q, L)
-            if window:
-                mask &= pos[:, None, :] > q_pos - window
-            mask = mask[:, None].repeat(1, 1, G, 1)                                # (B,1,G*Q,L)
+            # new token j of a sequence sits at position len - q_len + j: the mask's rule, and
+            # no key past the span (a padding repeat)
+            q_pos = torch.tensor([lens[i] - q_lens[i] + j for i, j in last],
+                                 device=dev).view(B, Q)[:, :, None]                # (B, Q, 1)
+            seen = mask.visible(q_pos, positions[:, None, :])                      # (B, Q, L)
+            seen &= torch.arange(L, device=dev) < span[:, :, None]
+            seen = seen[:, None].repeat(1, 1, G, 1)                                # (B,1,G*Q,L)
         kept = [b * Q + j for b, i in enumerate(seqs) for j in range(q_lens[i])]
         kept = None if len(kept) == B * Q else torch.tensor(kept, device=dev)
-        calls.append((rows, slots, (B, Q, L), mask, kept, rows if kept is None else rows[kept]))
+        calls.append((rows, slots, (B, Q, L), seen, kept, rows if kept is None else rows[kept]))
     # one call of every sequence in order, no padding rows: its q is q, its output the output
     whole = chunks == [list(range(len(lens)))] and calls[0][4] is None
-    return dict(calls=calls, whole=whole, window=window,
+    return dict(calls=calls, whole=whole, mask=mask,
                 decode=torch.tensor(decode, device=dev) if decode and not decodes else None)
 
 
 _flex = None  # flex_attention compiled by Inductor, made on first use (tens of seconds)
 
 
-def paged_attention_flex(q, k_cache, v_cache, block_tables, seq_lens, scale, window=None):
+def paged_attention_flex(q, k_cache, v_cache, block_tables, seq_lens, scale, mask=None):
     """Decode (one new token a sequence: q [B, n_head, D]) with torch's flex_attention compiled
     by Inductor for the CPU, reading K/V straight from the cache through the block table: no
     gather. The whole cache is the key axis of every sequence; a block mask lists, per sequence,
@@ -713,9 +770,8 @@ def paged_attention_flex(q, k_cache, v_cache, block_tables, seq_lens, scale, win
     _flex_block_mask. flex reads whole blocks, and on the CPU it has no log-sum-exp to merge a
     separately computed tail, so this writes zeros into the slots past each sequence's end in
     its last block (slots no sequence reads: a shared block is copied before a write) where
-    0 * NaN would spoil the result; the slots before a sliding window's start in its first
-    block hold real K/V, which stay. Opt-in: paged_attention_torch(...,
-    decode_attention=paged_attention_flex)."""
+    0 * NaN would spoil the result; the other slots a mask hides in a block it reads hold real
+    K/V, which stay. Opt-in: paged_attention_torch(..., decode_attention=paged_attention_flex)."""
     global _flex
     from torch.nn.attention.flex_attention import flex_attention
     if _flex is None:
@@ -730,60 +786,56 @@ def paged_attention_flex(q, k_cache, v_cache, block_tables, seq_lens, scale, win
     tail_slots = (last_block * block_size + tail)[tail >= last_len[:, None]]
     for cache in (k_cache, v_cache):
         cache.flatten(0, 1).index_fill_(0, tail_slots, 0)
-    mask = _flex_block_mask(block_tables, seq_lens, num_blocks, block_size, window,
-                            num_used, last_block, last_len)
+    block_mask = _flex_block_mask(block_tables, seq_lens, num_blocks, block_size,
+                                  mask or FULL_ATTENTION)
     k, v = (c.view(1, -1, n_kv_head, head_dim).transpose(1, 2).expand(B, -1, -1, -1)
             for c in (k_cache, v_cache))                                        # (B, nkv, slots, D)
     with torch.no_grad():  # flex compiles for inference only on the CPU
-        o = _flex(q.view(B, -1, 1, head_dim), k, v, block_mask=mask, scale=scale, enable_gqa=True)
+        o = _flex(q.view(B, -1, 1, head_dim), k, v, block_mask=block_mask, scale=scale,
+                  enable_gqa=True)
     return o.view(B, -1, head_dim)                                                 # (B, nh, D)
 
 
-def _flex_block_mask(block_tables, seq_lens, num_blocks, block_size, window, num_used,
-                     last_block, last_len):
-    """The decodes' flex BlockMask over the whole cache: per sequence, the blocks it sees wholly
-    as full blocks; its last block, and the first of its window if the window starts inside it,
-    as partial ones that the mask_mod cuts to the sequence's end and the window's start.
-    num_used, last_block (B, 1), last_len: each sequence's blocks in use, its last block and the
-    tokens in that, as paged_attention_flex found them."""
+def _flex_block_mask(block_tables, seq_lens, num_blocks, block_size, mask):
+    """The decodes' flex BlockMask over the whole cache: per sequence, the physical blocks of its
+    table whose slots its query sees, as full blocks where it sees all of them and as partial
+    ones where it sees some (the mask_mod hides the rest: past its end, before the first key it
+    sees, past its sinks)."""
     from torch.nn.attention.flex_attention import BlockMask
     B, width = block_tables.shape
-    # the window's first position, its block, and whether the window starts inside that block
-    start = (seq_lens - window).clamp(min=0) if window else torch.zeros_like(seq_lens)
-    first, first_off = start // block_size, start % block_size                      # (B,)
-    first_block = block_tables.gather(1, first[:, None]).long()                    # (B, 1)
-    cut = (first_off > 0) & (first < num_used - 1)  # a partial first block, not the last one
-    # full blocks: from the window's first whole block to the one before the last
-    full_from = first + cut.long()
-    at = (full_from[:, None] + torch.arange(width, device=seq_lens.device)).clamp(max=width - 1)
-    full = F.pad(block_tables.gather(1, at).clamp(min=0), (0, num_blocks - width)).int()
-    partial = F.pad(torch.cat((last_block, first_block), 1), (0, num_blocks - 2)).int()
-    # slots hidden: the last block's past the sequence's end, the first's before the window.
-    # A tensor of static size (B padded to a power of two: a compile per size): Inductor's CPU
-    # flex template renames its split-size symbols in the mask's code by text replacement, so
-    # a dynamic size there can be a symbol that one contains (ks5 in ks56) and fail to compile
-    last_start, first_start = last_block.view(-1) * block_size, first_block.view(-1) * block_size
-    bounds = torch.stack((last_start + last_len, last_start + block_size, first_start,
-                          first_start + first_off))                                    # (4, B)
-    bounds = F.pad(bounds, (0, (1 << (B - 1).bit_length()) - B))
-    torch._dynamo.mark_static(bounds)
-    # and the blocks each sequence sees, in the mask itself: the block lists only skip work in
-    # compiled code, and past Dynamo's recompile limit flex runs eagerly, where the mask alone
-    # decides (every other sequence's blocks would be seen)
-    pos = torch.arange(width, device=seq_lens.device)
-    in_view = (pos >= first[:, None]) & (pos < num_used[:, None])                  # (B, width)
-    rows = torch.arange(B, device=seq_lens.device)[:, None].expand(B, width)
-    visible = torch.zeros(bounds.shape[1], num_blocks, dtype=torch.bool, device=seq_lens.device)
-    visible[rows[in_view], block_tables.long()[in_view]] = True                 # (B', num_blocks)
-    torch._dynamo.mark_static(visible)
+    dev = seq_lens.device
+    q_pos = seq_lens - 1                                                             # (B,)
+    pos = torch.arange(width * block_size, device=dev).view(width, block_size)      # (width, bs)
+    num_seen = mask.visible(q_pos[:, None, None], pos).sum(-1)                       # (B, width)
+
+    def listed(blocks):  # (B, width) bool -> flex's count and ids of those blocks, first first
+        order = blocks.int().argsort(dim=1, descending=True, stable=True)
+        ids = F.pad(block_tables.gather(1, order).clamp(min=0), (0, num_blocks - width))
+        return blocks.sum(1).int().view(B, 1, 1), ids.int().view(B, 1, 1, num_blocks)
+    # The rule again in the mask_mod, on each slot's position, read through the logical index of
+    # its block in the sequence's table: the block lists only skip work in compiled code, and
+    # past Dynamo's recompile limit flex runs eagerly, where the mask_mod alone decides (every
+    # other sequence's blocks would be seen). Its tensors have static sizes (B padded to a power
+    # of two: a compile per size): Inductor's CPU flex template renames its split-size symbols
+    # in the mask's code by text replacement, so a dynamic size there can be a symbol that one
+    # contains (ks5 in ks56) and fail to compile. The mask's numbers are tensors, not constants,
+    # so that one compile serves every mask.
+    padded = 1 << (B - 1).bit_length()
+    logical = torch.full((padded, num_blocks), -1, dtype=torch.long, device=dev)
+    seq, index = (block_tables >= 0).nonzero(as_tuple=True)
+    logical[seq, block_tables[seq, index].long()] = index             # (B', num_blocks)
+    last = F.pad(q_pos, (0, padded - B))                                             # (B',)
+    rule = torch.tensor(mask.kernel_args, device=dev)                  # window, chunk, sink
+    for t in (logical, last, rule):
+        torch._dynamo.mark_static(t)
 
     def seen(b, h, q_idx, kv_idx):
-        return (visible[b, kv_idx // block_size]
-                & ((kv_idx < bounds[0, b]) | (kv_idx >= bounds[1, b]))
-                & ((kv_idx < bounds[2, b]) | (kv_idx >= bounds[3, b])))
+        i = logical[b, kv_idx // block_size]
+        p, q = i * block_size + kv_idx % block_size, last[b]
+        first = torch.maximum(q - rule[0] + 1, q - q % rule[1])
+        return (i >= 0) & (p <= q) & ((p >= first) | (p < rule[2]))
     return BlockMask.from_kv_blocks(
-        (1 + cut.int()).view(B, 1, 1), partial.view(B, 1, 1, num_blocks),
-        (num_used - 1 - full_from).int().view(B, 1, 1), full.view(B, 1, 1, num_blocks),
+        *listed((num_seen > 0) & (num_seen < block_size)), *listed(num_seen == block_size),
         BLOCK_SIZE=(128, block_size), mask_mod=seen,
         seq_lengths=(1, num_blocks * block_size), compute_q_blocks=False)
 
@@ -792,11 +844,13 @@ def _flex_block_mask(block_tables, seq_lens, num_blocks, block_size, window, num
 # Naive reference: contiguous K/V, one sequence at a time, nothing clever
 
 
-def naive_attention(q, k, v, cu_seqlens_q, seq_lens, scale, window=None):
+def naive_attention(q, k, v, cu_seqlens_q, seq_lens, scale, mask=None):
     """q [num_tokens, n_head, D] packed new tokens; k, v [sum(seq_lens), n_kv_head, D] with
     each sequence's whole context concatenated in order. Returns [num_tokens, n_head, D].
-    window: a sliding window of that many positions (paged_attention's), or None / 0; the K/V
-    before the window of a sequence's first new token are not read (they may be NaN)."""
+    mask: which keys a token sees (paged_attention's), or None for full attention; the K/V
+    no new token of a sequence sees are not read (they may be NaN): only its sinks and from
+    the first key its first new token sees on."""
+    mask = mask or FULL_ATTENTION
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     n_head, n_kv_head = q.shape[1], k.shape[1]
     out = torch.empty_like(q)
@@ -804,19 +858,17 @@ def naive_attention(q, k, v, cu_seqlens_q, seq_lens, scale, window=None):
     for i, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = cu_seqlens_q[i].item(), cu_seqlens_q[i + 1].item()
         q_len = q_end - q_start
-        lo = max(0, seq_len - q_len - window + 1) if window else 0  # what the first one sees
+        first = mask.first_seen(seq_len - q_len)  # what the first new token sees, and later ones
+        k_pos = torch.cat((torch.arange(min(mask.sink, first)), torch.arange(first, seq_len)))
         qs = q[q_start:q_end].to(acc)                                             # (q_len, nh, D)
-        ks = k[kv_start + lo : kv_start + seq_len].to(acc)                        # (L, nkv, D)
-        vs = v[kv_start + lo : kv_start + seq_len].to(acc)
+        ks = k[kv_start + k_pos.to(k.device)].to(acc)                             # (L, nkv, D)
+        vs = v[kv_start + k_pos.to(v.device)].to(acc)
         ks = ks.repeat_interleave(n_head // n_kv_head, dim=1)                     # (L, nh, D)
         vs = vs.repeat_interleave(n_head // n_kv_head, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale                     # (nh, q_len, L)
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        k_pos = torch.arange(lo, seq_len)[None, :]
-        hidden = k_pos > q_pos  # causal; and transformers' sliding window: k > q - window
-        if window:
-            hidden |= k_pos <= q_pos - window
-        scores = scores.masked_fill(hidden.to(scores.device), float("-inf"))
+        seen = mask.visible(q_pos, k_pos[None, :])                                # (q_len, L)
+        scores = scores.masked_fill(~seen.to(scores.device), float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, vs).to(q.dtype)
         kv_start += seq_len
@@ -832,19 +884,22 @@ def naive_attention(q, k, v, cu_seqlens_q, seq_lens, scale, window=None):
 @dataclass(frozen=True)
 class AttentionBackend:
     store: Callable  # (k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None)
-    # (q, k_cache, v_cache, meta, scale, window=None, k_scale=None, v_scale=None) ->
+    # (q, k_cache, v_cache, meta, scale, mask=None, k_scale=None, v_scale=None) ->
     # [num_tokens, n_head, D]: meta has block_tables, seq_lens, cu_seqlens_q, max_q_len, and
     # scratch, a dict the step's layers share, where a backend keeps what it builds once per
-    # step. window: the layer's sliding window (paged_attention's), passed by windowed layers
-    # only, so a backend written without windows still serves every model that has none
+    # step. mask: the layer's Mask, passed only where it is not full attention, so a backend
+    # written without masks still serves every model of full attention
     attend: Callable
     # (dtype, head_dim, kv_cache_dtype) -> why this backend cannot run them, or None
     unsupported: Callable = lambda dtype, head_dim, kv_cache_dtype: None
+    # (mask) -> why this backend cannot honour a layer's Mask, or None (the engine asks only
+    # when its attend() takes a mask)
+    unsupported_mask: Callable = lambda mask: None
 
 
-def _triton_attend(q, k_cache, v_cache, meta, scale, window=None, **scales):
+def _triton_attend(q, k_cache, v_cache, meta, scale, mask=None, **scales):
     return paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                           meta.cu_seqlens_q, scale, max_q_len=meta.max_q_len, window=window,
+                           meta.cu_seqlens_q, scale, max_q_len=meta.max_q_len, mask=mask,
                            **scales)
 
 
@@ -857,17 +912,17 @@ def _triton_unsupported(dtype, head_dim, kv_cache_dtype):
     return None
 
 
-def _torch_attend(q, k_cache, v_cache, meta, scale, window=None, **scales):
-    # one plan per window: the layers of a hybrid model share two
+def _torch_attend(q, k_cache, v_cache, meta, scale, mask=None, **scales):
+    # one plan per mask: the layers of a hybrid model share two
     return paged_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                 meta.cu_seqlens_q, scale, plan=meta.scratch.setdefault(window, {}),
-                                 window=window, **scales)
+                                 meta.cu_seqlens_q, scale, plan=meta.scratch.setdefault(mask, {}),
+                                 mask=mask, **scales)
 
 
-def _flex_attend(q, k_cache, v_cache, meta, scale, window=None):
+def _flex_attend(q, k_cache, v_cache, meta, scale, mask=None):
     return paged_attention_torch(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                                 meta.cu_seqlens_q, scale, plan=meta.scratch.setdefault(window, {}),
-                                 decode_attention=paged_attention_flex, window=window)
+                                 meta.cu_seqlens_q, scale, plan=meta.scratch.setdefault(mask, {}),
+                                 decode_attention=paged_attention_flex, mask=mask)
 
 
 ATTENTION_BACKENDS = {

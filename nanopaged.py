@@ -594,20 +594,119 @@ class BlockPool:
         self.prefix_cache.rebuild()
 
 
-NO_BLOCK = -1  # a block table's entry for a block a sliding window left behind: it holds nothing
+NO_BLOCK = -1  # a block table's entry for a block no token to come sees, given back: it holds none
+
+
+# -- attention kinds: which keys a layer's queries see, and so which blocks a sequence needs
+#
+# An attention kind (vLLM v1: a KVCacheSpec and its SingleTypeKVCacheManager) says in one place
+# what paging needs to know of a layer's attention: its mask (kernel.Mask, the rule every
+# attention backend applies), the blocks a sequence no longer needs once its first n tokens are
+# computed (given back before its next chunk, NO_BLOCK left in their places so positions stay
+# put), the blocks a prefix hit needs, and the most blocks a sequence holds while it computes a
+# chunk of c tokens (what admission, check_request and pool sizing count, so a sliding window
+# serves contexts far longer than the pool would hold under full attention). The layers of one
+# kind share a KV cache group (section 7), with a block table per sequence. AttentionKind
+# derives the blocks and the bound from the mask; a kind says its mask and where it comes from
+# in a config, and may override the rest.
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """Full attention: a query sees every key before it, so a sequence keeps every block."""
+    name = "full_attention"  # transformers' layer_types name, the key in ATTENTION_KINDS
+
+    @classmethod
+    def from_config(cls, config):
+        """The kind of a layer that config.layer_types names so, or a ValueError naming the
+        config field it lacks."""
+        return cls()
+
+    @property
+    def mask(self):
+        return kernel.FULL_ATTENTION
+
+    def skipped_blocks(self, num_computed, block_size):
+        """The logical blocks no token from position num_computed on sees, as a range: between
+        the mask's sinks and the first key num_computed sees (vLLM's get_num_skipped_tokens).
+        The mask's first_seen never decreases, so the range only grows."""
+        end = self.mask.first_seen(num_computed) // block_size
+        return range(min(cdiv(self.mask.sink, block_size), end), end)
+
+    def hit_blocks(self, num_blocks, block_size):
+        """The blocks of a prefix hit of num_blocks leading blocks that its sequence needs: all
+        but those no token after the hit sees (vLLM's hybrid hit rule)."""
+        skipped = self.skipped_blocks(num_blocks * block_size, block_size)
+        return [i for i in range(num_blocks) if i not in skipped]
+
+    def max_blocks(self, num_tokens, chunk, block_size):
+        """The most blocks a sequence of num_tokens tokens holds while it computes `chunk` of
+        them: its sinks' blocks, and the keys the chunk sees, at most reach - 1 + chunk
+        positions (reach: the most a query sees past the sinks), over one block more where they
+        start mid-block (vLLM's SlidingWindowSpec.max_memory_usage_bytes); never more than the
+        blocks its tokens fill."""
+        reach = self.mask.reach(kernel.NO_LIMIT) - self.mask.sink
+        seen = cdiv(self.mask.sink, block_size) + cdiv(reach - 1 + chunk, block_size) + 1
+        return min(cdiv(num_tokens, block_size), seen)
+
+
+class FullAttention(AttentionKind):
+    """Every key before the query: GPT-2's and Llama's layers, Qwen2's first ones."""
+
+
+@dataclass(frozen=True)
+class SlidingWindow(AttentionKind):
+    """Mistral's sliding window: a query sees the last `window` positions, its own included."""
+    window: int
+    name = "sliding_attention"
+
+    @classmethod
+    def from_config(cls, config):
+        if config.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+        return cls(config.sliding_window)
+
+    @property
+    def mask(self):
+        return kernel.Mask(window=self.window)
+
+
+@dataclass(frozen=True)
+class ChunkedLocalAttention(AttentionKind):
+    """Llama 4's chunked local attention: a query sees only its own chunk of `chunk` positions
+    (chunk p // chunk), up to itself."""
+    chunk: int
+    name = "chunked_attention"
+
+    @classmethod
+    def from_config(cls, config):
+        if config.attention_chunk_size is None:
+            raise ValueError("layer_types has chunked_attention layers but attention_chunk_size "
+                             "is None")
+        return cls(config.attention_chunk_size)
+
+    @property
+    def mask(self):
+        return kernel.Mask(chunk=self.chunk)
+
+
+# layer_types names -> kinds: a fork registers its own (README: a new attention kind)
+ATTENTION_KINDS = {kind.name: kind for kind in (FullAttention, SlidingWindow,
+                                                 ChunkedLocalAttention)}
 
 
 class BlockAllocator(BlockPool):
-    """The device pool, and the block tables that point into it: whole sequences are allocated
-    (on the prefix cache's hits), grown, forked, trimmed and freed, and a write into a shared
-    block copies it first. A model whose layers mix attention types keeps a table per KV cache
-    group (section 7) over this one pool, and a windowed group gives back the blocks its window
-    has left behind. Its journal undoes a failed step's plan (rollback)."""
+    """The device pool, and the block tables that point into it: a sequence is given its prefix
+    cache hit when admitted, then blocks chunk by chunk as its tokens are scheduled (a write into
+    a shared block copies it first); it is forked, trimmed and freed, and the blocks its kinds
+    no longer need go back as it goes. A model whose layers mix attention kinds keeps a table
+    per KV cache group (section 7) over this one pool. Its journal undoes a failed step's plan
+    (rollback)."""
     observer = None  # see notify
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
                  eviction_policy="lru", prefix_cache_cls=None, cpu_cache=False,
-                 cpu_eviction_policy=None, windows=(None,)):
+                 cpu_eviction_policy=None, kinds=(FullAttention(),)):
         for name, value, least in (("num_blocks", num_blocks, 1), ("block_size", block_size, 1),
                                    ("num_cpu_blocks", num_cpu_blocks, 0)):
             if not integer(value) or value < least:
@@ -619,67 +718,70 @@ class BlockAllocator(BlockPool):
         self.swap_pool = SwapPool(num_cpu_blocks, self, enable_prefix_caching and cpu_cache,
                                   cpu_eviction_policy or eviction_policy)
         self.offloads, self.reloads = [], []  # a plan's copies to the CPU tier and back
-        # per KV cache group (section 7): its layers' sliding window, or None (full attention)
-        self.windows = list(windows)
+        self.kinds = list(kinds)  # per KV cache group (section 7): its layers' attention kind
+        # whether any group gives blocks back as its sequences grow (not full attention alone)
+        self.skips_blocks = any(kind.mask != kernel.FULL_ATTENTION for kind in self.kinds)
 
-    def first_seen(self, group, position):
-        """The first block a token at position still sees, in a KV cache group: block 0 under
-        full attention, the block its window starts in under a sliding window (W positions:
-        p - W < k <= p, transformers' rule)."""
-        window = self.windows[group]
-        return 0 if window is None else max(0, position - window + 1) // self.block_size
-
-    def most_blocks(self, num_tokens):
-        """The most blocks a sequence of num_tokens may hold at once: a block per block_size
-        tokens in each KV cache group, a windowed one too. A window bounds what a running
-        sequence holds, but a sequence preempted by recompute (swap mode falls back to it) is
-        admitted again with a block for each of its tokens, which its prefill then computes in
-        order; vLLM's v1 allocates chunk by chunk and frees behind the window as it goes."""
-        return len(self.windows) * cdiv(num_tokens, self.block_size)
+    def max_blocks(self, num_tokens, chunk):
+        """The most blocks a sequence of num_tokens tokens holds while it computes a chunk of
+        that many: each KV cache group's kind's bound, summed."""
+        return sum(kind.max_blocks(num_tokens, chunk, self.block_size) for kind in self.kinds)
 
     def tables(self, seq):
         """seq's block tables, one per KV cache group, journaled."""
-        if len(seq.block_tables) != len(self.windows):  # made for one group
-            self.journal.set(seq, "block_tables", [BlockTable() for _ in self.windows])
+        if len(seq.block_tables) != len(self.kinds):  # made for one group
+            self.journal.set(seq, "block_tables", [BlockTable() for _ in self.kinds])
         for table in seq.block_tables:
             table.journal = self.journal
         return seq.block_tables
 
     def lookup(self, seq):
-        """seq's prefix-cache hit: the most leading full blocks that every KV cache group can
-        serve (vLLM's hybrid rule: a full-attention group needs each of them, a windowed group
-        only those the first token after them sees), and per group a (block, its cache) for
-        each of them, the device's or the CPU tier's to copy back, or None where no token to
-        come sees it."""
-        tier, device = self.swap_pool, self.prefix_cache
-        found = [device.lookup(seq, g, tier.prefix_cache, tier.taken, full=w is None)
-                 for g, w in enumerate(self.windows)]
-        # a full-attention group's hit ends at its first miss; a windowed group's list runs on
-        longest = max(map(len, found))
-        length = min((len(f) for f, w in zip(found, self.windows) if w is None), default=longest)
-        while length and not all(hit is not None for g, f in enumerate(found)
-                                 for hit in f[self.first_seen(g, length * self.block_size):
-                                              length]):
-            length -= 1  # a window misses a block its first token would see: a shorter hit
-        return length, [[None] * self.first_seen(g, length * self.block_size)
-                        + f[self.first_seen(g, length * self.block_size):length]
-                        for g, f in enumerate(found)]
+        """seq's prefix-cache hit: the most leading full blocks of which every KV cache group can
+        serve the blocks its kind needs (hit_blocks: vLLM's hybrid rule), and per group a (block,
+        its cache) for each of them, the device's or the CPU tier's to copy back, or None where
+        no token to come sees it."""
+        tier, bs = self.swap_pool, self.block_size
+        # a group whose kind never skips a block needs every block of a hit: its list ends at
+        # its first miss; another's runs on, None where it misses
+        found = [self.prefix_cache.lookup(seq, g, tier.prefix_cache, tier.taken,
+                                          full=not kind.skipped_blocks(len(seq), bs))
+                 for g, kind in enumerate(self.kinds)]
+        length = min(map(len, found))
+        needed = [kind.hit_blocks(length, bs) for kind in self.kinds]
+        while length and not all(found[g][i] for g, need in enumerate(needed) for i in need):
+            length -= 1  # a group misses a block its kind needs: a shorter hit
+            needed = [kind.hit_blocks(length, bs) for kind in self.kinds]
+        hits = []
+        for g, need in enumerate(needed):
+            need = set(need)
+            hits.append([found[g][i] if i in need else None for i in range(length)])
+        return length, hits
 
     def num_blocks_to_allocate(self, seq):
-        """Free blocks allocate(seq) would take: in each KV cache group, its misses and the CPU
-        tier's hits (copied into fresh blocks), and the device's hits now free; none for the
-        blocks before a window."""
-        length, found = self.lookup(seq)
-        num_blocks = 0
-        for hits in found:
-            held = [block for block, cache in filter(None, hits) if cache is self.prefix_cache]
-            num_blocks += (cdiv(len(seq), self.block_size) - hits.count(None) - len(held)
-                           + sum(self.blocks[b].ref_count == 0 for b in held))
-        return num_blocks
+        """Free blocks allocate(seq) takes: the device's hits that are free now, and a fresh
+        block for each of the CPU tier's (copied back)."""
+        _, found = self.lookup(seq)
+        return sum(cache is not self.prefix_cache or self.blocks[block].ref_count == 0
+                   for hits in found for block, cache in filter(None, hits))
+
+    def num_blocks_to_admit(self, seq, chunk):
+        """The most free blocks seq holds at once from its admission to the end of its prefill,
+        computed in chunks of at most `chunk` tokens: in each KV cache group its kind's bound,
+        less the hits other sequences hold that no chunk gives back (a window gives back its
+        old hits, and takes blocks in their stead)."""
+        _, found = self.lookup(seq)
+        need = 0
+        for kind, hits in zip(self.kinds, found):
+            skipped = kind.skipped_blocks(len(seq) - 1, self.block_size)  # by the last chunk
+            kept = sum(1 for i, hit in enumerate(hits) if hit and i not in skipped
+                       and hit[1] is self.prefix_cache and self.blocks[hit[0]].ref_count > 0)
+            need += kind.max_blocks(len(seq), chunk, self.block_size) - kept
+        return need
 
     def allocate(self, seq):
-        """Give a new (or recomputing) sequence block tables covering all its tokens, reusing
-        cached prefix blocks. Sets seq.num_computed_tokens to the tokens found in the cache."""
+        """Give a new (or recomputing) sequence its prefix-cache hit: block tables over its
+        cached leading blocks (NO_BLOCK where no token to come sees one), and num_computed_tokens
+        the tokens they hold. Its other tokens get blocks chunk by chunk (allocate_slots)."""
         assert not any(seq.block_tables), f"sequence {seq.seq_id} already holds blocks"
         num_taken = self.num_blocks_to_allocate(seq)  # what an override says, too
         if num_taken > self.num_free_blocks:
@@ -693,13 +795,11 @@ class BlockAllocator(BlockPool):
         for g, (table, hits) in enumerate(zip(tables, found)):
             for i, hit in enumerate(hits):
                 if hit is None:
-                    table.append(NO_BLOCK)  # before the window: no token to come sees it
+                    table.append(NO_BLOCK)  # no token to come sees it
                 elif hit[1] is self.prefix_cache:
                     table.append(hit[0])
                 else:  # the CPU tier's: copied back into a fresh block
                     table.append(self.swap_pool.reload(seq, i, hit[0], g))
-            for _ in range(cdiv(len(seq), self.block_size) - length):
-                table.append(self.take())
             notify(self, "allocate", seq=seq.seq_id, request=seq.request_id,
                    table=table.tolist(), hits=length, **group_field(g))
         self.journal.set(seq, "num_computed_tokens", length * self.block_size)
@@ -711,10 +811,10 @@ class BlockAllocator(BlockPool):
         self.prefix_cache.count(seq, length, held, len(set(reloaded)))
 
     def allocate_together(self, seqs):
-        """allocate() each of a group's sequences (samples or beams recomputed together), their
+        """allocate() each of a request's sequences (samples or beams recomputed together), their
         prefix hits held first: a block one of them takes could otherwise evict a hit that
-        another's count relied on, and in a windowed group a hit lost costs the blocks before
-        its window too. So the group takes at most the sum of their num_blocks_to_allocate."""
+        another's count relied on. So the request takes at most the sum of their
+        num_blocks_to_allocate."""
         hits = [(self if cache is self.prefix_cache else self.swap_pool, block)
                 for seq in seqs for found in self.lookup(seq)[1]
                 for block, cache in filter(None, found)]
@@ -725,63 +825,65 @@ class BlockAllocator(BlockPool):
         for pool, block in hits:
             pool.release(block)
 
-    def num_blocks_to_append(self, seqs):
-        """Free blocks append_slot needs to give each of seqs a slot for its newest token."""
-        num_new, writers = 0, {}  # writers: shared last block -> the sequences writing into it
+    def num_blocks_to_append(self, seqs, num_new=1):
+        """Free blocks allocate_slots takes to give each of seqs its next num_new tokens: the
+        blocks past its tables' ends, and a copy of each shared block they write into."""
+        bs, num_blocks, writers = self.block_size, 0, {}  # writers: shared block -> how many
         for seq in seqs:
+            start = seq.num_computed_tokens
             for table in seq.block_tables:
-                if len(table) * self.block_size < len(seq):
-                    num_new += 1
-                    continue
-                last = table[-1]
-                if self.blocks[last].ref_count > 1:
-                    writers[last] = writers.get(last, 0) + 1
+                num_blocks += max(0, cdiv(start + num_new, bs) - len(table))
+                written = num_new and start // bs < len(table)  # a block it holds: shared?
+                if written and self.blocks[table[start // bs]].ref_count > 1:
+                    writers[table[start // bs]] = writers.get(table[start // bs], 0) + 1
         # c writers into a block of count r copy it min(c, r - 1) times: the last writes in place
         for block_id, c in writers.items():
-            num_new += min(c, self.blocks[block_id].ref_count - 1)
-        return num_new
+            num_blocks += min(c, self.blocks[block_id].ref_count - 1)
+        return num_blocks
 
     def can_append(self, seqs):
-        """Whether the free blocks are enough for append_slot on each of seqs. A table takes one
+        """Whether the free blocks are enough for each of seqs' next token. A table takes one
         block at most, so they are counted only when fewer blocks than tables are free (every
         sequence has a table per KV cache group)."""
         free = self.num_free_blocks
         return (len(seqs) * len(seqs[0].block_tables) <= free
                 or self.num_blocks_to_append(seqs) <= free)
 
-    def append_slot(self, seq):
-        """Make room for seq's newest token in each of its block tables. Returns the (src, dst)
-        block copies that copy-on-write needs, for the engine to perform on the KV tensors
-        before the step."""
-        if not self.can_append([seq]):  # every group's need, before any group takes
-            raise OutOfBlocksError(f"sequence {seq.seq_id} needs "
-                                   f"{self.num_blocks_to_append([seq])} blocks, "
-                                   f"{self.num_free_blocks} are free")
-        copies = []
-        for g, table in enumerate(seq.block_tables):
-            if len(table) * self.block_size < len(seq):  # last block is full
-                table.append(self.take())
-                notify(self, "append", seq=seq.seq_id, block=table[-1], **group_field(g))
-                continue
-            last = table[-1]
-            if self.blocks[last].ref_count == 1:
-                continue
-            # Copy-on-write: the block is shared (after a fork), so this writer moves to a
-            # private copy and the other owners keep the original (paper, section 4.4).
-            new = self.take()
-            self.release(last)
-            table[-1] = new
-            notify(self, "cow", seq=seq.seq_id, src=last, dst=new, **group_field(g))
-            copies.append((last, new))
-        return copies
+    def num_slots_free(self, seq, most):
+        """The most of seq's next `most` tokens whose blocks are free: all of them, or as many as
+        the blocks allow (a prefill chunk shrinks to fit)."""
+        free, lo, hi = self.num_free_blocks, 0, most
+        while lo < hi:  # the largest count whose blocks fit; the blocks grow with it
+            mid = (lo + hi + 1) // 2
+            if self.num_blocks_to_append([seq], mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
-    def append_lookahead_slots(self, seq, num_slots):
-        """Speculative decoding: room for num_slots proposed tokens after seq's newest, in fresh
-        blocks (append_slot already made the newest token's block seq's own, copied on write)."""
+    def allocate_slots(self, seq, num_new):
+        """Room for seq's next num_new tokens, from num_computed_tokens on, in each of its block
+        tables: fresh blocks past a table's end, and a private copy of a shared block they write
+        into (copy-on-write: the block is shared after a fork, so this writer moves to a copy
+        and the other owners keep the original, paper section 4.4). Returns the (src, dst) block
+        copies, for the engine to make on the KV tensors before the step."""
+        need = self.num_blocks_to_append([seq], num_new)  # every group's, before any group takes
+        if need > self.num_free_blocks:
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {need} blocks, "
+                                   f"{self.num_free_blocks} are free")
+        bs, start, copies = self.block_size, seq.num_computed_tokens, []
         for g, table in enumerate(seq.block_tables):
-            while len(table) * self.block_size < len(seq) + num_slots:
+            i = start // bs
+            if num_new and i < len(table) and self.blocks[table[i]].ref_count > 1:
+                old, new = table[i], self.take()
+                self.release(old)
+                table[i] = new
+                notify(self, "cow", seq=seq.seq_id, src=old, dst=new, **group_field(g))
+                copies.append((old, new))
+            while len(table) * bs < start + num_new:
                 table.append(self.take())
                 notify(self, "append", seq=seq.seq_id, block=table[-1], **group_field(g))
+        return copies
 
     def trim(self, seq):
         """Give back the blocks past seq's computed tokens (after a step that verified proposed
@@ -816,18 +918,18 @@ class BlockAllocator(BlockPool):
         self.journal.set(seq, "num_computed_tokens", 0)
         self.journal.set(seq, "num_cached_blocks", 0)
 
-    def free_window_blocks(self, seq):
-        """Give back the blocks of seq's windowed groups that no token to come sees any more
-        (vLLM's sliding-window manager): each leaves NO_BLOCK in its table, so positions stay
-        put; one that holds a prefix stays cached, free. A long sequence keeps about
-        window / block_size + 1 blocks of such a group."""
-        for g, table in enumerate(seq.block_tables):
-            i = self.first_seen(g, seq.num_computed_tokens) - 1
-            while i >= 0 and table[i] != NO_BLOCK:  # those before went back in earlier steps
+    def free_skipped_blocks(self, seq):
+        """Give back the blocks of seq that no token from its next one on sees, in each KV cache
+        group (its kind's skipped_blocks; vLLM's remove_skipped_blocks): each leaves NO_BLOCK in
+        its table, so positions stay put; one that holds a prefix stays cached, free. A long
+        sequence under a window of W keeps about W / block_size + 1 blocks of its group."""
+        for g, (kind, table) in enumerate(zip(self.kinds, seq.block_tables)):
+            for i in reversed(kind.skipped_blocks(seq.num_computed_tokens, self.block_size)):
+                if table[i] == NO_BLOCK:  # those before it went back in earlier steps
+                    break
                 self.release(table[i])
                 table[i] = NO_BLOCK
-                notify(self, "slide", seq=seq.seq_id, index=i, **group_field(g))
-                i -= 1
+                notify(self, "skip", seq=seq.seq_id, index=i, **group_field(g))
 
     def cache_full_blocks(self, seq, num_tokens=None):
         """Publish seq's full blocks among its first num_tokens (by default its computed ones)
@@ -955,7 +1057,7 @@ class PrefixCache:
         as (block, the cache that holds it): this cache's, or where it lacks one, the lower
         tier's (the CPU's, but for its blocks in unreadable); None where neither has it. full:
         stop at the first miss (a full-attention group needs every block before its hit's end;
-        a windowed group, those its window sees)."""
+        another kind, those its tokens to come see)."""
         found = []
         # A cached block has no logits: a sequence still owed prompt logprobs computes its whole
         # prompt (as vLLM does), and publishes its blocks for others as usual.
@@ -1194,7 +1296,7 @@ class SwapPool(BlockPool):
         mapping = {}  # block on this side -> block on the other
         for table in (table for seq in seqs for table in seq.block_tables):
             for i, src in enumerate(table):
-                if src == NO_BLOCK:  # a block a window left behind moves nowhere
+                if src == NO_BLOCK:  # a block given back moves nowhere
                     continue
                 if src in mapping:
                     share(mapping[src])
@@ -1279,20 +1381,21 @@ class Scheduler:
         return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self):
-        """This step's plan, in four phases (after the blocks that sliding windows left behind
-        go back): 1. decodes of running requests, first first (preempting when blocks run out);
-        2. swapped-out requests come back; 3. prefill chunks of running requests; 4. waiting
+        """This step's plan, in four phases (after the blocks no token to come sees go back):
+        1. decodes of running requests, first first (preempting when blocks run out); 2.
+        swapped-out requests come back; 3. prefill chunks of running requests; 4. waiting
         requests are admitted while blocks, sequence slots and the token budget allow. Then,
         speculating, lookahead slots from what is left."""
         out = SchedulerOutput()
-        if any(self.allocator.windows):  # blocks the windows left behind go back, for this step
+        if self.allocator.skips_blocks:  # before any block is counted in this step
             for seq in (seq for request in self.running for seq in request.seqs):
-                self.allocator.free_window_blocks(seq)
+                self.allocator.free_skipped_blocks(seq)
         self._schedule_decodes(out)
-        num_seqs = sum(g.params.num_seqs for g in self.running)  # room held for all samples of each
+        # room held for all samples of each request
+        num_seqs = sum(request.params.num_seqs for request in self.running)
         num_seqs = self._swap_in(out, num_seqs)
-        for request in self.running:
-            if not request.is_decoding:
+        for request in list(self.running):  # a copy: a chunk may preempt a request after it
+            if not request.is_decoding and request in self.running:
                 self._schedule_prefill(request, out)
         self._admit(out, num_seqs)
         if self.num_lookahead_slots:
@@ -1360,8 +1463,8 @@ class Scheduler:
         while (self.waiting and not out.preempted and not self._ahead(self.swapped, self.waiting)
                and out.num_batched_tokens < self.max_num_batched_tokens):
             request = self.waiting[0]
-            need = sum(self.allocator.num_blocks_to_allocate(seq) for seq in request.seqs)
-            if not self._fits(need) or num_seqs + request.params.num_seqs > self.max_num_seqs:
+            chunk = self._admission_chunk(request, out)
+            if not chunk or num_seqs + request.params.num_seqs > self.max_num_seqs:
                 break  # nobody overtakes the first waiting request
             num_seqs += request.params.num_seqs
             self._move(request, self.waiting, self.running)
@@ -1369,9 +1472,29 @@ class Scheduler:
             notify(self, "admit", request=request.request_id)
             self.allocator.allocate_together(request.seqs)
             if not request.is_decoding:
-                self._schedule_prefill(request, out)
+                self._schedule_prefill(request, out, chunk)
             elif not self._over_budget(out, len(request.seqs)):
                 self._append_slots(request, out)  # recomputed samples, all but the last cached
+
+    def _admission_chunk(self, request, out):
+        """The longest first chunk (tokens a sequence, up to the budget left) with which the
+        request's whole prefill fits in the free blocks, by its kinds' bound (with the
+        watermark); 0 if none does. Under full attention the bound is every block of the prompt,
+        whatever the chunk; under a window it grows with the chunk, so a long prompt starts in
+        chunks that fit where it could not start whole."""
+        def need(chunk):
+            return sum(self.allocator.num_blocks_to_admit(seq, chunk) for seq in request.seqs)
+        most = self.max_num_batched_tokens - out.num_batched_tokens
+        if not self._fits(need(1)):
+            return 0
+        lo, hi = 1, most
+        while lo < hi:  # the longest chunk that fits; the bound grows with it
+            mid = (lo + hi + 1) // 2
+            if self._fits(need(mid)):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _ahead(self, queue, other):  # whether queue's first request comes before other's
         return bool(queue) and self.key(queue[0]) < self.key(other[0])
@@ -1393,18 +1516,33 @@ class Scheduler:
 
     def _append_slots(self, request, out):
         for seq in request.seqs:
-            out.blocks_to_copy += self.allocator.append_slot(seq)
+            out.blocks_to_copy += self.allocator.allocate_slots(seq, 1)
             self._schedule(seq, 1, out)
 
-    def _schedule_prefill(self, request, out):
+    def _schedule_prefill(self, request, out, most=None):
+        """A chunk of each of request's sequences: its uncomputed tokens, up to the budget left
+        (and `most`), and then up to what the free blocks hold. A chunk that gets no token for
+        want of blocks preempts the last running request, unless that is this one or has run in
+        this step; then it waits, holding what it computed: those that hold the blocks run
+        now, or come before it."""
         # Samples or beams being recomputed stop one token short: their last tokens go together
         # as one decode step, so the request gets all its next-token logits at once (section 1).
         hold_back = 1 if len(request.seqs) > 1 else 0
         for seq in request.seqs:
-            num_new = min(len(seq) - hold_back - seq.num_computed_tokens,
-                          self.max_num_batched_tokens - out.num_batched_tokens)
-            if num_new > 0:
-                self._schedule(seq, num_new, out)
+            while (want := min(len(seq) - hold_back - seq.num_computed_tokens, most or math.inf,
+                               self.max_num_batched_tokens - out.num_batched_tokens)) > 0:
+                if num_new := self.allocator.num_slots_free(seq, want):
+                    out.blocks_to_copy += self.allocator.allocate_slots(seq, num_new)
+                    self._schedule(seq, num_new, out)
+                    break
+                victim = self.running[-1]
+                if victim is request or self._has_run(victim, out):
+                    return
+                self._preempt(victim, out)
+
+    @staticmethod
+    def _has_run(request, out):  # whether any of its sequences has tokens in this step
+        return any(seq.request_id == request.request_id for seq, _ in out.scheduled)
 
     def _reserve_lookahead(self, out):
         """Speculative decoding: slots for up to num_lookahead_slots proposed tokens after each
@@ -1424,7 +1562,8 @@ class Scheduler:
                             request.params.max_tokens - seq.num_output_tokens - 1,
                             self.max_num_batched_tokens - out.num_batched_tokens)
                 if slots > 0:
-                    a.append_lookahead_slots(seq, slots)
+                    # the chunk's tokens have their slots: slots after its last token too
+                    a.allocate_slots(seq, len(seq) + slots - seq.num_computed_tokens)
                     out.lookahead.append((seq, slots))
                     out.num_batched_tokens += slots
 
@@ -1579,11 +1718,10 @@ def tp_shard(name, tensor, config):
 ACTIVATIONS = dict(gelu=F.gelu, relu=F.relu, silu=F.silu,
                    gelu_new=lambda x: F.gelu(x, approximate="tanh"))
 ACTIVATIONS["gelu_pytorch_tanh"] = ACTIVATIONS["gelu_new"]
-LAYER_TYPES = ("sliding_attention", "full_attention")  # transformers' names for a layer's attention
 
 
 class KVCacheGroup(NamedTuple):
-    window: int | None  # its layers' sliding window, or None: full attention
+    kind: AttentionKind  # its layers' attention kind (section 2)
     layers: list  # its layers, in order: layer layers[j] keeps its K/V in slot j of a block
 
 
@@ -1609,12 +1747,16 @@ class GPTConfig:
     tie_word_embeddings: bool = True  # the output head is wte (GPT-2, the small Qwen2 models)
     activation: str | None = None  # a key of ACTIVATIONS; None: gelu_new (GPT-2), silu (swiglu)
     attn_scale: float | None = None  # scores times this; None: 1/sqrt(head_dim). GPT-2 may use 1
-    # Mistral's sliding window: a windowed layer's token at position p sees keys p - W < k <= p
-    # (transformers' rule), the last W positions; None: every layer sees the whole context
-    sliding_window: int | None = None
-    # per layer "sliding_attention" (the window) or "full_attention", transformers' layer_types;
-    # None: every layer windowed if sliding_window is set (Mistral), else none
+    # Each layer's attention kind by name (ATTENTION_KINDS: "full_attention",
+    # "sliding_attention", "chunked_attention", or a fork's), transformers' layer_types; None:
+    # every layer "sliding_attention" if sliding_window is set (Mistral), else "full_attention"
     layer_types: list[str] | None = None
+    # Mistral's sliding window: a windowed layer's token at position p sees keys p - W < k <= p
+    # (transformers' rule), the last W positions
+    sliding_window: int | None = None
+    # Llama 4's chunked local attention: a token sees the keys of its own chunk of this many
+    # positions (transformers' attention_chunk_size)
+    attention_chunk_size: int | None = None
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
@@ -1633,41 +1775,40 @@ class GPTConfig:
             self.attn_scale = 1 / math.sqrt(self.head_dim)
         self.intermediate_size = self.intermediate_size or 4 * self.n_embd
         self.qkv_bias = self.bias if self.qkv_bias is None else self.qkv_bias
-        self.check_windows()
+        self.check_attention()
 
-    def check_windows(self):
-        window, kinds = self.sliding_window, self.layer_types
-        if window is not None and (type(window) is not int or window < 1):
-            raise ValueError(f"sliding_window must be None or an int >= 1, got {window!r}")
-        if kinds is None:
-            kinds = ["full_attention" if window is None else "sliding_attention"] * self.n_layer
+    def check_attention(self):
+        for name in ("sliding_window", "attention_chunk_size"):
+            if (n := getattr(self, name)) is not None and (type(n) is not int or n < 1):
+                raise ValueError(f"{name} must be None or an int >= 1, got {n!r}")
+        if self.layer_types is None:
+            kind = "full_attention" if self.sliding_window is None else "sliding_attention"
+            self.layer_types = [kind] * self.n_layer
+        kinds = self.layer_types
         if (not isinstance(kinds, (list, tuple)) or len(kinds) != self.n_layer
-                or any(kind not in LAYER_TYPES for kind in kinds)):
-            raise ValueError(f"layer_types must list {self.n_layer} (n_layer) of {LAYER_TYPES}, "
-                             f"got {kinds!r}")
-        if window is None and "sliding_attention" in kinds:
-            raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+                or any(kind not in ATTENTION_KINDS for kind in kinds)):
+            raise ValueError(f"layer_types must list {self.n_layer} (n_layer) of "
+                             f"{sorted(ATTENTION_KINDS)}, got {kinds!r}")
         self.layer_types = list(kinds)
+        self.attention_kinds  # each kind's own check of the fields it reads
 
     @property
-    def windows(self):
-        """Each layer's sliding window, or None where it sees the whole context."""
-        return [self.sliding_window if kind == "sliding_attention" else None
-                for kind in self.layer_types]
+    def attention_kinds(self):
+        """Each layer's attention kind (section 2)."""
+        return [ATTENTION_KINDS[name].from_config(self) for name in self.layer_types]
 
     @property
     def kv_cache_groups(self):
         """The layers in KV cache groups (vLLM v1's hybrid KV cache manager): each group the
-        layers of one attention type (full, or the window), and each the same number of layers,
-        so that one block of the pool holds the K/V of any group's layers for block_size tokens.
-        Each group has a block table per sequence: full attention keeps its blocks, a windowed
-        group gives back those its window left behind. One group, all layers, but for models
-        that mix types."""
-        by_window = {}
-        for layer, window in enumerate(self.windows):
-            by_window.setdefault(window, []).append(layer)
-        size = math.gcd(*map(len, by_window.values()))
-        return [KVCacheGroup(window, layers[i:i + size]) for window, layers in by_window.items()
+        layers of one attention kind, and each the same number of layers, so that one block of
+        the pool holds the K/V of any group's layers for block_size tokens. Each group has a
+        block table per sequence, and gives back the blocks its kind no longer needs. One group,
+        all layers, but for models that mix kinds."""
+        by_kind = {}
+        for layer, kind in enumerate(self.attention_kinds):
+            by_kind.setdefault(kind, []).append(layer)
+        size = math.gcd(*map(len, by_kind.values()))
+        return [KVCacheGroup(kind, layers[i:i + size]) for kind, layers in by_kind.items()
                 for i in range(0, len(layers), size)]
 
     @property
@@ -1712,7 +1853,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head // tp.world_size
         self.n_kv_head = config.n_kv_head // tp.world_size
         self.head_dim, self.scale = config.head_dim, config.attn_scale
-        self.window = config.windows[layer]  # a sliding window, or None: the whole context
+        self.mask = config.attention_kinds[layer].mask  # which keys its queries see (kernel.Mask)
         qkv_dim = (self.n_head + 2 * self.n_kv_head) * self.head_dim  # q, k, v: one matmul
         self.c_attn = nn.Linear(config.n_embd, qkv_dim, bias=config.qkv_bias)
         self.c_proj = nn.Linear(self.n_head * self.head_dim, config.n_embd, bias=config.bias)
@@ -1728,23 +1869,23 @@ class CausalSelfAttention(nn.Module):
         if batch is None:
             # contiguous (B, T, C): training and the reference path, no cache involved
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, hs)
-            mask = None
-            if self.window is not None:  # causal, and the last window positions only
+            seen = None  # causal: SDPA's own
+            if self.mask != kernel.FULL_ATTENTION:
                 pos = torch.arange(q.shape[2], device=q.device)
-                mask = (pos <= pos[:, None]) & (pos > pos[:, None] - self.window)       # (T, T)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                seen = self.mask.visible(pos[:, None], pos[None, :])                    # (T, T)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=seen, is_causal=seen is None,
                                                scale=self.scale, enable_gqa=True)
             return all_reduce(self.c_proj(y.transpose(1, 2).flatten(2)))
         # paged (T, C): first write the new K/V into their slots, then every new token attends
-        # to its sequence's context (its window's, in a windowed layer), gathered block by block
+        # to the keys of its sequence's context that its mask shows, gathered block by block
         # through the block table, by the attention backend the engine chose
-        # (kernel.ATTENTION_BACKENDS; only windowed layers pass a window, so a backend without
-        # windows still serves every model that has none)
+        # (kernel.ATTENTION_BACKENDS; only layers other than full attention pass a mask, so a
+        # backend without masks still serves every model of full attention)
         # its KV cache group's view of the step: its block tables and slots
         k_cache, v_cache, group, scales = kv_cache            # (num_blocks, block_size, nkv, hs)
         batch.backend.store(k, v, k_cache, v_cache, group.slot_mapping, **scales)
-        window = {} if self.window is None else {"window": self.window}
-        y = batch.backend.attend(q, k_cache, v_cache, group, self.scale, **window,
+        mask = {} if self.mask == kernel.FULL_ATTENTION else {"mask": self.mask}
+        y = batch.backend.attend(q, k_cache, v_cache, group, self.scale, **mask,
                                  **scales)                                          # (T, nh, hs)
         return all_reduce(self.c_proj(y.flatten(1)))
 
@@ -1874,19 +2015,19 @@ def kv_block_shape(config, block_size):
     return (2, layers, block_size, config.n_kv_head // tp.world_size, config.head_dim)
 
 
-def pool_sizes(config, device, block_size, bytes_per_block, num_blocks, kv_cache_bytes,
-               max_num_seqs, num_cpu_blocks, swap_space, cpu_cache_bytes=0):
+def pool_sizes(device, block_size, bytes_per_block, num_blocks, kv_cache_bytes, most_blocks,
+               num_cpu_blocks, swap_space, cpu_cache_bytes=0):
     """The blocks of the device pool and of the CPU pool. The device pool is sized like vLLM's:
-    by a byte budget, by default 90% of free GPU memory (but no more than max_num_seqs
-    full-length sequences use). The CPU pool holds swap_space GiB (vLLM's), or the device pool's
-    size if smaller (more rarely helps, as a group that finds it full is recomputed instead),
-    and cpu_cache_bytes more for the second tier. Each rank holds its own K/V heads: one budget
-    makes tp times the blocks, and every rank takes the least."""
+    by a byte budget, by default 90% of free GPU memory, but no more than most_blocks (what
+    max_num_seqs full-length sequences may hold, by their attention kinds' bound). The CPU pool
+    holds swap_space GiB (vLLM's), or the device pool's size if smaller (more rarely helps, as a
+    request that finds it full is recomputed instead), and cpu_cache_bytes more for the second
+    tier. Each rank holds its own K/V heads: one budget makes tp times the blocks, and every
+    rank takes the least."""
     if num_blocks is None:
         if kv_cache_bytes is None:
             free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 1 << 30
-            most = bytes_per_block * max_num_seqs * cdiv(config.max_seq_len, block_size)
-            kv_cache_bytes = min(int(0.9 * free), most)
+            kv_cache_bytes = min(int(0.9 * free), bytes_per_block * most_blocks)
         num_blocks = kv_cache_bytes // bytes_per_block
     num_blocks = tp_min(num_blocks, device)
     if num_blocks < 1:  # only a budget can come to this; and then it does on every rank
@@ -1902,7 +2043,7 @@ def pool_sizes(config, device, block_size, bytes_per_block, num_blocks, kv_cache
 class GroupBatch:
     """What the attention layers of one KV cache group read of a step (a backend's meta)."""
     block_tables: torch.Tensor    # (S, max_blocks) int32, -1 past each sequence's last block, and
-    #                               for a block its window left behind (NO_BLOCK)
+    #                               for a block no token to come sees (NO_BLOCK)
     slot_mapping: torch.Tensor    # (T,) int64, physical KV slot each new token is written to
     seq_lens: torch.Tensor        # (S,) int32, context length including the new tokens
     cu_seqlens_q: torch.Tensor    # (S+1,) int32, sequence i's new tokens are [cu[i], cu[i+1])
@@ -2743,17 +2884,18 @@ class Engine:
         # dtype: the KV cache's (kv_cache_dtype "fp8": half the bytes)
         bytes_per_block = math.prod(kv_block_shape(self.config, block_size)) * dtype.itemsize
         bytes_per_block += proposer.bytes_per_block(block_size, dtype) if proposer else 0  # draft
+        kinds = [group.kind for group in self.config.kv_cache_groups]
+        most_blocks = max_num_seqs * sum(kind.max_blocks(
+            self.config.max_seq_len, max_num_batched_tokens, block_size) for kind in kinds)
         num_blocks, num_cpu_blocks = pool_sizes(
-            self.config, device, block_size, bytes_per_block, num_blocks, kv_cache_bytes,
-            max_num_seqs, num_cpu_blocks, swap_space if preemption_mode == "swap" else 0,
-            cpu_cache_bytes)
+            device, block_size, bytes_per_block, num_blocks, kv_cache_bytes, most_blocks,
+            num_cpu_blocks, swap_space if preemption_mode == "swap" else 0, cpu_cache_bytes)
         # Replaceable parts (vLLM's scheduler_cls): your copy passes its subclass, edits nothing
         # else
         allocator = (allocator_cls or BlockAllocator)(
             num_blocks, block_size, num_cpu_blocks, enable_prefix_caching, eviction_policy,
             prefix_cache_cls=prefix_cache_cls, cpu_cache=cpu_cache_bytes > 0,
-            cpu_eviction_policy=cpu_eviction_policy,
-            windows=[group.window for group in self.config.kv_cache_groups])
+            cpu_eviction_policy=cpu_eviction_policy, kinds=kinds)
         self.scheduler = (scheduler_cls or Scheduler)(
             allocator, max_num_seqs, max_num_batched_tokens, preemption_mode,
             scheduling_policy=scheduling_policy,
@@ -3002,8 +3144,13 @@ def check_engine_settings(model, device, attention_backend, preemption_mode,
     cache_dtype = kernel.check_kv_cache_dtype(kv_cache_dtype, dtype, device, attention_backend)
     backend = kernel.ATTENTION_BACKENDS[attention_backend]
     why = backend.unsupported(dtype, model.config.head_dim, cache_dtype)
-    if any(model.config.windows) and "window" not in inspect.signature(backend.attend).parameters:
-        why = "its attend() takes no window, and this model's layers have sliding windows"
+    for kind in {group.kind for group in model.config.kv_cache_groups}:
+        if why or kind.mask == kernel.FULL_ATTENTION:
+            continue
+        if "mask" not in inspect.signature(backend.attend).parameters:
+            why = f"its attend() takes no mask, and this model has {kind.name} layers ({kind})"
+        elif reason := backend.unsupported_mask(kind.mask):
+            why = f"this model has {kind.name} layers ({kind}): {reason}"
     if why:
         raise ValueError(f"Engine: attention_backend={attention_backend!r} cannot run this "
                          f"model: {why} (attention_backend='torch' takes any)")
@@ -3058,13 +3205,14 @@ def check_request(prompt, params, priority, config, scheduler, has_tokenizer=Fal
     if params.num_seqs > limit:
         raise ValueError(f"n/beam_width ({params.num_seqs}) exceeds max_num_seqs and "
                          f"max_num_batched_tokens (at most {limit} sequences of one request)")
-    # Worst case: every sample ends up with private blocks for all its tokens (or its windows').
+    # Worst case: every sample ends up with private blocks for all the tokens its kinds keep,
+    # computing them one at a time: so the request runs alone at least, in chunks that fit
     a = scheduler.allocator
-    worst = params.num_seqs * a.most_blocks(total)
+    worst = params.num_seqs * a.max_blocks(total, 1)
     if worst > a.num_blocks:
         raise ValueError(f"the request may need {worst} KV blocks ({params.num_seqs} x {total} "
-                         f"tokens at block_size {a.block_size}) but the pool has "
-                         f"{a.num_blocks}: it could never run; use more num_blocks or "
+                         f"tokens at block_size {a.block_size}, by its attention kinds) but the "
+                         f"pool has {a.num_blocks}: it could never run; use more num_blocks or "
                          f"shorter requests")
     return prompt_token_ids
 

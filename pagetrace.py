@@ -62,7 +62,7 @@ def fresh(value):
     return value
 
 
-NO_BLOCK = -1  # a block table's entry where a sliding window gave its block back (nanopaged's)
+NO_BLOCK = -1  # a block table's entry for a block no token to come sees, given back (nanopaged's)
 
 
 def table_of(e):
@@ -153,7 +153,7 @@ class Pool:
     def on_trim(self, e):
         del self.tables[table_of(e)][e["keep"]:]
 
-    def on_slide(self, e):  # a block its window left behind, given back
+    def on_skip(self, e):  # a block no token to come sees (its attention kind's), given back
         self.tables[table_of(e)][e["index"]] = NO_BLOCK
 
     def on_fork(self, e):
@@ -292,9 +292,9 @@ WORDS = {
     "trim": lambda e, seq: f"{seq(e['seq'])} cut its table to {e['keep']} blocks, giving back "
                            "any that held only rejected proposals",
     "fork": lambda e, seq: f"{seq(e['seq'])} forked from {seq(e['parent'])}, sharing its blocks",
-    "slide": lambda e, seq: f"{seq(e['seq'])} gave back its block {e['index']}"
-                            f"{' of group ' + str(e['group']) if e.get('group') else ''}: no "
-                            "token to come sees it through its sliding window",
+    "skip": lambda e, seq: f"{seq(e['seq'])} gave back its block {e['index']}"
+                           f"{' of group ' + str(e['group']) if e.get('group') else ''}: no "
+                           "token to come sees it (its attention kind: a window, a chunk)",
     "free": lambda e, seq: f"{seq(e['seq'])} freed its blocks",
     "swap_out": lambda e, seq: f"{seq(e['seq'])} swapped out to CPU blocks {_ids(e['table'])}",
     "swap_in": lambda e, seq: f"{seq(e['seq'])} swapped in to blocks {_ids(e['table'])}",
@@ -540,7 +540,7 @@ function drawPool(f) {
 }
 
 function chip(b, info, cpu, isNew) {
-  if (b === NO_BLOCK) {  // a block its sliding window gave back: its place stays, empty
+  if (b === NO_BLOCK) {  // a block no token to come sees, given back: its place stays, empty
     return `<span class="chip gone" title="given back: no token to come sees it">\u2013</span>`;
   }
   const requests = requestsOf(info.owners).join(" "), shared = info.ref > 1 ? " shared" : "";

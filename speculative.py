@@ -76,10 +76,12 @@ def make_proposer(config, model, device):
         raise ValueError(f"speculative_config: the draft's vocab_size is "
                          f"{draft.config.vocab_size}, the target's {target.vocab_size}: a draft "
                          f"must share the target's vocabulary")
-    if len(draft.config.kv_cache_groups) + len(target.kv_cache_groups) > 2:
-        raise ValueError("speculative_config: a draft model and its target each need one kind of "
-                         "attention (their block tables are the same: no model that mixes "
-                         "sliding windows and full attention); method 'ngram' serves any model")
+    kinds = {group.kind for group in draft.config.kv_cache_groups + target.kv_cache_groups}
+    if len(kinds) > 1:
+        raise ValueError(f"speculative_config: a draft model and its target need one attention "
+                         f"kind, the same (their block tables are the same, and keep the blocks "
+                         f"the target's kind needs), got {sorted(map(str, kinds))}; method "
+                         f"'ngram' serves any model")
     if draft.config.max_seq_len < target.max_seq_len:  # and every position
         raise ValueError(f"speculative_config: the draft's max_seq_len "
                          f"{draft.config.max_seq_len} is shorter than the target's "

@@ -38,6 +38,7 @@ import typing
 import urllib.error
 import urllib.request
 from collections import Counter, deque
+from dataclasses import dataclass
 from fractions import Fraction
 from types import SimpleNamespace
 
@@ -83,6 +84,28 @@ def some(cases, n):
 SCHEDULING_POLICIES.setdefault("shortest_prompt", lambda g: (len(g.prompt_token_ids), g.request_id))
 EVICTION_POLICIES.setdefault("mru", lambda block: -block.freed_at)
 SCHEDULING, EVICTION = sorted(SCHEDULING_POLICIES), sorted(EVICTION_POLICIES)
+
+
+# And an attention kind (README's recipe): StreamingLLM's attention sinks (Xiao et al., ICLR
+# 2024), the first few tokens beside a sliding window, whose blocks are kept. One class and one
+# entry: every property that holds for any kind runs under it too.
+@dataclass(frozen=True)
+class AttentionSinks(nanopaged.AttentionKind):
+    window: int
+    sink: int = 4  # StreamingLLM's four
+    name = "sink_attention"
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(config.sliding_window)
+
+    @property
+    def mask(self):
+        return kernel.Mask(window=self.window, sink=self.sink)
+
+
+nanopaged.ATTENTION_KINDS.setdefault(AttentionSinks.name, AttentionSinks)
+KINDS = sorted(nanopaged.ATTENTION_KINDS)
 
 
 # -----------------------------------------------------------------------------
@@ -140,17 +163,21 @@ LLAMA = tiny_model(n_kv_head=2, seed=1, rope_theta=1e4, norm="rmsnorm", mlp="swi
                    rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=0.25,
                                      high_freq_factor=4.0, original_max_position_embeddings=32))
 MODELS = {"gpt2": MODEL, "llama": LLAMA}
-# Sliding windows of 3 tokens: every layer's (one KV cache group), or the second layer's (two
-# groups, a table each: full attention keeps its blocks, the window gives its old ones back)
-WINDOWED = tiny_model(seed=2, sliding_window=3)
+# A model of each registered attention kind (the suite's own too), windows and chunks of 3 tokens,
+# in every layer (one KV cache group); and a window beside full attention (two groups, a table
+# each: full attention keeps its blocks, the window gives its old ones back)
+KIND_MODELS = {name: tiny_model(seed=2 + i, sliding_window=3, attention_chunk_size=3,
+                                layer_types=[name] * 2)
+               for i, name in enumerate(KINDS) if name != "full_attention"}
+WINDOWED = KIND_MODELS["sliding_attention"]
 HYBRID = tiny_model(seed=3, sliding_window=3, layer_types=["full_attention", "sliding_attention"])
-PAGED_MODELS = {"gpt2": MODEL, "windowed": WINDOWED, "hybrid": HYBRID}
+PAGED_MODELS = {"gpt2": MODEL, **KIND_MODELS, "hybrid": HYBRID}
 
 
 def blocks_a_request_may_hold(engine, prompt, params):
     """What Engine.check_request refuses a request for exceeding: num_seqs x each sequence's
-    most blocks at once (a windowed group's too: recomputed, it takes a block a token again)."""
-    most = engine.allocator.most_blocks(len(prompt) + params.max_tokens)
+    most blocks at once, computing a token at a time, by its kinds' bound."""
+    most = engine.allocator.max_blocks(len(prompt) + params.max_tokens, 1)
     return params.num_seqs * most
 
 
@@ -366,11 +393,30 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
+def masks_of(longest):
+    """Masks (kernel.Mask) of every kind: full attention, a sliding window, a chunk, and sinks
+    beside either; each 1, a few tokens, or any size up to past a context of longest."""
+    size = st.one_of(st.just(1), st.integers(2, 24), st.integers(1, 2 * longest))
+    return st.one_of(st.just(kernel.Mask()), size.map(lambda n: kernel.Mask(window=n)),
+                     size.map(lambda n: kernel.Mask(chunk=n)),
+                     st.tuples(st.none() | size, st.none() | size, st.integers(1, 9)).map(
+                         lambda wcs: kernel.Mask(*wcs)))
+
+
+def keys_seen(mask, seq_len, q_len):
+    """The positions the q_len new tokens of a sequence of seq_len see under mask (None: all),
+    by its rule, key by key."""
+    if mask is None:
+        return set(range(seq_len))
+    return {k for p in range(seq_len - q_len, seq_len) for k in range(p + 1)
+            if mask.visible(torch.tensor(p), torch.tensor(k))}
+
+
 @st.composite
 def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, min_seqs=1,
                   long_prefills=0, head_dims=HEAD_DIMS, block_sizes=(1, 3, 4, 5, 16),
-                  groups=(1, 2, 3, 4, 8), cache_dtypes=(None,), windows=False,
-                  poison_before_window=True):
+                  groups=(1, 2, 3, 4, 8), cache_dtypes=(None,), masks=False,
+                  poison_unseen=True):
     """A packed batch of sequences in a paged cache, and the same K/V laid out contiguously.
     Tables are shuffled, later sequences may share a prefix of sequence 0's blocks (as after
     a fork or a prefix-cache hit), and every cache slot no sequence uses holds NaN.
@@ -378,12 +424,12 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, 
     cache_dtypes: None (q's dtype) or 8-bit ones: the cache is quantized with per-batch scales
     from its amax times 0.5-2 (k_scale, v_scale in the batch), k and v are what it holds
     dequantized to q's dtype, and k_full, v_full what was quantized.
-    windows: a sliding window in the batch ("window": None, 1, a few tokens, or any size up
-    to past every context), else None. A block wholly before the window of a sequence's first
-    new token is -1 in its table (a freed block's placeholder) and its slots NaN; positions
-    before that window are NaN in the contiguous copy, and in the cache too unless another
-    sequence needs the slot (poison_before_window=False leaves real K/V there: flex reads a
-    window's first block whole)."""
+    masks: a kernel.Mask in the batch ("mask": full attention, a sliding window, a chunk, sinks
+    beside either; each 1, a few tokens, or any size up to past every context), else None. A
+    block that holds no key a sequence's new tokens see is -1 in its table (a freed block's
+    placeholder) and its slots NaN; the positions they do not see are NaN in the contiguous
+    copy, and in the cache too unless another sequence needs the slot (poison_unseen=False
+    leaves real K/V in the blocks a sequence reads: flex reads them whole)."""
     num_seqs = draw(st.integers(min_seqs, max_seqs))
     block_size = draw(st.sampled_from(block_sizes))
     n_kv_head = draw(st.sampled_from([1, 2]))
@@ -409,10 +455,7 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, 
         q_lens.insert(at, q_len)
         num_seqs += 1
 
-    window = None
-    if windows:  # 1, a few tokens, or any size up to past every context; often mid-block
-        window = draw(st.one_of(st.none(), st.just(1), st.integers(2, 24),
-                                st.integers(1, 2 * max(seq_lens))))
+    mask = draw(masks_of(max(seq_lens))) if masks else None
 
     # block tables: shuffled physical ids; sequence i > 0 may start with sequence 0's blocks
     num_blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -423,37 +466,37 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, 
         shared = draw(st.integers(0, min(n, num_blocks_per_seq[0]) - 1)) if i > 0 else 0
         tables.append((tables[0][:shared] if i > 0 else []) + free[:n - shared])
         free = free[n - shared:]
-    # the first position any new token of a sequence sees; blocks wholly before it are -1
-    starts = [max(0, n - q - window + 1) if window else 0 for n, q in zip(seq_lens, q_lens)]
-    tables = [[-1 if (j + 1) * block_size <= start else b for j, b in enumerate(table)]
-              for table, start in zip(tables, starts)]
+    # the positions any new token of a sequence sees; blocks without one are -1
+    seen = [keys_seen(mask, n, q) for n, q in zip(seq_lens, q_lens)]
+    tables = [[b if seen_i & set(range(j * block_size, (j + 1) * block_size)) else -1
+               for j, b in enumerate(table)] for table, seen_i in zip(tables, seen)]
     max_blocks = max(num_blocks_per_seq) + 1  # at least one -1 column of padding
     block_tables = torch.tensor([t + [-1] * (max_blocks - len(t)) for t in tables],
                                 dtype=torch.int32)
 
     # fill the slots a sequence sees (shared ones once) and gather the contiguous copy slot by
-    # slot, NaN before the sequence's window
+    # slot, NaN where no new token of the sequence sees it
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     k_cache = torch.full((num_blocks, block_size, n_kv_head, head_dim), float("nan"), dtype=dtype)
     v_cache = k_cache.clone()
     nan = torch.full((n_kv_head, head_dim), float("nan"), dtype=dtype)
     k_ctx, v_ctx = [], []
-    for table, seq_len, start in zip(tables, seq_lens, starts, strict=True):
-        first = start if poison_before_window else start // block_size * block_size
+    for table, seq_len, seen_i in zip(tables, seq_lens, seen, strict=True):
         for t in range(seq_len):
             b, o = table[t // block_size], t % block_size
-            if t >= first and k_cache[b, o].isnan().any():
+            filled = t in seen_i or not poison_unseen and b != -1
+            if filled and k_cache[b, o].isnan().any():
                 k_cache[b, o] = torch.randn(n_kv_head, head_dim, generator=g).to(dtype)
                 v_cache[b, o] = torch.randn(n_kv_head, head_dim, generator=g).to(dtype)
-            k_ctx.append(k_cache[b, o] if t >= start else nan)
-            v_ctx.append(v_cache[b, o] if t >= start else nan)
+            k_ctx.append(k_cache[b, o] if t in seen_i else nan)
+            v_ctx.append(v_cache[b, o] if t in seen_i else nan)
     q = torch.randn(sum(q_lens), n_kv_head * group, head_dim, generator=g).to(dtype)
     cu_seqlens_q = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     k, v = torch.stack(k_ctx), torch.stack(v_ctx)
     scales, cache_dtype = {}, draw(st.sampled_from(cache_dtypes))
     if cache_dtype is not None:  # an 8-bit cache: unused slots stay NaN (clamp keeps NaN)
         for name, x in (("k", k), ("v", v)):
-            amax = x.nan_to_num(0).abs().amax()  # NaN: positions before a window
+            amax = x.nan_to_num(0).abs().amax()  # NaN: positions no new token sees
             scales[name] = kernel.kv_scales(amax * draw(st.sampled_from([0.5, 1, 2])), cache_dtype)
         # the quantized cache, and the contiguous copy of what it holds, dequantized
         k_cache, v_cache = (kernel.quantize(c, scales[n], cache_dtype)
@@ -466,7 +509,7 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, 
     return dict(
         q=to(q), k_cache=to(k_cache), v_cache=to(v_cache), block_tables=to(block_tables),
         seq_lens=to(torch.tensor(seq_lens, dtype=torch.int32)), cu_seqlens_q=to(cu_seqlens_q),
-        scale=head_dim**-0.5, k=to(k), v=to(v), window=window,
+        scale=head_dim**-0.5, k=to(k), v=to(v), mask=mask,
         **({} if cache_dtype is None else dict(
             k_scale=to(scales["k"]), v_scale=to(scales["v"]), **full)),
     )
@@ -487,20 +530,20 @@ def scales(b):
 
 def reference(b):
     return naive_attention(b["q"], b["k"], b["v"], b["cu_seqlens_q"], b["seq_lens"], b["scale"],
-                           window=b["window"])
+                           mask=b["mask"])
 
 
 def assert_close(out, ref):
     tol = TOL[ref.dtype]
     assert out.dtype == ref.dtype and out.shape == ref.shape
-    assert not out.isnan().any(), "NaN in the output: a slot past seq_len or the window was read"
+    assert not out.isnan().any(), "NaN in the output: a slot past seq_len or the mask was read"
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
 @pytest.mark.kernel
 @settings(max_examples=examples(40), deadline=None)
 @given(
-    paged_batches(dtypes=[torch.float32, torch.float16, torch.bfloat16], windows=True),
+    paged_batches(dtypes=[torch.float32, torch.float16, torch.bfloat16], masks=True),
     st.sampled_from([None, 1, 2, 3]), st.booleans(),
 )
 def test_triton_matches_naive(b, num_splits, pass_max_q_len):
@@ -508,23 +551,23 @@ def test_triton_matches_naive(b, num_splits, pass_max_q_len):
     max_q_len = (int((b["cu_seqlens_q"][1:] - b["cu_seqlens_q"][:-1]).max()) if pass_max_q_len
                  else None)
     out = paged_attention(*paged_args(b), max_q_len=max_q_len, num_splits=num_splits,
-                          window=b["window"])
+                          mask=b["mask"])
     assert_close(out, reference(b))
 
 
 @pytest.mark.kernel
 @settings(max_examples=examples(18), deadline=None)
 @given(paged_batches(dtypes=[torch.float32], max_seqs=2, max_seq_len=300, decode_only=True,
-                     cache_dtypes=(None, None, *FP8), windows=True),
+                     cache_dtypes=(None, None, *FP8), masks=True),
        st.integers(2, 64))
 def test_split_kv_agrees_with_one_split(b, num_splits):
     # the split path must give the same result as one program per sequence, including
     # splits left empty because the context (or the window) is shorter than num_splits tiles
     # (8-bit caches too)
-    one = paged_attention(*paged_args(b), max_q_len=1, num_splits=1, window=b["window"],
+    one = paged_attention(*paged_args(b), max_q_len=1, num_splits=1, mask=b["mask"],
                           **scales(b))
     split = paged_attention(*paged_args(b), max_q_len=1, num_splits=num_splits,
-                            window=b["window"], **scales(b))
+                            mask=b["mask"], **scales(b))
     assert_close(split, one)
 
 
@@ -532,26 +575,26 @@ def test_split_kv_agrees_with_one_split(b, num_splits):
 @settings(max_examples=examples(8), deadline=None)
 @given(paged_batches(dtypes=[torch.float32, torch.float16, torch.bfloat16], min_seqs=8, max_seqs=24,
                      max_seq_len=60, long_prefills=2, head_dims=(16, 32, 64, 80),
-                     cache_dtypes=(None, None, *FP8), windows=True),
+                     cache_dtypes=(None, None, *FP8), masks=True),
        st.integers(1, 64))
 def test_triton_mixed_batches_many_decodes_few_long_prefills(b, num_splits):
     # the engine's usual step: the decode launch (split or not) and the prefill launch, whose
     # query tiles are numbered across sequences, each take their own rows and only those
     max_q_len = int(b["cu_seqlens_q"].diff().max())
     out = paged_attention(*paged_args(b), max_q_len=max_q_len, num_splits=num_splits,
-                          window=b["window"], **scales(b))
+                          mask=b["mask"], **scales(b))
     assert_close(out, reference(b))
 
 
 @pytest.mark.kernel
 @settings(max_examples=examples(200), deadline=None)
-@given(paged_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16], windows=True),
+@given(paged_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16], masks=True),
        st.sampled_from([kernel.CHUNK_BYTES, 0, 1 << 12, 1 << 15]))
 def test_torch_path_matches_naive(b, chunk_bytes):
     # small chunk budgets cut the decode and short groups into many calls (0: one sequence each)
     default, kernel.CHUNK_BYTES = kernel.CHUNK_BYTES, chunk_bytes
     try:
-        assert_close(paged_attention_torch(*paged_args(b), window=b["window"]), reference(b))
+        assert_close(paged_attention_torch(*paged_args(b), mask=b["mask"]), reference(b))
     finally:
         kernel.CHUNK_BYTES = default
 
@@ -559,16 +602,16 @@ def test_torch_path_matches_naive(b, chunk_bytes):
 @pytest.mark.kernel
 @settings(max_examples=examples(100), deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 20), st.integers(0, 300)), min_size=1, max_size=40),
-       st.integers(0, 1 << 16), st.integers(1, 4), st.one_of(st.none(), st.integers(1, 300)))
-def test_torch_path_plan_calls_stay_within_chunk_bytes(seqs, chunk_bytes, block_size, window):
+       st.integers(0, 1 << 16), st.integers(1, 4), masks_of(320))
+def test_torch_path_plan_calls_stay_within_chunk_bytes(seqs, chunk_bytes, block_size, mask):
     # (new tokens, earlier context) per sequence: every new token is in exactly one call, a call
     # gathers at most CHUNK_BYTES of K/V unless it holds one sequence, and pads to no span
-    # longer than its own sequences' longest; a span is what the sequence's new tokens see:
-    # from its first new token's window on, so nothing before a window is gathered
+    # longer than its own sequences' longest; a span is what the sequence's new tokens see,
+    # under its mask: nothing outside the mask is gathered
     q_lens = [q for q, _ in seqs]
     lens = [q + c for q, c in seqs]
-    starts = [max(0, c - window + 1) if window else 0 for _, c in seqs]
-    spans = [n - start for n, start in zip(lens, starts)]
+    seen = [keys_seen(mask, n, q) for n, q in zip(lens, q_lens)]
+    spans = list(map(len, seen))
     max_blocks = -(-max(lens) // block_size)
     tables = torch.arange(len(seqs) * max_blocks, dtype=torch.int32).view(len(seqs), -1)
     cu = torch.tensor([0] + q_lens).cumsum(0).int()
@@ -576,27 +619,25 @@ def test_torch_path_plan_calls_stay_within_chunk_bytes(seqs, chunk_bytes, block_
     default, kernel.CHUNK_BYTES = kernel.CHUNK_BYTES, chunk_bytes
     try:
         plan = kernel._attention_plan(tables, torch.tensor(lens, dtype=torch.int32), cu,
-                                      block_size, 2, True, token_bytes, window)
+                                      block_size, 2, True, token_bytes, mask)
     finally:
         kernel.CHUNK_BYTES = default
     written, decode_calls = [], []
-    for rows, slots, (B, Q, L), mask, kept, out_rows in plan["calls"]:
+    for rows, slots, (B, Q, L), hidden, kept, out_rows in plan["calls"]:
         order = torch.searchsorted(cu, rows.view(B, Q)[:, 0], right=True) - 1  # call's sequences
         seqs_in = sorted(set(order.tolist()))
         assert len(seqs_in) == B
         assert B == 1 or B * L * token_bytes <= chunk_bytes
         assert L == max(spans[i] for i in seqs_in) and Q == max(q_lens[i] for i in seqs_in)
         # each row gathers its own sequence's slots (tables: block i * max_blocks + j), of every
-        # position its new tokens see and no other (span distinct ones, from start to the end)
+        # position its new tokens see and no other
         seq, pos = slots.view(B, L).div(max_blocks * block_size, rounding_mode="floor"), \
             slots.view(B, L) % (max_blocks * block_size)
         assert torch.equal(seq, order[:, None].expand(B, L))
-        assert pos.amin(1).tolist() == [starts[i] for i in order.tolist()]
-        assert pos.amax(1).tolist() == [lens[i] - 1 for i in order.tolist()]
-        assert [len(set(row)) for row in pos.tolist()] == [spans[i] for i in order.tolist()]
-        # a mask only where something is hidden: padding, later tokens of a chunk, or positions
-        # that slid out of a later token's window
-        assert (mask is None) == (Q == 1 and all(spans[i] == L for i in seqs_in))
+        assert [set(row) for row in pos.tolist()] == [seen[i] for i in order.tolist()]
+        # a boolean mask only where something is hidden: padding, later tokens of a chunk, or
+        # keys a later token no longer sees
+        assert (hidden is None) == (Q == 1 and all(spans[i] == L for i in seqs_in))
         written += out_rows.tolist()
         decode_calls += [(seqs_in, L)] if Q == 1 else []
     assert sorted(written) == list(range(sum(q_lens)))
@@ -614,19 +655,19 @@ def test_torch_path_plan_calls_stay_within_chunk_bytes(seqs, chunk_bytes, block_
 @pytest.mark.kernel
 @settings(max_examples=examples(8), deadline=None)
 @given(paged_batches(dtypes=[torch.float32], max_seqs=6, head_dims=(64,), block_sizes=(16,),
-                     groups=(1, 3), windows=True, poison_before_window=False))
+                     groups=(1, 3), masks=True, poison_unseen=False))
 def test_flex_decode_matches_naive(b):
     # the opt-in gather-free decode (flex_attention compiled by Inductor, one compile for these
     # shapes), in batches of decodes, prefills and chunked prefills with mixed lengths and GQA
     out = paged_attention_torch(*paged_args(b), decode_attention=kernel.paged_attention_flex,
-                                window=b["window"])
+                                mask=b["mask"])
     assert_close(out, reference(b))
 
 
 @pytest.mark.kernel
 @settings(max_examples=examples(4), deadline=None)
 @given(paged_batches(dtypes=[torch.float32], max_seqs=4, head_dims=(64,), block_sizes=(16,),
-                     groups=(1, 3), windows=True, poison_before_window=False))
+                     groups=(1, 3), masks=True, poison_unseen=False))
 def test_flex_decode_is_right_when_it_runs_eagerly(b):
     # past Dynamo's recompile limit (8 compiles of one function in a process), flex_attention
     # runs uncompiled, where its block lists skip nothing: the mask alone must hide every block
@@ -641,7 +682,7 @@ def test_flex_decode_is_right_when_it_runs_eagerly(b):
         mp.setattr(kernel, "_flex", flex_attention)
         out = paged_attention_torch(q, k_cache, v_cache, *rest,
                                     decode_attention=kernel.paged_attention_flex,
-                                    window=b["window"])
+                                    mask=b["mask"])
     assert_close(out, reference(b))
 
 
@@ -687,16 +728,23 @@ def test_store_kv_writes_exactly_the_given_slots(
 
 @pytest.mark.kernel
 @settings(max_examples=examples(30), deadline=None)
-@given(st.integers(1, 40), st.integers(0, 40), st.integers(1, 90), st.sampled_from([1, 4, 5]))
-def test_every_path_sees_the_keys_transformers_sliding_window_mask_sees(q_len, cached, window,
-                                                                       block_size):
+@given(st.integers(1, 40), st.integers(0, 40), st.sampled_from(["sliding", "chunked"]),
+       st.integers(1, 90), st.sampled_from([1, 4, 5]))
+def test_every_path_sees_the_keys_transformers_masks_see(q_len, cached, kind, size, block_size):
     # which keys a new token sees, read off its attention weights: with q = 0 they are uniform
     # over the keys seen, and v = one-hot positions returns them; against transformers' own
-    # mask function, which starts the window at its exact place (windows past the context too)
+    # mask functions, which start a window or a chunk at its exact place (past the context too)
     masking_utils = pytest.importorskip("transformers.masking_utils")
     seq_len = q_len + cached
     q_pos, k_pos = torch.arange(cached, seq_len)[:, None], torch.arange(seq_len)[None]
-    expected = masking_utils.sliding_window_causal_mask_function(window)(0, 0, q_pos, k_pos)
+    if kind == "sliding":
+        mask = kernel.Mask(window=size)
+        rule = masking_utils.sliding_window_causal_mask_function(size)
+    else:  # Llama 4's, with no left padding
+        mask = kernel.Mask(chunk=size)
+        rule = masking_utils.chunked_causal_mask_function(size, torch.zeros(1, dtype=torch.long))
+    expected = rule(0, 0, q_pos, k_pos)
+    assert torch.equal(mask.visible(q_pos, k_pos), expected)
     q = torch.zeros(q_len, 1, 128)
     kv = torch.eye(seq_len, 128)[:, None]                                        # (L, 1, 128)
     cu, lens = torch.tensor([0, q_len], dtype=torch.int32), torch.tensor([seq_len]).int()
@@ -707,9 +755,9 @@ def test_every_path_sees_the_keys_transformers_sliding_window_mask_sees(q_len, c
     table = torch.arange(num_blocks, dtype=torch.int32)[None]
     paged = (q.to(DEVICE), cache.to(DEVICE), cache.to(DEVICE), table.to(DEVICE), lens.to(DEVICE),
              cu.to(DEVICE), 1.0)
-    for name, out in [("naive", naive_attention(q, kv, kv, cu, lens, 1.0, window=window)),
-                      ("torch", paged_attention_torch(*paged, window=window)),
-                      ("triton", paged_attention(*paged, window=window))]:
+    for name, out in [("naive", naive_attention(q, kv, kv, cu, lens, 1.0, mask=mask)),
+                      ("torch", paged_attention_torch(*paged, mask=mask)),
+                      ("triton", paged_attention(*paged, mask=mask))]:
         assert torch.equal(out[:, 0, :seq_len].cpu() > 0, expected), name
 
 
@@ -747,38 +795,37 @@ def read_slots(addresses, tensor):
 @pytest.mark.skipif(not kernel.INTERPRETED, reason="reads are recorded in Triton's interpreter")
 @settings(max_examples=examples(16), deadline=None)
 @given(paged_batches(dtypes=[torch.float16], max_seqs=3, max_seq_len=300, head_dims=(16,),
-                     groups=(1, 4), windows=True),
+                     groups=(1, 4), masks=True),
        st.sampled_from([1, 2, 3]))
-def test_triton_never_reads_a_block_before_the_window(b, num_splits):
+def test_triton_never_reads_a_block_outside_the_mask(b, num_splits):
     # masking a score is not skipping its block: the kernel must not read the K/V of a position
-    # before the window of the sequence's first new token, nor its block-table entry (a freed
-    # block's placeholder), nor visit a tile that holds no key any of its rows sees
+    # no new token of the sequence sees, nor the block-table entry of a block without one (a
+    # freed block's placeholder), nor visit a tile that holds no key any of its rows sees
     with interpreter_reads() as reads:
-        out = paged_attention(*paged_args(b), num_splits=num_splits, window=b["window"])
+        out = paged_attention(*paged_args(b), num_splits=num_splits, mask=b["mask"])
     assert_close(out, reference(b))
-    window, bs = b["window"], b["k_cache"].shape[1]
+    mask, bs = b["mask"] or kernel.Mask(), b["k_cache"].shape[1]
     lens, cu = b["seq_lens"].tolist(), b["cu_seqlens_q"].tolist()
     q_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
-    starts = [max(0, n - q - window + 1) if window else 0 for n, q in zip(lens, q_lens)]
+    seen = [keys_seen(mask, n, q) for n, q in zip(lens, q_lens)]
     tables = b["block_tables"].tolist()
-    seen = {tables[i][t // bs] * bs + t % bs for i, n in enumerate(lens)
-            for t in range(starts[i], n)}
+    slots = {tables[i][t // bs] * bs + t % bs for i in range(len(lens)) for t in seen[i]}
     addresses = np.concatenate(reads.addresses)
     for cache in (b["k_cache"], b["v_cache"]):
-        assert read_slots(addresses, cache) <= seen
+        assert read_slots(addresses, cache) <= slots
     max_blocks = b["block_tables"].shape[1]
     entries = read_slots(addresses, b["block_tables"].view(-1, 1, 1))  # table row * width + col
-    assert all(starts[e // max_blocks] < (e % max_blocks + 1) * bs
-               and e % max_blocks * bs < lens[e // max_blocks] for e in entries)
-    # tiles: a program visits those of its first row's window start to its last row's position
+    assert all({t // bs for t in seen[e // max_blocks]} >= {e % max_blocks} for e in entries)
+    # tiles: a program visits its first row's sinks, then from its first row's first key to
+    # its last row's position
     n_kv_head, group = b["k_cache"].shape[2], b["q"].shape[1] // b["k_cache"].shape[2]
     tiles = 0
     for n, q_len in zip(lens, q_lens):
         config = kernel.kernel_config(torch.float16, 16, group, bs, decode=q_len == 1)
         for first in range(0, q_len, config["BLOCK_Q"]):
             end = n - q_len + min(first + config["BLOCK_Q"], q_len)
-            start = max(0, n - q_len + first - window + 1) if window else 0
-            tiles += -(-(end - start) // config["BLOCK_N"])
+            start = mask.first_seen(n - q_len + first)
+            tiles += -(-(min(mask.sink, start) + end - start) // config["BLOCK_N"])
     assert reads.dots == 2 * n_kv_head * tiles  # q k^T and p v, per tile
 
 
@@ -831,11 +878,19 @@ def test_launcher_rejects_bad_inputs(break_it, message):
 
 
 @pytest.mark.kernel
-@pytest.mark.parametrize("window", [-1, 2.5, True, 2**31])
-def test_every_path_rejects_a_window_that_is_not_a_count_of_positions(window):
+@pytest.mark.parametrize("mask, message", [
+    (dict(window=0), "Mask.window must be None or an int in 1.."),
+    (dict(window=2.5), "Mask.window"), (dict(window=True), "Mask.window"),
+    (dict(chunk=2**31), "Mask.chunk must be None or an int in 1.."),
+    (dict(chunk=-1), "Mask.chunk"), (dict(sink=None), "Mask.sink must be an int in 0.."),
+    (dict(sink=-1), "Mask.sink"),
+])
+def test_every_path_rejects_a_mask_that_is_not_counts_of_positions(mask, message):
     for attend in (paged_attention, paged_attention_torch):
-        with pytest.raises(AssertionError, match="window must be None or an int"):
-            attend(*small_batch(), window=window)
+        with pytest.raises(AssertionError, match=message):
+            attend(*small_batch(), mask=kernel.Mask(**mask))
+    with pytest.raises(AssertionError, match="mask must be a kernel.Mask"):
+        paged_attention(*small_batch(), mask=4)
 
 
 @pytest.mark.kernel
@@ -934,7 +989,8 @@ def test_kernel_compiles_for_a_gpu():
 def jit_keys_of_steps(seed=0, steps=40):
     """The JIT cache keys (sm_90) of the launches of random engine steps of one model: many
     sequences or few, short or long tables, decode, split decode, prefill and mixed, in layers
-    of full attention or sliding windows (1, a multiple of 16 or not)."""
+    of every kind of mask: full attention, windows, chunks and sinks (1, a multiple of 16 or
+    not)."""
     import bench
     rng, keys = random.Random(seed), {}
     for _ in range(steps):
@@ -943,9 +999,11 @@ def jit_keys_of_steps(seed=0, steps=40):
         args = bench.engine_step(torch.float16, 128, 4, 16, q_lens, contexts)
         resident = rng.choice([132, 1000])  # an H100's SMs, or several programs on each
         num_splits = kernel.split_count(len(q_lens), 2, args[3].shape[1] * 16, resident)
-        window = rng.choice([None, 0, 1, 100, 4096])
+        size = rng.choice([None, 1, 16, 100, 4096])
+        mask = rng.choice([None, kernel.Mask(window=size), kernel.Mask(chunk=size),
+                           kernel.Mask(window=size, sink=rng.choice([1, 4, 32]))])
         launches = bench.capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits,
-                                          window=window)
+                                          mask=mask)
         for fn, _, a, k in launches:
             launch = (fn.__name__, k.get("DECODE"), k.get("SPLIT_KV"))
             keys.setdefault(launch, set()).add(bench.jit_key(90, fn, a, k))
@@ -956,7 +1014,7 @@ def jit_keys_of_steps(seed=0, steps=40):
 def test_kernel_compiles_once_per_launch_kind_not_per_step():
     # Triton specializes integers on == 1 and divisibility by 16: a block-table width or a
     # sequence count that does it mid-serving would recompile (seconds) in the middle of a step,
-    # and a window that did would compile per layer kind
+    # and a mask that did would compile per attention kind
     import json
     counts = json.loads(run_without_interpreter(
         "import json, test_nanopaged as t; print(json.dumps(t.jit_keys_of_steps()))"))
@@ -1380,33 +1438,41 @@ def test_metrics_are_set_once_even_when_a_request_is_preempted(mode):
 
 class Cache:
     """Fake KV: token ids in block slots, refusing writes into shared blocks and into the
-    places a window left behind. Every KV cache group's table holds the tokens."""
+    places no token to come sees (NO_BLOCK). Every KV cache group's table holds the tokens."""
 
     def __init__(self, allocator, num_blocks, num_cpu_blocks, block_size):
         self.allocator, self.bs = allocator, block_size
         self.device = [[None] * block_size for _ in range(num_blocks)]
         self.cpu = [[None] * block_size for _ in range(num_cpu_blocks)]
 
-    def compute(self, seq):
-        """Write the tokens of seq that are not computed yet, as a model step would."""
+    def compute(self, seq, num_new=None):
+        """Write seq's next num_new tokens (by default all it has), as a model step would, and
+        publish the blocks they fill."""
+        end = len(seq) if num_new is None else seq.num_computed_tokens + num_new
         for table in seq.block_tables:
-            for p in range(seq.num_computed_tokens, len(seq)):
+            for p in range(seq.num_computed_tokens, end):
                 block_id = table[p // self.bs]
                 assert block_id != NO_BLOCK, f"position {p} has no block to be written into"
                 assert self.allocator.blocks[block_id].ref_count == 1, \
                     f"write into shared block {block_id}"
                 self.device[block_id][p % self.bs] = seq.token_ids[p]
-        seq.num_computed_tokens = len(seq)
-        self.allocator.cache_full_blocks(seq, len(seq))
+        self.allocator.cache_full_blocks(seq, end)
+        seq.num_computed_tokens = end
 
     def copy(self, pairs, src_pool, dst_pool):
         for src, dst in pairs:
             dst_pool[dst] = list(src_pool[src])
 
     def read(self, seq, pool, table):
-        """seq's tokens as table holds them; None where its window left no block."""
-        blocks = [table[p // self.bs] for p in range(len(seq))]
+        """seq's computed tokens as table holds them; None where no block is left."""
+        blocks = [table[p // self.bs] for p in range(seq.num_computed_tokens)]
         return [None if b == NO_BLOCK else pool[b][p % self.bs] for p, b in enumerate(blocks)]
+
+
+def allocate_whole(a, seq):
+    """Give seq its prefix hit and blocks for all its other tokens at once, as one chunk."""
+    a.allocate(seq)
+    return a.allocate_slots(seq, len(seq) - seq.num_computed_tokens)
 
 
 def free_order(a):
@@ -1429,21 +1495,43 @@ def held(tables):
     return [b for table in tables for b in table if b != NO_BLOCK]
 
 
+def unseen_blocks(kind, n, num_blocks, block_size):
+    """The model of the blocks a sequence no longer needs once its first n tokens are computed:
+    those of its first num_blocks whose every key no token from position n on sees, by the
+    kind's mask alone (key k is first seen, if ever, by position max(n, k): the first position
+    a query sees only moves on)."""
+    def needed(k):
+        return bool(kind.mask.visible(torch.tensor(max(n, k)), torch.tensor(k)))
+    return {j for j in range(num_blocks)
+            if not any(needed(k) for k in range(j * block_size, (j + 1) * block_size))}
+
+
+def kinds_of(sizes=st.integers(1, 4)):
+    """Per KV cache group an attention kind, one or two groups (a hybrid model), each of every
+    registered kind (the suite's own included), with windows and chunks of a few tokens."""
+    def kind(name, window, chunk):
+        config = SimpleNamespace(sliding_window=window, attention_chunk_size=chunk)
+        return nanopaged.ATTENTION_KINDS[name].from_config(config)
+    return st.lists(st.builds(kind, st.sampled_from(KINDS), sizes, sizes), min_size=1,
+                    max_size=2).map(tuple)
+
+
 class AllocatorMachine(RuleBasedStateMachine):
-    """The allocator alone, with one KV cache group of full attention, a sliding window, or a
-    window beside full attention (a hybrid model: a table per group over one pool). Every move
-    takes the blocks it counted, from the front of the free list; ref counts are the tables'
-    entries; a window gives back what it left behind, and those blocks are taken again."""
+    """The allocator alone, with one KV cache group or two side by side (a hybrid model: a table
+    per group over one pool), of every attention kind. Every move takes the blocks it counted,
+    from the front of the free list; ref counts are the tables' entries; what a kind no longer
+    needs goes back, and those blocks are taken again; a sequence holds no more than its
+    kinds' bound."""
 
     @initialize(block_size=st.integers(1, 4), num_blocks=st.integers(1, 12),
                 num_cpu_blocks=st.integers(0, 8), caching=st.booleans(),
                 policy=st.sampled_from(EVICTION),
-                windows=st.sampled_from([(None,)] * 3 + [(3,), (None, 2), (1, None)]))
-    def setup(self, block_size, num_blocks, num_cpu_blocks, caching, policy, windows):
-        self.a = BlockAllocator(num_blocks * len(windows), block_size, num_cpu_blocks,
+                kinds=st.sampled_from([(nanopaged.FullAttention(),)]) | kinds_of())
+    def setup(self, block_size, num_blocks, num_cpu_blocks, caching, policy, kinds):
+        self.a = BlockAllocator(num_blocks * len(kinds), block_size, num_cpu_blocks,
                                 enable_prefix_caching=caching, eviction_policy=policy,
-                                windows=windows)
-        self.windows = windows
+                                kinds=kinds)
+        self.kinds = kinds
         self.score = EVICTION_POLICIES[policy]
         self.cache = Cache(self.a, self.a.num_blocks, num_cpu_blocks, block_size)
         self.on_device, self.on_cpu = [], []  # live sequences, by where their blocks are
@@ -1457,23 +1545,19 @@ class AllocatorMachine(RuleBasedStateMachine):
         self.next_id += 1
         return self.next_id
 
-    def seen(self, group, position):
-        """The first block a token at position sees in a group: its window's (W positions:
-        p - W < k <= p), or block 0 under full attention."""
-        w = self.windows[group]
-        return 0 if w is None else max(0, position - w + 1) // self.a.block_size
+    def unseen(self, group, n, num_blocks):
+        return unseen_blocks(self.kinds[group], n, num_blocks, self.a.block_size)
 
     def model_hits(self, tokens):
-        """The longest run of leading full blocks (never the last token's) whose prefix every
-        group serves, the model says: a full-attention group holds each block, a windowed one
-        those the first token after them sees."""
+        """The longest run of leading full blocks (never the last token's) whose blocks each
+        group needs are cached, the model says: all but those no token after them sees."""
         bs, key, keys = self.a.block_size, None, []
         for i in range((len(tokens) - 1) // bs if self.a.prefix_cache.enabled else 0):
             keys.append(key := chain_hash(key, tuple(tokens[i * bs:(i + 1) * bs])))
 
         def served(n):
-            return all(group_key(keys[i], g) in self.published for g in range(len(self.windows))
-                       for i in range(self.seen(g, n * bs), n))
+            return all(group_key(keys[i], g) in self.published for g in range(len(self.kinds))
+                       for i in set(range(n)) - self.unseen(g, n * bs, n))
         return max(n for n in range(len(keys) + 1) if served(n))
 
     def keys(self, seq):
@@ -1488,14 +1572,15 @@ class AllocatorMachine(RuleBasedStateMachine):
         holders = {k: [b for b in blocks if b not in lost] for k, blocks in self.published.items()}
         self.published = {k: blocks for k, blocks in holders.items() if blocks}
 
-    def compute(self, seq, fresh):
-        """The blocks handed out fresh lose what they held; then seq's full blocks from
-        num_cached_blocks on (after a swap, all of them: fresh copies) are published in each
-        group that holds them, each beside any other block that holds its prefix (a twin,
-        cached too, as in vLLM): every computed full block is cached."""
+    def compute(self, seq, fresh, num_new=None):
+        """The blocks handed out fresh lose what they held; then seq's next num_new tokens are
+        written, and its full blocks from num_cached_blocks on (after a swap, all of them: fresh
+        copies) are published in each group that holds them, each beside any other block that
+        holds its prefix (a twin, cached too, as in vLLM): every computed full block is
+        cached."""
         self.forget(set(fresh))
         offered = seq.num_cached_blocks
-        self.cache.compute(seq)
+        self.cache.compute(seq, num_new)
         keys = self.keys(seq)
         for g, table in enumerate(seq.block_tables):
             for key, block_id in zip(keys[offered:], table[offered:]):
@@ -1537,30 +1622,27 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert seq.num_computed_tokens == hits * bs < len(seq)
         assert self.a.prefix_cache.counts.hit_tokens - hit_tokens_before == seq.num_computed_tokens
         keys = self.keys(seq)
-        for g, table in enumerate(seq.block_tables):  # before the window, no block; then the
-            first = self.seen(g, hits * bs)  # first cached holder of each prefix the hit needs
-            assert table[:hits] == [NO_BLOCK] * first + [
-                self.published[group_key(key, g)][0] for key in keys[first:hits]]
-        self.took(counted, free_before, [], seq.block_tables)
-        # taken in eviction order: the front of the free list first, group by group
-        fresh = [b for table in seq.block_tables for b in table[hits:]]
-        hit = held(table[:hits] for table in seq.block_tables)
-        assert fresh == [b for b in free_before if b not in hit][:len(fresh)]
-        self.compute(seq, fresh)
+        for g, table in enumerate(seq.block_tables):  # no block where no token to come sees
+            unseen = self.unseen(g, hits * bs, hits)  # one; else the prefix's first cached holder
+            assert table == [NO_BLOCK if i in unseen else self.published[group_key(key, g)][0]
+                             for i, key in enumerate(keys[:hits])]
+        self.took(counted, free_before, [], seq.block_tables)  # a hit's blocks only, if free
         self.on_device.append(seq)
 
-    def slide(self, seq):
-        """Give back what seq's windows left behind: each group's blocks before the one its
-        next token sees become NO_BLOCK, released; those nobody else holds join the free list,
-        the uncached ones on top (the next taken), the last released first."""
+    def skip(self, seq):
+        """Give back what seq's kinds no longer need: each group's blocks no token to come
+        sees become NO_BLOCK, released; those nobody else holds join the free list, the
+        uncached ones on top (the next taken), the last released first."""
         tables, free_before = [list(t) for t in seq.block_tables], free_order(self.a)
         refs = [b.ref_count for b in self.a.blocks]
-        self.a.free_window_blocks(seq)
+        self.a.free_skipped_blocks(seq)
         released = []
         for g, (old, table) in enumerate(zip(tables, seq.block_tables)):
-            first = self.seen(g, seq.num_computed_tokens)
-            assert table == [NO_BLOCK] * first + old[first:], "a window kept or freed a block"
-            released += [b for b in reversed(old[:first]) if b != NO_BLOCK]
+            unseen = self.unseen(g, seq.num_computed_tokens, len(old))
+            assert table == [NO_BLOCK if i in unseen else b for i, b in enumerate(old)], \
+                "a kind kept a block no token to come sees, or gave back one it needs"
+            released += [b for i, b in reversed(list(enumerate(old)))
+                         if b != NO_BLOCK and i in unseen]
         freed = [b for b in released if refs[b] == 1]
         assert len(free_before) + len(freed) == self.a.num_free_blocks
         empty = [b for b in reversed(freed) if self.a.blocks[b].hash is None]
@@ -1568,37 +1650,45 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.on_device)
     @rule(data=st.data())
-    def slide_windows(self, data):
-        self.slide(data.draw(st.sampled_from(self.on_device)))
+    def skip_blocks(self, data):
+        self.skip(data.draw(st.sampled_from(self.on_device)))
 
     @precondition(lambda self: self.on_device)
-    @rule(data=st.data(), token=st.integers(0, 2), slide=st.booleans())
-    def append(self, data, token, slide):
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), max_size=3))
+    def compute_a_chunk(self, data, tokens):
+        # a sequence gains tokens (or has its prompt's left), then computes a chunk of them, as
+        # an engine step does: what its kinds no longer need goes back first
         seq = data.draw(st.sampled_from(self.on_device))
-        seq.token_ids.append(token)
-        if slide:  # as an engine step does first: the new token's window is known
-            self.slide(seq)
-        counted = self.a.num_blocks_to_append([seq])
-        # its shortcut (a table takes one block at most) says what the count says
-        assert self.a.can_append([seq]) == (counted <= self.a.num_free_blocks)
+        seq.token_ids += tokens
+        if seq.num_computed_tokens == len(seq):
+            return
+        num_new = data.draw(st.integers(1, len(seq) - seq.num_computed_tokens))
+        self.skip(seq)
+        counted = self.a.num_blocks_to_append([seq], num_new)
+        # the decode's shortcut (a table takes one block at most) says what the count says
+        if num_new == 1 and seq.num_computed_tokens + 1 == len(seq):
+            assert self.a.can_append([seq]) == (counted <= self.a.num_free_blocks)
+        # a chunk shrinks to the blocks free: the most tokens whose count fits
+        fits = self.a.num_slots_free(seq, num_new)
+        assert all((self.a.num_blocks_to_append([seq], n) <= self.a.num_free_blocks) == (n <= fits)
+                   for n in range(num_new + 1))
         if counted > self.a.num_free_blocks:
             before = allocator_state(self.a)
             with pytest.raises(OutOfBlocksError):
-                self.a.append_slot(seq)
+                self.a.allocate_slots(seq, num_new)
             assert allocator_state(self.a) == before
-            seq.token_ids.pop()
             return
         tables, free_before = [list(t) for t in seq.block_tables], free_order(self.a)
-        copies = self.a.append_slot(seq)
+        copies = self.a.allocate_slots(seq, num_new)
         assert all(self.a.blocks[src].ref_count >= 1 for src, _ in copies), \
             "copy-on-write source must still be owned"
         self.cache.copy(copies, self.cache.device, self.cache.device)
         self.took(counted, free_before, tables, seq.block_tables)
-        fresh = [[b for b in table if b not in old] for old, table in zip(tables, seq.block_tables)]
-        assert all(len(f) <= 1 for f in fresh)  # a block per group at most
-        fresh = sum(fresh, [])
-        assert fresh == free_before[:len(fresh)]
-        self.compute(seq, fresh)
+        fresh = [b for old, table in zip(tables, seq.block_tables) for b in table if b not in old]
+        assert fresh == free_before[:len(fresh)]  # group by group, from the front of the list
+        most = self.a.max_blocks(len(seq), num_new)  # its kinds' bound, while the chunk runs
+        assert len(held(seq.block_tables)) <= most
+        self.compute(seq, fresh, num_new)
 
     @precondition(lambda self: self.on_device)
     @rule(data=st.data())
@@ -1624,7 +1714,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert free[len(free) - len(cached):] == cached
 
     def move(self, data, source, target, can_move, move, src_pool, dst_pool):
-        # a group at once (a parent and its forks, say), so blocks they share stay shared
+        # a request at once (a parent and its forks, say), so blocks they share stay shared
         seqs = data.draw(st.lists(st.sampled_from(source), min_size=1, unique=True))
         swap_in = move == self.a.swap_pool.swap_in
         num_free = self.a.num_free_blocks if swap_in else self.a.swap_pool.num_free_blocks
@@ -1648,7 +1738,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         assert num_free - (self.a.num_free_blocks if swap_in else
                            self.a.swap_pool.num_free_blocks) == num_blocks
         assert left == [[b == NO_BLOCK for b in t] for seq in seqs for t in seq.block_tables], \
-            "a place a window left behind moved, or a held block did not"
+            "a place given back moved, or a held block did not"
         assert not {src for src, _ in copies} & kept.keys(), "a block still cached is copied"
         self.cache.copy(copies, src_pool, dst_pool)
         for seq in seqs:
@@ -1657,7 +1747,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if swap_in:  # blocks taken fresh forgot their prefix; they are published again
             self.forget({b.block_id for b in self.a.blocks if b.hash is None})
             for seq in seqs:
-                self.compute(seq, [])
+                self.compute(seq, [], 0)
 
     @precondition(lambda self: self.on_device)
     @rule(data=st.data())
@@ -1693,23 +1783,22 @@ class AllocatorMachine(RuleBasedStateMachine):
                     counts[b] += 1
             assert counts == [b.ref_count for b in pool.blocks]
             groups = [set(held(seq.block_tables[g] for seq in seqs))
-                      for g in range(len(self.windows))]
+                      for g in range(len(self.kinds))]
             assert sum(map(len, groups)) == len(set().union(*groups)), "a block in two groups"
 
     @invariant()
-    def every_sequence_reads_back_what_was_appended(self):
+    def every_sequence_reads_back_what_it_computed(self):
         for seqs, pool in ((self.on_device, self.cache.device), (self.on_cpu, self.cache.cpu)):
             for seq in seqs:
                 for g, table in enumerate(seq.block_tables):
-                    assert len(table) == -(-len(seq) // self.a.block_size), \
-                        "at most one partial block"
-                    # a window leaves behind only blocks its next token does not see
-                    first = table.count(NO_BLOCK)
-                    assert NO_BLOCK not in table[first:]
-                    assert first <= self.seen(g, seq.num_computed_tokens)
-                    assert self.cache.read(seq, pool, table) == \
-                        [None] * (first * self.a.block_size) + \
-                        seq.token_ids[first * self.a.block_size:]
+                    assert len(table) == -(-seq.num_computed_tokens // self.a.block_size), \
+                        "a table covers its computed tokens, its last block at most partial"
+                    # blocks given back are only those no token to come sees
+                    gone = {i for i, b in enumerate(table) if b == NO_BLOCK}
+                    assert gone <= self.unseen(g, seq.num_computed_tokens, len(table))
+                    assert self.cache.read(seq, pool, table) == [
+                        None if p // self.a.block_size in gone else t
+                        for p, t in enumerate(seq.token_ids[:seq.num_computed_tokens])]
 
     @invariant()
     def the_cache_is_the_plain_model_and_evicts_uncached_then_by_score(self):
@@ -1752,17 +1841,41 @@ test_allocator_state_machine = pytest.mark.allocator(AllocatorMachine.TestCase)
 
 
 @pytest.mark.allocator
+@settings(max_examples=examples(200), deadline=None)
+@given(kinds_of(st.integers(1, 40)), st.integers(1, 8), st.integers(1, 200), st.integers(1, 60),
+       st.data())
+def test_a_kinds_bound_holds_every_block_a_chunk_can_need(kinds, block_size, num_tokens, chunk,
+                                                          data):
+    # a sequence at any point, n tokens computed, about to compute a chunk: the blocks it holds
+    # then are those of its first n + chunk tokens but the ones no token from n on sees; the
+    # bound admission and check_request count covers them, wherever n falls
+    n = data.draw(st.integers(0, num_tokens - 1))
+    chunk = min(chunk, num_tokens - n)
+    for kind in kinds:
+        num_blocks = -(-(n + chunk) // block_size)
+        held = num_blocks - len(unseen_blocks(kind, n, num_blocks, block_size))
+        assert held <= kind.max_blocks(num_tokens, chunk, block_size)
+        # and the kind's own rule is the model's: the blocks it gives back, the hit it needs
+        assert set(kind.skipped_blocks(n, block_size)) == unseen_blocks(kind, n, n // block_size,
+                                                                        block_size)
+        hit = n // block_size
+        assert kind.hit_blocks(hit, block_size) == sorted(
+            set(range(hit)) - unseen_blocks(kind, hit * block_size, hit, block_size))
+
+
+@pytest.mark.allocator
 def test_a_hybrid_append_without_room_for_every_group_changes_nothing():
     # a window beside full attention, blocks of one token: each group's table needs a block for
     # the next token, and one is free; the first group's must not be taken before the refusal
-    a = BlockAllocator(3, 1, windows=(None, 2))
+    a = BlockAllocator(3, 1, kinds=(nanopaged.FullAttention(), nanopaged.SlidingWindow(2)))
     seq = Sequence(0, [1], 1)
-    a.allocate(seq)
+    allocate_whole(a, seq)
+    seq.num_computed_tokens = 1
     seq.token_ids.append(2)
     assert a.num_blocks_to_append([seq]) == 2 > a.num_free_blocks == 1
     before = allocator_state(a)
     with pytest.raises(OutOfBlocksError):
-        a.append_slot(seq)
+        a.allocate_slots(seq, 1)
     assert allocator_state(a) == before
 
 
@@ -1770,63 +1883,78 @@ def test_a_hybrid_append_without_room_for_every_group_changes_nothing():
 def test_sequences_allocated_together_take_no_more_than_their_counts_sum():
     # a window of 3, blocks of one token. Cached and free, least recently freed first: the four
     # blocks of [5, 6, 7, 8], then two of [1, 1]. Of two samples recomputed together, the first
-    # hits nothing and takes 3 blocks; the second hits the blocks its window sees, [7] and [8]
-    # (those before it are not needed), and takes 1 and those 2. Taken one by one, the first's
-    # takes would evict those hits, and the second would need 5
-    a = BlockAllocator(6, 1, windows=(3,))
+    # hits nothing and takes nothing yet (its blocks come with its chunks); the second hits the
+    # blocks its window sees, [7] and [8] (those before it are not needed), and takes those 2
+    a = BlockAllocator(6, 1, kinds=(nanopaged.SlidingWindow(3),))
     for tokens in ([5, 6, 7, 8], [1, 1]):
         seq = make_seq(0, tokens)
-        a.allocate(seq)
+        allocate_whole(a, seq)
         seq.num_computed_tokens = len(tokens)
         a.cache_full_blocks(seq)
         a.free(seq)
     first, second = make_seq(1, [9, 9, 9]), make_seq(2, [5, 6, 7, 8, 0])
     counts = [a.num_blocks_to_allocate(seq) for seq in (first, second)]
-    assert counts == [3, 3] and a.num_free_blocks == 6
+    assert counts == [0, 2] and a.num_free_blocks == 6
     a.allocate_together([first, second])
     assert a.num_free_blocks == 6 - sum(counts)
     assert second.num_computed_tokens == 4 and second.block_table[:2] == [NO_BLOCK] * 2
+    assert [a.blocks[b].token_ids for b in second.block_table[2:]] == [(7,), (8,)]
 
 
 @pytest.mark.allocator
 def test_block_size_one_takes_a_block_per_token():
     a = BlockAllocator(num_blocks=5, block_size=1)
     seq = make_seq(0, [7, 8, 9])
-    a.allocate(seq)
+    allocate_whole(a, seq)
     assert len(seq.block_table) == 3 and a.num_free_blocks == 2
     seq.num_computed_tokens = 3
     seq.token_ids.append(10)
-    assert a.append_slot(seq) == [] and len(seq.block_table) == 4
+    assert a.allocate_slots(seq, 1) == [] and len(seq.block_table) == 4
 
 
 @pytest.mark.allocator
 def test_sequence_that_exactly_fills_its_blocks_takes_a_new_block_on_the_next_token():
     a = BlockAllocator(num_blocks=4, block_size=4)
     seq = make_seq(0, list(range(8)))
-    a.allocate(seq)
+    allocate_whole(a, seq)
     assert len(seq.block_table) == 2 and a.num_free_blocks == 2
     seq.num_computed_tokens = 8
     seq.token_ids.append(8)
     assert a.num_blocks_to_append([seq]) == 1
-    assert a.append_slot(seq) == [] and len(seq.block_table) == 3
+    assert a.allocate_slots(seq, 1) == [] and len(seq.block_table) == 3
+
+
+@pytest.mark.allocator
+def test_a_prompt_gets_its_blocks_chunk_by_chunk():
+    # admitted, a sequence holds its hit alone (none here); each chunk takes the blocks its
+    # tokens fill, so a prompt of 10 in blocks of 4 holds 1, then 2, then 3 blocks
+    a = BlockAllocator(num_blocks=8, block_size=4)
+    seq = make_seq(0, list(range(10)))
+    a.allocate(seq)
+    assert len(seq.block_table) == 0 and a.num_free_blocks == 8
+    for chunk, blocks in [(3, 1), (3, 2), (4, 3)]:
+        assert a.num_blocks_to_append([seq], chunk) == blocks - len(seq.block_table)
+        a.allocate_slots(seq, chunk)
+        seq.num_computed_tokens += chunk
+        assert len(seq.block_table) == blocks == 8 - a.num_free_blocks
 
 
 @pytest.mark.allocator
 def test_fork_with_a_partial_last_block_copies_it_on_first_write_only():
     a = BlockAllocator(num_blocks=8, block_size=4)
     parent = make_seq(0, list(range(6)))  # one full block, one partial block
-    a.allocate(parent)
+    allocate_whole(a, parent)
     parent.num_computed_tokens = 6
     child = parent.fork(1, 1)
     a.fork(parent, child)
     assert [a.blocks[b].ref_count for b in parent.block_table] == [2, 2]
     shared_last = parent.block_table[-1]
     child.token_ids.append(100)
-    (src, dst), = a.append_slot(child)  # the child writes first: it moves to a private copy
+    (src, dst), = a.allocate_slots(child, 1)  # the child writes first: it moves to a copy
     assert src == shared_last and child.block_table == [parent.block_table[0], dst]
     assert a.blocks[shared_last].ref_count == 1 and a.blocks[dst].ref_count == 1
     parent.token_ids.append(200)
-    assert a.append_slot(parent) == []  # now the parent is the only owner: it writes in place
+    assert a.allocate_slots(parent, 1) == []  # now the parent is the only owner: in place
     assert parent.block_table[-1] == shared_last
     assert a.blocks[parent.block_table[0]].ref_count == 2  # the full block stays shared
 
@@ -1834,10 +1962,12 @@ def test_fork_with_a_partial_last_block_copies_it_on_first_write_only():
 @pytest.mark.allocator
 def test_out_of_blocks_leaves_the_allocator_unchanged():
     a = BlockAllocator(num_blocks=2, block_size=2)
-    a.allocate(make_seq(0, [1, 2, 3]))
+    allocate_whole(a, make_seq(0, [1, 2, 3]))
+    seq = make_seq(1, [4])
+    a.allocate(seq)
     before = allocator_state(a)
     with pytest.raises(OutOfBlocksError, match="needs 1 blocks, 0 are free"):
-        a.allocate(make_seq(1, [4]))
+        a.allocate_slots(seq, 1)
     assert allocator_state(a) == before
 
 
@@ -1845,7 +1975,7 @@ def test_out_of_blocks_leaves_the_allocator_unchanged():
 def test_double_free_raises():
     a = BlockAllocator(num_blocks=2, block_size=2)
     seq = make_seq(0, [1, 2, 3])
-    a.allocate(seq)
+    allocate_whole(a, seq)
     table = nanopaged.BlockTable()
     table.extend(seq.block_table)
     a.free(seq)
@@ -1862,19 +1992,20 @@ def test_double_free_raises():
 def test_last_reference_to_a_cached_block_goes_away_and_comes_back():
     a = BlockAllocator(num_blocks=6, block_size=2)
     first = make_seq(0, [1, 2, 3, 4, 5])
-    a.allocate(first)
+    allocate_whole(a, first)
     first.num_computed_tokens = 5
     a.cache_full_blocks(first)
     cached = first.block_table[:2]
     a.free(first)
     assert a.num_free_blocks == 6 and all(a.blocks[b].hash is not None for b in cached)
     again = make_seq(1, [1, 2, 3, 4, 9])  # same two full blocks, different tail
-    # the two revived blocks come out of the free list too
-    assert a.num_blocks_to_allocate(again) == 3
-    a.allocate(again)
+    # the hit's two revived blocks come out of the free list, then one for its last token
+    assert a.num_blocks_to_allocate(again) == 2
+    allocate_whole(a, again)
     assert again.block_table[:2] == cached and again.num_computed_tokens == 4
+    assert a.num_free_blocks == 3
     other = make_seq(2, [3, 4, 1, 2, 7])  # the same blocks after a different prefix must not hit
-    a.allocate(other)
+    allocate_whole(a, other)
     assert other.num_computed_tokens == 0
 
 
@@ -1882,11 +2013,11 @@ def test_last_reference_to_a_cached_block_goes_away_and_comes_back():
 def test_fully_cached_prompt_still_computes_its_last_token():
     a = BlockAllocator(num_blocks=6, block_size=2)
     first = make_seq(0, [1, 2, 3, 4])
-    a.allocate(first)
+    allocate_whole(a, first)
     first.num_computed_tokens = 4
     a.cache_full_blocks(first)
     second = make_seq(1, [1, 2, 3, 4])
-    a.allocate(second)
+    allocate_whole(a, second)
     # the last token's logits are needed, so its block is recomputed into a private block
     assert second.num_computed_tokens == 2 and second.block_table[0] == first.block_table[0]
     assert a.blocks[second.block_table[1]].ref_count == 1
@@ -1896,7 +2027,7 @@ def test_fully_cached_prompt_still_computes_its_last_token():
 def test_hash_collision_is_caught_by_comparing_tokens():
     a = BlockAllocator(num_blocks=4, block_size=2)
     seq = make_seq(0, [1, 2, 3])
-    a.allocate(seq)
+    allocate_whole(a, seq)
     seq.num_computed_tokens = 3
     a.cache_full_blocks(seq)
     (h, holders), = a.prefix_cache.blocks_by_key.items()
@@ -1927,7 +2058,10 @@ def test_prefix_cache_keys_do_not_trust_pythons_hash(monkeypatch):
     the prefix, makes block [3, 4] after [1, 2] collide with [3, 4] at the start of a prompt;
     SHA-256 keys ignore it."""
     import builtins
-    monkeypatch.setattr(nanopaged, "hash", lambda key: builtins.hash(key[1]), raising=False)
+    def blind(key):  # to a (key before, tokens) pair's first; anything else as it is
+        pair = isinstance(key, tuple) and len(key) == 2
+        return builtins.hash(key[1] if pair else key)
+    monkeypatch.setattr(nanopaged, "hash", blind, raising=False)
     engine = Engine(MODEL, block_size=2, num_blocks=16)
     greedy = SamplingParams(max_tokens=4, temperature=0)
     for prompt in ([1, 2, 3, 4, 9], [3, 4, 9]):
@@ -1963,13 +2097,13 @@ def test_least_recently_freed_cached_block_is_evicted_first():
     a = BlockAllocator(num_blocks=5, block_size=2)
     old, new = make_seq(0, [1, 2, 9]), make_seq(1, [3, 4, 9])
     for seq in (old, new):
-        a.allocate(seq)
+        allocate_whole(a, seq)
         seq.num_computed_tokens = 3
         a.cache_full_blocks(seq)
     a.free(old)
     a.free(new)
     # 4 blocks: the three holding nothing worth keeping go first, then the oldest cached prefix
-    a.allocate(make_seq(2, [5, 6, 7, 8, 5, 6, 7]))
+    allocate_whole(a, make_seq(2, [5, 6, 7, 8, 5, 6, 7]))
     assert chain_hash(None, (3, 4)) in a.prefix_cache.blocks_by_key
     assert chain_hash(None, (1, 2)) not in a.prefix_cache.blocks_by_key
 
@@ -1981,7 +2115,7 @@ def test_lfu_keeps_the_prefix_hit_more_often_where_lru_loses_it(policy):
 
     def serve(tokens):  # a request whose prompt is computed, then it finishes
         seq = make_seq(next(ids), tokens)
-        a.allocate(seq)
+        allocate_whole(a, seq)
         seq.num_computed_tokens = len(tokens)
         a.cache_full_blocks(seq)
         a.free(seq)
@@ -1993,7 +2127,7 @@ def test_lfu_keeps_the_prefix_hit_more_often_where_lru_loses_it(policy):
             for b in a.prefix_cache.blocks_by_key[h]] == [2, 0]
     # 4 blocks: the 3 uncached free ones first, then one cached prefix is evicted
     new = make_seq(next(ids), [5, 6, 7, 8, 5, 6, 7])
-    a.allocate(new)
+    allocate_whole(a, new)
     survivor = popular if policy == "lfu" else rare
     assert list(a.prefix_cache.blocks_by_key) == [survivor]
     assert all(a.blocks[b].num_hits == 0 for b in new.block_table)  # an evicted block's hits go
@@ -2007,7 +2141,7 @@ def test_blocks_go_out_in_eviction_order_after_many_hits_and_after_a_rollback(po
 
     def serve(tokens):
         seq = make_seq(next(ids), tokens)
-        a.allocate(seq)
+        allocate_whole(a, seq)
         seq.num_computed_tokens = len(tokens)
         a.cache_full_blocks(seq)
         return seq
@@ -2039,7 +2173,7 @@ def test_a_recomputed_sequence_publishes_its_blocks_to_the_prefix_cache_again():
     request = engine.requests[request_id]
     engine.scheduler._preempt(request, nanopaged.SchedulerOutput())  # recompute: freed, cached
     filler = make_seq(99, [0] * (a.num_free_blocks * 2))
-    a.allocate(filler)  # takes every free block: the cached ones are evicted
+    allocate_whole(a, filler)  # takes every free block: the cached ones are evicted
     a.free(filler)
     assert not any(k in a.prefix_cache.blocks_by_key for k in keys)
     drain(engine)
@@ -2651,10 +2785,11 @@ def test_a_preempted_request_comes_back_by_its_key_and_the_last_by_the_key_is_th
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """The scheduler and the allocator without a model. Each SchedulerOutput is checked against
-    the policies, given the state before the step; then a fake model computes the scheduled
-    tokens and samples as an engine step's commit does (forks the samples, appends a token, stops,
-    frees), with tokens from a 4-letter alphabet so that prefixes repeat."""
+    """The scheduler and the allocator without a model, under every attention kind. Each
+    SchedulerOutput is checked against the policies, given the state before the step; then a
+    fake model computes the scheduled tokens and samples as an engine step's commit does (forks
+    the samples, appends a token, stops, frees), with tokens from a 4-letter alphabet so that
+    prefixes repeat."""
 
     @initialize(block_size=st.integers(1, 3), num_blocks=st.integers(4, 12),
                 num_cpu_blocks=st.sampled_from([0, 2, 4, 16]),
@@ -2662,12 +2797,12 @@ class SchedulerMachine(RuleBasedStateMachine):
                 max_num_seqs=st.integers(1, 6),
                 max_num_batched_tokens=st.integers(3, 12), watermark=st.sampled_from([0.01, 0.25]),
                 policy=st.sampled_from(SCHEDULING),
-                # KV cache groups: full attention; a window; a window beside full attention
-                windows=st.sampled_from([(None,), (None,), (3,), (None, 2)]))
+                # KV cache groups: full attention, or one or two of every kind
+                kinds=st.sampled_from([(nanopaged.FullAttention(),)]) | kinds_of())
     def setup(self, block_size, num_blocks, num_cpu_blocks, mode, caching, max_num_seqs,
-              max_num_batched_tokens, watermark, policy, windows=(None,)):
-        self.a = a = BlockAllocator(num_blocks * len(windows), block_size, num_cpu_blocks,
-                                    caching, windows=windows)
+              max_num_batched_tokens, watermark, policy, kinds=(nanopaged.FullAttention(),)):
+        self.a = a = BlockAllocator(num_blocks * len(kinds), block_size, num_cpu_blocks,
+                                    caching, kinds=kinds)
         self.s = s = nanopaged.Scheduler(a, max_num_seqs, max_num_batched_tokens, mode, watermark,
                                          scheduling_policy=policy)
         self.policy, self.key = policy, SCHEDULING_POLICIES[policy]
@@ -2678,20 +2813,27 @@ class SchedulerMachine(RuleBasedStateMachine):
         runner.device = torch.device("cpu")
         runner.kv_cache = torch.full((1, 1, a.num_blocks, block_size, 1, 1), -1)
         runner.cpu_kv_cache = torch.full((num_cpu_blocks, 1, 1, block_size, 1, 1), -1)
-        # Accounting: what num_blocks_to_allocate / num_blocks_to_append promise is what is taken.
-        real_allocate, real_append_slots = a.allocate, s._append_slots
+        # Accounting: what num_blocks_to_allocate / num_blocks_to_append promise is what is taken,
+        # for a request's decodes as one (their copies on write counted together)
+        real_allocate, real_slots, real_append_slots = a.allocate, a.allocate_slots, s._append_slots
 
         def allocate(seq):
             expected, before = a.num_blocks_to_allocate(seq), a.num_free_blocks
             real_allocate(seq)
             assert before - a.num_free_blocks == expected, "num_blocks_to_allocate is wrong"
 
+        def allocate_slots(seq, num_new):
+            expected, before = a.num_blocks_to_append([seq], num_new), a.num_free_blocks
+            copies = real_slots(seq, num_new)
+            assert before - a.num_free_blocks == expected, "num_blocks_to_append is wrong"
+            return copies
+
         def append_slots(request, out):
             expected, before = a.num_blocks_to_append(request.seqs), a.num_free_blocks
             real_append_slots(request, out)
             assert before - a.num_free_blocks == expected, "num_blocks_to_append is wrong"
 
-        a.allocate, s._append_slots = allocate, append_slots
+        a.allocate, a.allocate_slots, s._append_slots = allocate, allocate_slots, append_slots
 
     def new_id(self):
         self.next_id += 1
@@ -2701,7 +2843,7 @@ class SchedulerMachine(RuleBasedStateMachine):
           n=st.integers(1, 3), stop=st.booleans(), priority=st.integers(0, 2))
     def add(self, prompt, max_tokens, n, stop, priority=0):
         s = self.s
-        worst = n * self.a.most_blocks(len(prompt) + max_tokens)
+        worst = n * self.a.max_blocks(len(prompt) + max_tokens, 1)
         if n > min(s.max_num_seqs, s.max_num_batched_tokens) or worst > self.a.num_blocks:
             return  # Engine.check_request refuses it: it could never run
         params = SamplingParams(max_tokens=max_tokens, n=n, stop_token_ids=[3] if stop else [])
@@ -2726,7 +2868,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         a, s = self.a, self.s
         a.begin()  # as the engine does each step: a.taken, the blocks the step hands out
         for seq in (seq for g in s.running for seq in g.seqs):  # the plan's first part (so that
-            a.free_window_blocks(seq)  # the state before the rest is known): windows slide
+            a.free_skipped_blocks(seq)  # the state before the rest is known): blocks go back
         pre = dict(running=list(s.running), waiting=list(s.waiting), swapped=list(s.swapped),
                    free=a.num_free_blocks, refs=[b.ref_count for b in a.blocks],
                    tables={g.request_id: [list(t) for q in g.seqs for t in q.block_tables]
@@ -2774,10 +2916,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(scheduled) == len(out.scheduled) and all(n >= 1 for n in scheduled.values())
         assert out.num_batched_tokens == sum(scheduled.values()) <= M
         assert sum(g.params.num_seqs for g in s.running) <= S
-        # preemption: exactly the victims the policy names, last first, only when blocks ran out
+        # preemption: exactly the victims the policy names, last first, only when blocks ran out:
+        # the decodes' (step 1); then a prefill chunk that got no token for want of blocks takes
+        # the last running request if that has not run in the step (step 3)
         decoded, victims = self.expected_decodes_and_victims(pre)
-        assert out.preempted == victims == pre["running"][::-1][:len(victims)]
+        assert out.preempted[:len(victims)] == victims == pre["running"][::-1][:len(victims)]
         assert all(scheduled.get(seq.seq_id) == 1 for g in decoded for seq in g.seqs)
+        by_chunks = out.preempted[len(victims):]
+        assert all(not any(q.seq_id in scheduled for q in g.seqs) for g in by_chunks)
+        assert [self.key(g) for g in by_chunks] == sorted(map(self.key, by_chunks), reverse=True)
+        assert all(self.key(g) >= self.key(h) for g in by_chunks for h in s.running)
         # Any policy: what starts running comes before everything still waiting or swapped out by
         # the key; admitted and swapped-in requests come off the front of their queues (nobody
         # overtakes), none after a preemption.
@@ -2788,13 +2936,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert admitted == pre["waiting"][:len(admitted)]
         assert swapped_in == pre["swapped"][:len(swapped_in)]
         assert all(key(g) <= key(h) for g in started for h in [*s.waiting, *s.swapped])
-        assert not (out.preempted and started)
+        assert not (victims and started) and not (by_chunks and admitted)
         if self.policy == "priority":  # a lower value is never admitted after a higher one
             assert all(g.priority <= h.priority for g in admitted for h in s.waiting)
         # watermark: admission leaves blocks spare while anything else runs
         if admitted and (pre["running"] or swapped_in or len(admitted) > 1):
             assert a.num_free_blocks >= s.watermark_blocks >= 1
-        # work conservation: nothing that fits both budgets and the free blocks is left out
+        # work conservation: nothing that fits both budgets and the free blocks is left out; a
+        # running prefill's chunk is cut short only by the budget or by the blocks (none is left
+        # free for its next token; or a later chunk preempted, freeing blocks after it was cut).
+        # An admitted request starts with a chunk its prefill's bound fits: one token at least
         left = M - out.num_batched_tokens
         for g in s.running:
             if g.is_decoding:
@@ -2802,16 +2953,24 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 hold_back = 1 if len(g.seqs) > 1 else 0
                 for seq in g.seqs:
+                    n = scheduled.get(seq.seq_id, 0)
                     rest = len(seq) - hold_back - seq.num_computed_tokens
-                    assert rest <= 0 or scheduled.get(seq.seq_id) == rest or left == 0, "chunk"
+                    cut = a.num_blocks_to_append([seq], n + 1) > a.num_free_blocks or by_chunks
+                    if g in admitted:  # its first chunk is its own: what its bound fits
+                        cut = n > 0
+                    assert rest <= 0 or n == rest or left == 0 or cut, "chunk"
+        # the kinds' bound: what a sequence holds while its chunk runs (decodes: one token)
+        for seq in (seq for g in s.running for seq in g.seqs):
+            num_new = max(1, scheduled.get(seq.seq_id, 0))
+            assert len(held(seq.block_tables)) <= a.max_blocks(len(seq), num_new), "bound"
         spare = s.watermark_blocks if s.running else 0
         num_seqs = sum(g.params.num_seqs for g in s.running)
         def ahead(queue, other):  # whether queue's first request comes before other's
             return bool(queue) and key(queue[0]) < key(other[0])
 
         if s.waiting and not out.preempted and not ahead(s.swapped, s.waiting):
-            g = s.waiting[0]
-            need = sum(a.num_blocks_to_allocate(seq) for seq in g.seqs)
+            g = s.waiting[0]  # its prefill, in chunks of one token, by its kinds' bound
+            need = sum(a.num_blocks_to_admit(seq, 1) for seq in g.seqs)
             fits = left > 0 and need + spare <= a.num_free_blocks and \
                 num_seqs + g.params.num_seqs <= S
             assert not fits, "admission left out"
@@ -2823,7 +2982,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             prefill_tokens = sum(n for seq, n in out.scheduled
                                  if not self.requests[seq.request_id].is_decoding)
             # + a block for each sequence's next token in each KV cache group
-            need = a.swap_pool.num_blocks_to_swap_in(g.seqs) + len(g.seqs) * len(a.windows)
+            need = a.swap_pool.num_blocks_to_swap_in(g.seqs) + len(g.seqs) * len(a.kinds)
             assert (need + spare > a.num_free_blocks or len(g.seqs) > left + prefill_tokens
                     or num_seqs + g.params.num_seqs > S), "swap-in left out"
 
@@ -2837,7 +2996,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
                 for table in seq.block_tables:  # every KV cache group's layers store it
                     block_id = table[p // bs]
-                    assert block_id != nanopaged.NO_BLOCK, "a token where its window left no block"
+                    assert block_id != nanopaged.NO_BLOCK, "a token where no block is left"
                     assert a.blocks[block_id].ref_count == 1 or block_id in filling, \
                         "a write into a shared block"
                     kv[0, 0, block_id, p % bs] = seq.token_ids[p] + 4 * p
@@ -2887,14 +3046,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                             (self.s.swapped, self.runner.cpu_kv_cache[:, 0, 0])):
             for seq in (seq for g in queue for seq in g.seqs):
                 for g, table in enumerate(seq.block_tables):
-                    # blocks the window left behind hold nothing; the rest hold every token
-                    first = table.count(nanopaged.NO_BLOCK)
-                    assert nanopaged.NO_BLOCK not in table[first:]
-                    assert first <= a.first_seen(g, seq.num_computed_tokens)
-                    held = [pool[table[p // bs], p % bs].item()
-                            for p in range(first * bs, seq.num_computed_tokens)]
-                    assert held == [seq.token_ids[p] + 4 * p
-                                    for p in range(first * bs, seq.num_computed_tokens)]
+                    # blocks given back hold nothing (no token to come sees them); the rest
+                    # hold every token
+                    gone = {i for i, b in enumerate(table) if b == nanopaged.NO_BLOCK}
+                    assert gone <= unseen_blocks(a.kinds[g], seq.num_computed_tokens, len(table),
+                                                 bs)
+                    kept = [p for p in range(seq.num_computed_tokens) if p // bs not in gone]
+                    assert [pool[table[p // bs], p % bs].item() for p in kept] == \
+                        [seq.token_ids[p] + 4 * p for p in kept]
 
     @invariant()
     def queues_keep_the_policys_order(self):
@@ -2923,7 +3082,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert seq.block_hashes[:len(keys)] == keys or not a.prefix_cache.enabled
             for g, table in enumerate(seq.block_tables):
                 for i, block_id in enumerate(table):
-                    if block_id == nanopaged.NO_BLOCK:  # left behind by its window: freed
+                    if block_id == nanopaged.NO_BLOCK:  # no token to come sees it: freed
                         continue
                     chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
                     computed = seq.num_computed_tokens >= (i + 1) * bs
@@ -2963,22 +3122,23 @@ ONE_TOKEN = dict(max_tokens=1, n=1, priority=0, prompt=[0], stop=False)
     (dict(block_size=3, num_blocks=10, watermark=0.25, policy="priority"),
      [ONE_TOKEN] * 2 + [dict(ONE_TOKEN, max_tokens=7, n=3, priority=1)] + [ONE_TOKEN] * 4
      + [dict(ONE_TOKEN, max_tokens=5, n=3, priority=1, prompt=[0, 0, 1, 0, 0, 0])]),
-    # a recomputed windowed sequence takes a block for each of its tokens again: a request the
-    # pool holds only within its window could never come back, and is refused up front
+    # three samples of a request longer than the pool holds under full attention: recomputed,
+    # each comes back in chunks its window's blocks hold
     (dict(block_size=2, num_blocks=9, watermark=0.01, policy="fcfs"),
      [ONE_TOKEN] * 2 + [dict(ONE_TOKEN, max_tokens=5, n=3)] + [ONE_TOKEN] * 4
-     + [dict(ONE_TOKEN, max_tokens=2, n=3, prompt=[0] * 6)]),
+     + [dict(ONE_TOKEN, max_tokens=10, n=3, prompt=[0] * 6)]),
 ])
 def test_windowed_samples_recomputed_together_fit_and_finish(setup, requests):
     """Two cases the scheduler machine found: requests a windowed pool admits, preempts by
     recompute and must then run to the end, every step's block counts exact."""
     machine = SchedulerMachine()
     machine.setup(**setup, num_cpu_blocks=0, mode="recompute", caching=True, max_num_seqs=6,
-                  max_num_batched_tokens=7, windows=(3,))
+                  max_num_batched_tokens=7, kinds=(nanopaged.SlidingWindow(3),))
     for request in requests:
         machine.add(**request)
-    worst = machine.a.most_blocks(len(requests[-1]["prompt"]) + requests[-1]["max_tokens"])
-    assert (len(machine.requests) == len(requests)) == (3 * worst <= machine.a.num_blocks)
+    assert len(machine.requests) == len(requests)  # each within its window's bound
+    last = requests[-1]
+    assert 3 * -(-(len(last["prompt"]) + last["max_tokens"]) // 2) > machine.a.num_blocks
     machine.teardown()  # every request admitted finishes, and every block comes back
 
 
@@ -3048,6 +3208,7 @@ def decoding_group(allocator, request_id, n, first_seq_id):
     request.seqs = seqs
     for seq in seqs:
         allocator.allocate(seq)
+        allocator.allocate_slots(seq, 1)
         seq.num_computed_tokens = 1
     return request
 
@@ -3564,27 +3725,36 @@ def test_paged_greedy_generation_equals_hugging_face_generate(hf_folder, name):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("windows, message", [
+@pytest.mark.parametrize("kinds, message", [
     (dict(sliding_window=0), "sliding_window must be None or an int >= 1, got 0"),
     (dict(sliding_window=4.0), "sliding_window must be None or an int >= 1, got 4.0"),
+    (dict(attention_chunk_size=0), "attention_chunk_size must be None or an int >= 1, got 0"),
     (dict(sliding_window=4, layer_types=["sliding_attention"]), "layer_types must list 2"),
-    (dict(sliding_window=4, layer_types=["sliding_attention", "chunked_attention"]),
-     "layer_types must list 2 (n_layer) of ('sliding_attention', 'full_attention')"),
+    (dict(sliding_window=4, layer_types=["sliding_attention", "local_attention"]),
+     f"layer_types must list 2 (n_layer) of {KINDS}"),  # every registered kind
     (dict(layer_types=["full_attention", "sliding_attention"]),
      "layer_types has sliding_attention layers but sliding_window is None"),
+    (dict(sliding_window=4, layer_types=["chunked_attention", "sliding_attention"]),
+     "layer_types has chunked_attention layers but attention_chunk_size is None"),
 ])
-def test_a_window_the_model_cannot_honour_is_a_clear_error(windows, message):
+def test_an_attention_kind_the_model_cannot_honour_is_a_clear_error(kinds, message):
     with pytest.raises(ValueError, match=re.escape(message)):
-        GPTConfig(n_layer=2, n_head=2, n_embd=16, **windows)
+        GPTConfig(n_layer=2, n_head=2, n_embd=16, **kinds)
+
+
+def layer_windows(config):
+    """Each layer's sliding window, None where it has none."""
+    return [getattr(kind, "window", None) for kind in config.attention_kinds]
 
 
 @pytest.mark.model
 def test_gpt2_and_llama_see_the_whole_context_unless_told_otherwise():
     for model in MODELS.values():
-        assert model.config.windows == [None, None]
+        assert model.config.attention_kinds == [nanopaged.FullAttention()] * 2
         assert model.config.layer_types == ["full_attention"] * 2
     config = GPTConfig(n_layer=3, n_head=2, n_embd=16, sliding_window=8)  # Mistral: every layer
-    assert config.windows == [8, 8, 8]
+    assert config.attention_kinds == [nanopaged.SlidingWindow(8)] * 3
+    assert len(config.kv_cache_groups) == 1
 
 
 # Windows of 16 to 32 tokens over contexts of a few hundred: Mistral's on every layer, Qwen2's on
@@ -3620,41 +3790,51 @@ def hf_windows(config):
 def test_windowed_logits_match_hugging_face(hf_folder, name):
     path, hf = hf_folder(name)
     model = GPT.from_pretrained(str(path))
-    assert model.config.windows == hf_windows(hf.config) and any(model.config.windows)
+    assert layer_windows(model.config) == hf_windows(hf.config)
+    assert any(layer_windows(model.config))
     idx = torch.randint(hf.config.vocab_size, (2, 300))
     with torch.no_grad():
         torch.testing.assert_close(model(idx), hf(idx).logits, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("name, mode", zip(WINDOWED_HF_MODELS, ["recompute", "swap", "swap"]))
-def test_windowed_paged_greedy_generation_equals_hugging_face_generate(hf_folder, name, mode):
-    # prompts of 1 to 3 windows sharing a prefix, 48 new tokens: past several windows, served
-    # in prefill chunks of 8 tokens, with prefix hits (the shared prefix; then the same prompts
-    # again), and preempted (by recompute or by swap) in a pool of blocks of 5 that holds the
-    # largest request whole, as check_request asks, and not the windows of all 13: ten short
-    # prompts come first, whose windows grow as they decode
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("name", WINDOWED_HF_MODELS)
+def test_windowed_requests_past_the_pool_equal_hugging_face(hf_folder, name, mode):
+    # prompts of up to 8 windows sharing a prefix and 48 new tokens, past many windows, served in
+    # prefill chunks of 8 tokens and preempted (by recompute or by swap); then the longest
+    # conversation's next turn, whose prompt is its last one and its answer, a prefix hit under
+    # the hybrid rule (each group's blocks its kind needs). All in a pool of blocks of 5 that
+    # holds the longest request by its kinds' bound and little more: a fraction of what it would
+    # need under full attention (Mistral's every layer is windowed; a Qwen2 hybrid is bounded by
+    # its full-attention layers). Ten short prompts come first, whose windows grow as they decode
     path, hf = hf_folder(name)
     model, hf64 = GPT.from_pretrained(str(path), dtype=torch.float64), _double(hf)
     shared = [(5 * j + 1) % 97 for j in range(20)]
     prompts = [[(3 * i + 2) % 97] * 2 for i in range(10)]
     prompts += [shared + [(7 * i + 3 * j) % 97 for j in range(n)]
-                for i, n in enumerate([3, 19, 45])]
+                for i, n in enumerate([3, 60, 180])]
     expected = hf_greedy(hf64, prompts, 48)
-    unwindowed = copy.deepcopy(model)
-    for block in unwindowed.transformer.h:
-        block.attn.window = None
-    assert naive_greedy(unwindowed, prompts[-1], 48) != expected[-1], "windows matter here"
-    roomy = Engine(model, block_size=5, num_blocks=256).allocator
-    most = max(roomy.most_blocks(len(p) + 48) for p in prompts)  # the largest alone
-    engine = Engine(model, block_size=5, num_blocks=most, preemption_mode=mode,
+    turn = prompts[-1] + expected[-1] + [1, 2, 3]
+    full_attention = copy.deepcopy(model)
+    for block in full_attention.transformer.h:
+        block.attn.mask = kernel.Mask()
+    assert naive_greedy(full_attention, prompts[-1], 48) != expected[-1], "windows matter here"
+    groups, longest = len(model.config.kv_cache_groups), len(turn) + 48
+    num_blocks = Engine(model, block_size=5, num_blocks=1024).allocator.max_blocks(longest, 8)
+    num_blocks += groups * 4
+    under_full_attention = groups * -(-longest // 5)
+    # a third of a Qwen2 hybrid's layers keep every block: under 3x, and near it as it grows
+    assert num_blocks < under_full_attention / (5 if name.startswith("mistral") else 1.8)
+    engine = Engine(model, block_size=5, num_blocks=num_blocks, preemption_mode=mode,
                     max_num_batched_tokens=8)
     params = SamplingParams(max_tokens=48, temperature=0)
-    for _ in range(2):
-        outputs = engine.generate(prompts, params)
-        assert [o.outputs[0].token_ids for o in outputs] == expected
+    outputs = engine.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
     assert engine.stats()["num_preemptions"] > 0
-    assert engine.stats()["prefix_cache_hit_tokens"] > 0
+    out = engine.generate([turn], params)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf64, [turn], 48)[0]
+    assert out.num_cached_tokens >= len(prompts[-1])  # the whole last turn, and some of its answer
     assert_all_blocks_free(engine)
 
 
@@ -3728,15 +3908,17 @@ def naive_logits(model, tokens):
 # -- sliding windows: each layer's own, from the contiguous path to every backend
 
 
-def windowed_model(window, kinds, seed=2, dtype=torch.float64):
+def windowed_model(size, kinds, seed=2, dtype=torch.float64):
     """A tiny Llama-family model (head size 16, as Triton takes); layer i is windowed if
-    kinds[i] is "s", full if "f". Its weights are made large enough for attention to be sharp,
-    so that which keys a token sees changes what it generates."""
+    kinds[i] is "s", chunked if "c", full if "f", with windows and chunks of size tokens, and
+    sinks beside a window if "k" (the suite's own kind). Its weights are made large enough for
+    attention to be sharp, so that which keys a token sees changes what it generates."""
     torch.manual_seed(seed)
-    names = {"s": "sliding_attention", "f": "full_attention"}
+    names = {"s": "sliding_attention", "f": "full_attention", "c": "chunked_attention",
+             "k": AttentionSinks.name}
     config = GPTConfig(n_layer=len(kinds), n_head=4, n_kv_head=2, n_embd=64, vocab_size=32,
                        max_seq_len=96, rope_theta=1e4, norm="rmsnorm", mlp="swiglu", bias=False,
-                       intermediate_size=48, sliding_window=window,
+                       intermediate_size=48, sliding_window=size, attention_chunk_size=size,
                        layer_types=[names[k] for k in kinds])
     model = GPT(config)
     with torch.no_grad():
@@ -3774,14 +3956,15 @@ def test_windowed_layers_see_exactly_the_last_tokens_their_windows_reach(tokens,
 
 @pytest.mark.model
 @settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(request_mixes(), st.integers(1, 12), st.sampled_from(["ss", "sf", "fs"]))
-def test_windowed_models_generate_like_naive_contiguous(mix, window, kinds):
-    # windowed and hybrid models served paged (chunked prefills, prefix hits, both preemptions,
-    # tight pools: a hybrid's two KV cache groups take a block each per block of tokens)
-    # generate what the contiguous path does, past several windows: the attention skips what a
-    # window leaves behind, the allocator gives it back
+@given(request_mixes(), st.integers(1, 12),
+       st.sampled_from(["ss", "sf", "fs", "cc", "cf", "sc", "kk", "kf"]))
+def test_windowed_models_generate_like_naive_contiguous(mix, size, kinds):
+    # models of every kind, and hybrids, served paged (chunked prefills, prefix hits, both
+    # preemptions, tight pools: a hybrid's two KV cache groups take a block each per block of
+    # tokens) generate what the contiguous path does, past several windows and chunks: the
+    # attention skips what its mask hides, the allocator gives back what no token to come sees
     prompts, max_tokens, priorities, engine_args = mix
-    model = windowed_model(window, kinds)
+    model = windowed_model(size, kinds)
     engine_args["num_blocks"] *= len(model.config.kv_cache_groups)
     engine = Engine(model, **engine_args)
     params = [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens]
@@ -3793,29 +3976,36 @@ def test_windowed_models_generate_like_naive_contiguous(mix, window, kinds):
 
 
 @pytest.mark.model
-def test_a_backend_without_windows_is_refused_for_a_windowed_model_and_serves_the_rest(
-        monkeypatch):
-    """A backend written before windows (its attend takes no window: README's recipe) still
-    serves every model without one; for a model with windows it is a clear error up front."""
+def test_a_kind_a_backend_cannot_honour_is_refused_up_front_naming_both(monkeypatch):
+    """A backend written without masks (its attend takes none: README's recipe) still serves
+    every model of full attention; for a model with another kind it is a clear error up front,
+    naming the backend and the kind. So is one whose unsupported_mask refuses a kind's mask."""
     def attend(q, k_cache, v_cache, meta, scale, **scales):
         return kernel.ATTENTION_BACKENDS["torch"].attend(q, k_cache, v_cache, meta, scale,
                                                           **scales)
-    monkeypatch.setitem(kernel.ATTENTION_BACKENDS, "no_windows",
+    monkeypatch.setitem(kernel.ATTENTION_BACKENDS, "no_masks",
                         kernel.AttentionBackend(kernel.store_kv_torch, attend))
-    with pytest.raises(ValueError, match="no_windows.*takes no window"):
-        Engine(HYBRID, block_size=4, num_blocks=16, attention_backend="no_windows")
-    engine = Engine(MODEL, block_size=4, num_blocks=16, attention_backend="no_windows")
+    with pytest.raises(ValueError, match="'no_masks'.*takes no mask.*sliding_attention"):
+        Engine(HYBRID, block_size=4, num_blocks=16, attention_backend="no_masks")
+    engine = Engine(MODEL, block_size=4, num_blocks=16, attention_backend="no_masks")
     out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0))[0]
     assert out.outputs[0].token_ids == naive_greedy(MODEL, [1, 2, 3], 4)
+    torch_path = kernel.ATTENTION_BACKENDS["torch"]
+    monkeypatch.setitem(kernel.ATTENTION_BACKENDS, "no_chunks", dataclasses.replace(
+        torch_path, unsupported_mask=lambda mask: "no chunks" if mask.chunk else None))
+    with pytest.raises(ValueError, match="'no_chunks'.*chunked_attention.*no chunks"):
+        Engine(KIND_MODELS["chunked_attention"], block_size=4, num_blocks=16,
+               attention_backend="no_chunks")
+    Engine(WINDOWED, block_size=4, num_blocks=16, attention_backend="no_chunks")
 
 
 @pytest.mark.model
 @pytest.mark.parametrize("backend", ["triton", "torch", "flex"])
 def test_a_hybrid_model_generates_like_naive_on_every_backend(backend):
-    # a window of 5 over prompts up to 3 windows long and 12 new tokens, in blocks of 4:
-    # windows end mid-block; chunked prefills (7 tokens a step) and a prefix hit (prompt 2
-    # starts as prompt 0 does); fp32, the kernels' dtype
-    model = windowed_model(5, "sfs", seed=3, dtype=torch.float32)
+    # a window, full attention, chunks and sinks, of 5 over prompts up to 3 windows long and 12
+    # new tokens, in blocks of 4: windows and chunks end mid-block; chunked prefills (7 tokens
+    # a step) and a prefix hit (prompt 2 starts as prompt 0 does); fp32, the kernels' dtype
+    model = windowed_model(5, "sfck", seed=3, dtype=torch.float32)
     prompts = [list(range(1, 14)), [8, 9], list(range(1, 9)) + [30] * 7]
     engine = Engine(model, block_size=4, num_blocks=40, attention_backend=backend,
                     max_num_batched_tokens=7)
@@ -4868,8 +5058,9 @@ def test_the_recipes_in_the_readme_run_as_written():
     readme = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read()
     section = readme.split("\n## Making it yours\n", 1)[1].split("\n## ", 1)[0]
     recipes = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(recipes) == 3
-    registries = (SCHEDULING_POLICIES, EVICTION_POLICIES, kernel.ATTENTION_BACKENDS)
+    assert len(recipes) == 4
+    registries = (SCHEDULING_POLICIES, EVICTION_POLICIES, kernel.ATTENTION_BACKENDS,
+                  nanopaged.ATTENTION_KINDS)
     saved = [dict(r) for r in registries]
     steps = list(nanopaged.LOGITS_STEPS), list(nanopaged.SAMPLING_STEPS)
     try:
@@ -4877,6 +5068,7 @@ def test_the_recipes_in_the_readme_run_as_written():
             exec(compile(code, "README.md", "exec"), {"__name__": "recipe"})
         # each recipe registered what it shows, in the one place it names, and nothing else
         assert "deepest_first" in EVICTION_POLICIES and "sdpa" in kernel.ATTENTION_BACKENDS
+        assert nanopaged.ATTENTION_KINDS["sink_attention"] is not AttentionSinks  # the README's
         assert dict(SCHEDULING_POLICIES) == saved[0] and nanopaged.LOGITS_STEPS == steps[0]
         assert nanopaged.SAMPLING_STEPS[:-1] == steps[1]
         assert nanopaged.SAMPLING_STEPS[-1].__name__ == "apply_epsilon_cutoff"
@@ -5014,7 +5206,7 @@ class UserObserver:  # an observer that listens and does nothing
 # tokenizer and observer). The failure is raised before or after the call. The commit calls
 # none of these but the observer, which cannot stop it: its error waits for the next step.
 FAILURE_POINTS = [(nanopaged.Scheduler, "schedule"), (BlockAllocator, "allocate"),
-                  (BlockAllocator, "append_slot"), (nanopaged.SwapPool, "swap_out"),
+                  (BlockAllocator, "allocate_slots"), (nanopaged.SwapPool, "swap_out"),
                   (nanopaged.SwapPool, "swap_in"), (BlockAllocator, "cache_full_blocks"),
                   (nanopaged.PrefixCache, "publish"), (nanopaged.PrefixCache, "evict"),
                   (nanopaged.Scheduler, "_admit"), (nanopaged.Scheduler, "_preempt"),
@@ -5319,7 +5511,7 @@ class EngineMachine(RuleBasedStateMachine):
     def setup(self, block_size, num_blocks, mode, caching, max_num_seqs, scheduling, eviction,
               speculator, model):
         self.model = PAGED_MODELS[model]
-        if speculator == "draft=target" and model == "hybrid":  # a draft needs one table: refused
+        if speculator == "draft=target" and model == "hybrid":  # a draft needs one kind: refused
             speculator = "ngram"
         self.engine = Engine(self.model, block_size=block_size, num_blocks=num_blocks,
                              preemption_mode=mode, enable_prefix_caching=caching,
@@ -5342,11 +5534,10 @@ class EngineMachine(RuleBasedStateMachine):
             decodes = [seq for seq, n in out.scheduled  # one token, the last: not a prefill's
                        if n == 1 and seq.num_computed_tokens + 1 == len(seq)  # chunk of one
                        and seq.seq_id not in ahead]
-            for seq in decodes:
-                for window, table in zip(a.windows, seq.block_tables):  # a decode: its window's
-                    if window is not None:  # blocks, however long the sequence
-                        assert len(table) - table.count(nanopaged.NO_BLOCK) <= \
-                            -(-(window - 1) // a.block_size) + 1
+            for seq in decodes:  # a decode holds its kinds' bound, however long the sequence
+                for kind, table in zip(a.kinds, seq.block_tables):
+                    assert len(table) - table.count(nanopaged.NO_BLOCK) <= \
+                        kind.max_blocks(len(seq), 1, a.block_size)
             return out
 
         s.schedule = checked_schedule
@@ -5405,16 +5596,15 @@ class EngineMachine(RuleBasedStateMachine):
         assert sum(len(g.seqs) for g in s.running) <= s.max_num_seqs  # samples and beams count
 
     @invariant()
-    def a_window_holds_only_the_blocks_it_sees(self):
-        """A sequence's table holds every block its next token sees (from the block its window
-        starts in); those its window left behind went back to the pool: NO_BLOCK, a run from
-        the start."""
+    def a_kind_holds_only_the_blocks_it_sees(self):
+        """A sequence's table holds every block a token to come sees; those none sees went
+        back to the pool (NO_BLOCK), by the step before the next chunk."""
         a = self.engine.allocator
         for seq in (seq for g in self.engine.scheduler.running for seq in g.seqs):
-            for g, table in enumerate(seq.block_tables):
-                live = table[table.count(nanopaged.NO_BLOCK):]
-                assert nanopaged.NO_BLOCK not in live
-                assert len(table) - len(live) <= a.first_seen(g, seq.num_computed_tokens)
+            for kind, table in zip(a.kinds, seq.block_tables):
+                gone = {i for i, b in enumerate(table) if b == nanopaged.NO_BLOCK}
+                assert gone <= unseen_blocks(kind, seq.num_computed_tokens, len(table),
+                                             a.block_size)
 
     def teardown(self):
         if not hasattr(self, "engine"):
@@ -5454,6 +5644,30 @@ def test_bad_requests_are_rejected_before_taking_blocks(prompt, params, message)
     with pytest.raises(ValueError, match=message):
         engine.add_request(prompt, params)
     assert_all_blocks_free(engine) and serves_normally(engine)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("name", sorted(PAGED_MODELS))
+def test_what_a_request_may_need_and_the_default_pool_follow_its_kinds_bound(name):
+    """check_request refuses only a request that could never run: num_seqs sequences holding,
+    each, its kinds' bound at one token a chunk; a request of max_seq_len within it runs. And
+    without num_blocks or kv_cache_bytes, the pool holds max_num_seqs sequences of max_seq_len
+    at the budget's chunks, by their kinds' bound (vLLM's: no more than they could use)."""
+    model = PAGED_MODELS[name]
+    kinds, n = [g.kind for g in model.config.kv_cache_groups], model.config.max_seq_len
+    engine = Engine(model, block_size=4, max_num_seqs=3, max_num_batched_tokens=8)
+    assert engine.allocator.num_blocks == 3 * sum(k.max_blocks(n, 8, 4) for k in kinds)
+    need = 2 * sum(k.max_blocks(n, 1, 4) for k in kinds)
+    prompt, params = [t % 32 for t in range(n - 4)], SamplingParams(max_tokens=4, n=2, temperature=0)
+    for num_blocks in (need - 1, need):
+        engine = Engine(model, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=8)
+        if num_blocks < need:
+            with pytest.raises(ValueError, match=f"may need {need} KV blocks .* could never run"):
+                engine.add_request(prompt, params)
+            continue
+        assert engine.generate([prompt], params)[0].outputs[1].token_ids == \
+            naive_greedy(model, prompt, 4)
+        assert_all_blocks_free(engine)
 
 
 def call(f, *args):  # st.builds' callable, for builders drawn from a list
@@ -5849,7 +6063,7 @@ def test_from_pretrained_loads_each_setting_as_transformers_does(tmp_path, name,
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
     idx = torch.randint(hf.config.vocab_size, (2, 30))
     model = GPT.from_pretrained(str(tmp_path))
-    assert model.config.windows == hf_windows(hf.config)  # windows too long for 30 tokens too
+    assert layer_windows(model.config) == hf_windows(hf.config)  # too long for 30 tokens too
     with torch.no_grad():
         expected = hf.float().eval()(idx).logits
         torch.testing.assert_close(model(idx), expected, atol=1e-4, rtol=1e-4)
@@ -6420,9 +6634,9 @@ def test_lookahead_slots_are_reserved_from_what_plain_scheduling_left_and_given_
     # 4 guesses need the rest of the second block and one more block; rejected, it goes back.
     a = BlockAllocator(num_blocks=4, block_size=4)
     seq = make_seq(0, [1, 2, 3, 4, 5])
-    a.allocate(seq)
+    allocate_whole(a, seq)
     seq.num_computed_tokens = 4
-    a.append_lookahead_slots(seq, 4)
+    a.allocate_slots(seq, 1 + 4)  # its last token, then 4 guesses
     assert len(seq.block_table) == 3 and a.num_free_blocks == 1
     seq.num_computed_tokens = 5  # the target kept no guess: only token 5 was computed
     a.trim(seq)
