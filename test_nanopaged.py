@@ -1126,6 +1126,41 @@ def test_greedy_generation_with_an_8bit_cache_does_not_depend_on_how_it_is_serve
 
 
 @pytest.mark.fp8
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(["gpt2", "llama"]), layer=st.integers(0, 1),
+       exponent=st.integers(-8, 8).filter(bool), prompt=st.lists(st.integers(0, 31), min_size=1,
+                                                                 max_size=12),
+       kv_cache_dtype=st.sampled_from(["fp8", "fp8_e5m2"]))
+@example(name="gpt2", layer=1, exponent=6, prompt=[3, 1, 4, 1, 5], kv_cache_dtype="fp8")
+def test_an_8bit_cache_scales_v_by_vs_own_range_not_ks(name, layer, exponent, prompt,
+                                                      kv_cache_dtype):
+    """A model whose V in one layer is 2**e times larger (its V rows of c_attn times 2**e, its
+    c_proj times 2**-e: the same function, K unchanged): that layer's v_scale is 2**e times
+    the original's and every k_scale stays, so each V is stored as the same 8 bits, and the
+    logprobs are the original's to the bit. V scaled by K's scale would saturate (e > 0) or fall
+    into fp8's subnormals (e < 0)."""
+    model, c = MODELS[name], 2.0 ** exponent
+    scaled = copy.deepcopy(model)
+    attn, v_rows = scaled.transformer.h[layer].attn, model.config.qkv_widths[2]
+    with torch.no_grad():
+        attn.c_attn.weight[-v_rows:] *= c
+        if attn.c_attn.bias is not None:
+            attn.c_attn.bias[-v_rows:] *= c
+        attn.c_proj.weight /= c
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=3)
+    runs = []
+    for m in (model, scaled):
+        engine = Engine(m, block_size=4, num_blocks=16, kv_cache_dtype=kv_cache_dtype)
+        out = engine.generate([prompt], params)[0].outputs[0]
+        runs.append((engine.model_runner.kv_scales, out.token_ids, out.logprobs))
+    (scales, tokens, logprobs), (scaled_scales, scaled_tokens, scaled_logprobs) = runs
+    for i, (before, after) in enumerate(zip(scales, scaled_scales)):
+        assert torch.equal(after["k_scale"], before["k_scale"])
+        assert torch.equal(after["v_scale"], before["v_scale"] * (c if i == layer else 1))
+    assert (scaled_tokens, scaled_logprobs) == (tokens, logprobs)
+
+
+@pytest.mark.fp8
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_copy_on_write_and_swap_move_8bit_blocks_byte_for_byte_and_scales_stay(mode):
     # the scales are per layer and fixed: a block copy (copy-on-write, swap out, swap in) is
