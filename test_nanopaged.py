@@ -1261,6 +1261,39 @@ def test_bad_sampling_params(kwargs, message):
         SamplingParams(**kwargs)
 
 
+# vLLM's ranges of the numeric sampling parameters (vllm/sampling_params.py, _verify_args):
+# field -> (low, high, whether each end is allowed)
+VLLM_RANGES = dict(temperature=(0, math.inf, True, False), top_p=(0, 1, False, True),
+                   min_p=(0, 1, True, True), repetition_penalty=(0, math.inf, False, False),
+                   presence_penalty=(-2, 2, True, True), frequency_penalty=(-2, 2, True, True))
+
+
+def range_edges():
+    """(field, value): each end of each range and the floats just past it."""
+    return [(name, x) for name, (low, high, _, _) in VLLM_RANGES.items()
+            for edge in (low, high) if math.isfinite(edge)
+            for x in (edge, math.nextafter(edge, -math.inf), math.nextafter(edge, math.inf))]
+
+
+@pytest.mark.engine
+@settings(max_examples=examples(200), deadline=None)
+@given(case=st.sampled_from(range_edges()) | st.sampled_from(sorted(VLLM_RANGES)).flatmap(
+    lambda name: st.tuples(st.just(name), st.floats(-3, 3) | st.integers(-3, 3))))
+@example(case=("presence_penalty", 2))  # an end vLLM allows: no other test sets one
+def test_numeric_sampling_params_take_exactly_vllms_ranges_ends_included(case):
+    """A value is taken if and only if vLLM takes it: both ends of presence_penalty's [-2, 2]
+    are allowed, and the float just past an end is a ValueError naming the field."""
+    name, value = case
+    low, high, low_in, high_in = VLLM_RANGES[name]
+    above_low = low < value or (low_in and value == low)
+    below_high = value < high or (high_in and value == high)
+    if above_low and below_high:
+        assert getattr(SamplingParams(**{name: value}), name) == value
+    else:
+        with pytest.raises(ValueError, match=rf"SamplingParams\.{name} must be .*got"):
+            SamplingParams(**{name: value})
+
+
 def asks_for(annotation):
     """What a field or parameter annotated so asks for: "int" (int, or int | None), "number"
     (float, which takes ints too), "ints" (a list of ints), or None (anything else: a bool, a
