@@ -4673,6 +4673,8 @@ def test_stop_tokens_and_eos():
        eos=st.one_of(st.none(), st.integers(0, 31), st.lists(st.integers(0, 31), max_size=4)),
        ignore_eos=st.booleans(), kind=st.sampled_from(["greedy", "n=2", "beam=2"]),
        seed=st.integers(0, 99))
+@example(prompt=[1], max_tokens=3, stops=[5], eos=list(range(32)), ignore_eos=False,
+         kind="n=2", seed=0)  # every token an end-of-text one: each sample ends on its first
 def test_stop_tokens_always_stop_and_max_tokens_is_exact(
         prompt, max_tokens, stops, eos, ignore_eos, kind, seed):
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if kind == "greedy" else 1,
@@ -4694,6 +4696,13 @@ def test_stop_tokens_always_stop_and_max_tokens_is_exact(
         else:
             assert c.finish_reason == "length" and len(c.token_ids) == max_tokens
             assert c.token_ids[-1] not in ends
+        # a sample's stop_reason, as vLLM's: the id of the stop_token_ids token that ended it,
+        # None for an end-of-text token or the length (a token that is both is left out: vLLM
+        # checks the end-of-text id first)
+        last = c.token_ids[-1]
+        if kind != "beam=2" and not (last in stops and last in eos_ids and not ignore_eos):
+            assert c.stop_reason == (last if c.finish_reason == "stop" and last in stops
+                                     else None)
 
 
 @pytest.mark.beam
