@@ -4706,6 +4706,31 @@ def test_stop_tokens_always_stop_and_max_tokens_is_exact(
 
 
 @pytest.mark.beam
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 31), min_size=1, max_size=6),
+                                   st.integers(1, 6), st.sampled_from([None, 1, 2, 3])),
+                         min_size=1, max_size=3),
+       spare=st.integers(0, 6), mode=st.sampled_from(["recompute", "swap"]))
+@example(requests=[([1, 2, 3], 3, 2)], spare=0, mode="recompute")
+def test_every_token_a_beam_search_generates_is_counted_once(requests, spare, mode):
+    """vLLM's generation_tokens_total counts every token generated: with no token that ends a
+    beam early, each of a search's beam_width beams gains one token a step for max_tokens steps,
+    the last step's tokens ending its hypotheses, so num_generated_tokens is beam_width x
+    max_tokens for each search, beside its batch-mates' tokens (greedy, width None), however
+    often a tight pool preempts them."""
+    params = [SamplingParams(max_tokens=m, temperature=0, beam_width=w, ignore_eos=True)
+              for _, m, w in requests]
+    worst = max(p.num_seqs * -(-(len(r[0]) + p.max_tokens) // 2) for r, p in zip(requests, params))
+    engine = Engine(MODEL, block_size=2, num_blocks=worst + spare, preemption_mode=mode,
+                    max_num_batched_tokens=8, max_num_seqs=4)
+    outs = engine.generate([r[0] for r in requests], params)
+    assert engine.stats()["num_generated_tokens"] == sum(
+        p.beam_width * p.max_tokens if p.beam_width else len(o.outputs[0].token_ids)
+        for p, o in zip(params, outs))
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.beam
 @settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompt=st.lists(st.integers(0, 31), min_size=1, max_size=6), width=st.integers(2, 4),
        length_penalty=st.sampled_from([1.0, 0.5, 2.0]), max_tokens=st.integers(2, 6))
