@@ -4304,6 +4304,47 @@ def test_logits_processors_see_the_prompt_and_the_output_so_far():
     assert sorted(seen) == sorted([([5, 9], [10, 11, 12, 13][:i]) for i in range(4)] * 2)
 
 
+def vllm_penalised(row, prompt, output, p):
+    """vLLM's penalties on a row of scores: the repetition penalty over prompt and output (a
+    positive score divided by it, a negative one multiplied), then presence and frequency."""
+    seen = torch.zeros(len(row), dtype=torch.bool)
+    seen[list(prompt) + list(output)] = True
+    penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+    return vllm_presence_frequency(torch.where(seen, penalised, row), output,
+                                   p.presence_penalty, p.frequency_penalty)
+
+
+@pytest.mark.sampling
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompt=st.lists(st.integers(0, 7), min_size=1, max_size=8), seed=st.integers(0, 2**31),
+       repetition=st.sampled_from([0.5, 1.0, 2.0]), presence=st.sampled_from([0.0, -2.0, 1.5]),
+       frequency=st.sampled_from([0.0, 2.0, -0.5]))
+@example(prompt=[1, 2, 1, 2], seed=0, repetition=2.0, presence=1.5, frequency=2.0)
+def test_logits_processors_run_first_on_the_models_own_logits_then_the_penalties(
+        prompt, seed, repetition, presence, frequency):
+    """vLLM's order: a request's logits processors read the model's logits as they come (no
+    penalty applied yet), and the penalties apply to what the processors return. A processor
+    that adds a random bias: every row it sees is the model's (naive, contiguous) logits after
+    the tokens so far, and each greedy token is the argmax of vLLM's penalties on its output."""
+    bias = torch.randn(32, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    seen = []
+
+    def biased(prompt_ids, output_ids, logits):
+        seen.append((list(prompt_ids) + list(output_ids), logits.clone()))
+        return logits + bias
+    p = SamplingParams(max_tokens=5, temperature=0, repetition_penalty=repetition,
+                       presence_penalty=presence, frequency_penalty=frequency,
+                       logits_processors=[biased])
+    out = Engine(MODEL, block_size=2, num_blocks=32).generate([prompt], p)[0].outputs[0]
+    assert len(seen) == len(out.token_ids)
+    for (tokens, logits), token in zip(seen, out.token_ids):
+        with torch.no_grad():
+            raw = MODEL(torch.tensor([tokens]))[0, -1]
+        torch.testing.assert_close(logits, raw, rtol=0, atol=1e-9)
+        output = tokens[len(prompt):]
+        assert token == int(vllm_penalised(raw + bias, prompt, output, p).argmax())
+
+
 @pytest.mark.sampling
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(prompts=st.lists(st.lists(st.integers(0, 31), min_size=1, max_size=6), min_size=1,
