@@ -6696,6 +6696,53 @@ def test_proposed_and_accepted_counts_are_what_the_acceptance_rule_implies(specu
 
 
 @pytest.mark.speculative
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(mix=request_mixes(), speculator=st.sampled_from(SPECULATORS), k=st.integers(1, 4))
+@example(mix=([[1, 2, 3, 1, 2, 3, 1]], [9], [0], dict(block_size=4, num_blocks=16)),
+         speculator="draft=target", k=3)
+def test_a_step_keeps_the_guesses_the_target_confirms_and_one_token_more(mix, speculator, k):
+    """Speculation's gain: in a step that verifies a sample's guesses, the sample gains the
+    guesses its target confirmed and then the target's own next token (the one at the first
+    rejected guess, or after the last guess when all were kept: k + 1 tokens for one step), but
+    no more than max_tokens leaves. Its tokens are the target's either way, so only the tokens
+    gained a step show a bonus token dropped."""
+    prompts, max_tokens, priorities, engine_args = mix
+    engine = Engine(MODEL, speculative_config=speculative_config(speculator, k, MODEL),
+                    **engine_args)
+    params = [SamplingParams(max_tokens=m, temperature=0) for m in max_tokens]
+    ids = [engine.add_request(p, q, priority=r) for p, q, r in zip(prompts, params, priorities)]
+    max_of = dict(zip(ids, max_tokens))
+    steps, propose = [], engine.proposer.propose
+
+    def recorded(out):  # each step's guesses: (request, its output tokens then, the guesses)
+        proposals = propose(out)
+        steps[-1][0].extend((seq.request_id, seq.num_output_tokens, proposals[seq.seq_id])
+                            for seq, _ in out.lookahead if proposals.get(seq.seq_id))
+        return proposals
+    engine.proposer.propose = recorded
+    tokens = {}
+    for _ in range(1000):  # bounded: see drain
+        if not engine.requests:
+            break
+        steps.append(([], {}))
+        for out in engine.step():
+            steps[-1][1][out.request_id] = len(out.outputs[0].token_ids)
+            tokens[out.request_id] = out.outputs[0].token_ids
+    assert not engine.requests
+    verified = 0
+    for guesses, lengths in steps:
+        for request_id, done, guess in guesses:
+            after = tokens[request_id][done:]
+            confirmed = next((j for j, (g, t) in enumerate(zip(guess, after)) if g != t),
+                             len(guess))
+            assert lengths[request_id] - done == min(confirmed + 1, max_of[request_id] - done)
+            verified += 1
+    assert [tokens[i] for i in ids] == [naive_greedy(MODEL, p, m)
+                                        for p, m in zip(prompts, max_tokens)]
+    event(f"verified guesses: {verified > 0}")
+
+
+@pytest.mark.speculative
 def test_speculation_with_the_cache_off_keeps_the_blocks_its_guesses_filled():
     """One-token prompts, a draft other than the target, four guesses, blocks of one token and
     no prefix cache: giving back the blocks of rejected guesses after a step that kept some read
