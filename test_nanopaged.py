@@ -6990,6 +6990,30 @@ def test_stop_tokens_and_strings_end_the_text_as_vllm_does(
     assert out.finish_reason == ("length" if reason is None else "stop")
 
 
+@pytest.mark.detokenizer
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.text(STOP_ALPHABET, min_size=1, max_size=8), longest=st.integers(2, 12),
+       cuts=st.lists(st.integers(0, 40), max_size=4))
+@example(text="ab é b", longest=8, cuts=[])  # 6 characters, 7 held back
+def test_a_stream_shorter_than_the_hold_back_shows_none_of_it(text, longest, cuts):
+    """A sample whose text stays shorter than its longest stop string less one (a string that
+    never occurs, "x" repeated) streams nothing until it finishes: any character it showed
+    might begin that string. Then it shows its whole text, and the deltas add up to it."""
+    tok = byte_bpe()
+    ids, prompt = random_tokenization(tok, text, cuts), tok.encode("a").ids
+    params = SamplingParams(max_tokens=len(ids), temperature=0, stop=["x" * longest, "x"],
+                            logits_processors=[forcing(ids)])
+    engine = Engine(stop_model(tok.get_vocab_size()), block_size=4, num_blocks=64, tokenizer=tok)
+    request_id, streamed = engine.add_request(prompt, params), []
+    for _ in range(len(ids) + 1):  # a token a step
+        streamed += [o.outputs[0] for o in engine.step() if o.request_id == request_id]
+    assert streamed[-1].finish_reason == "length" and not engine.requests
+    texts = released_texts(tok, prompt, ids)
+    assert_streams_as_vllm(streamed, texts, params)
+    assert streamed[-1].text == texts[-1]
+    assert all(c.text == "" for c in streamed[:-1] if len(texts[len(c.token_ids) - 1]) < longest)
+
+
 @functools.cache
 def stop_model(vocab_size):
     return tiny_model(vocab_size=vocab_size)
