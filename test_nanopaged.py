@@ -7361,6 +7361,91 @@ def test_server_completions_and_chat_stream_and_not_as_engine_generate(served):
 
 
 @pytest.mark.server
+def test_server_usage_streams_in_every_chunk_only_with_both_include_usage_and_continuous(served):
+    """vLLM's stream_options: include_usage adds a last chunk with the usage and no choices;
+    continuous_usage_stats puts the usage so far in every chunk too, but only beside
+    include_usage (alone it changes nothing)."""
+    url, _, _ = served
+    client = served_client(url)
+    messages = [{"role": "user", "content": "Lambdas"}]
+    for create, args in [(client.completions.create, dict(prompt="Lambdas")),
+                         (client.chat.completions.create, dict(messages=messages))]:
+        for include, continuous in itertools.product([False, True], repeat=2):
+            chunks = list(create(model="pydoc-chat", max_tokens=3, stream=True, **args,
+                                 stream_options=dict(include_usage=include,
+                                                     continuous_usage_stats=continuous)))
+            with_usage = [c.usage is not None for c in chunks]
+            assert with_usage[:-1] == [include and continuous] * (len(chunks) - 1)
+            assert with_usage[-1] == include and (chunks[-1].choices == []) == include
+
+
+@pytest.mark.server
+def test_server_chat_without_max_tokens_generates_the_room_left_in_the_context(served):
+    """vLLM's default for a chat request that sets no max_tokens: what max_seq_len leaves after
+    the prompt (the built-in model has no end-of-text token, so it runs to that length)."""
+    url, _, _ = served
+    client = served_client(url)
+    chat = client.chat.completions.create(
+        model="pydoc-chat", messages=[{"role": "user", "content": "The with statement"}])
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 256  # max_seq_len
+    assert chat.choices[0].finish_reason == "length"
+
+
+@pytest.mark.server
+def test_server_chat_default_max_tokens_is_capped_by_generation_config(tmp_path):
+    """A folder whose generation_config.json sets max_new_tokens: a chat request that sets no
+    max_tokens generates that many, or the room left if less (vLLM's get_max_tokens, as this
+    project's CLI reads the file); a max_tokens given wins, and a completion's default is the
+    OpenAI API's 16."""
+    pytest.importorskip("fastapi")
+    import server
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{demo.DEMO_MODEL}/{name}", tmp_path / name)
+    (tmp_path / "chat_template.jinja").write_text(SERVED_CHAT_TEMPLATE)
+    (tmp_path / "generation_config.json").write_text(json.dumps(dict(max_new_tokens=5)))
+    args = server.argument_parser().parse_args(["--model", str(tmp_path)])
+    model, engine, tokenizer = demo.load(args)
+    with served_in_thread(engine, server.served_model(args, model, engine, tokenizer)) as url:
+        client, name = served_client(url), tmp_path.name
+
+        def chat(content, **more):
+            return client.chat.completions.create(
+                model=name, messages=[{"role": "user", "content": content}], **more).usage
+        assert chat("Lambdas").completion_tokens == 5
+        assert chat("Lambdas", max_tokens=7).completion_tokens == 7
+        long = chat("x" * 236)  # the template adds 17 bytes: 3 tokens of room are left
+        assert long.completion_tokens == 256 - long.prompt_tokens < 5  # max_seq_len 256
+        out = client.completions.create(model=name, prompt="Lambdas")
+        assert out.usage.completion_tokens == 16
+
+
+@pytest.mark.server
+def test_server_echo_with_more_prompt_logprobs_than_logprobs_gives_each_its_k(served):
+    """An echoed completion asks logprobs k for its generated tokens and, through vLLM's
+    prompt_logprobs, k' for its prompt: the echoed prompt's top_logprobs hold k (and the prompt's
+    own token), prompt_logprobs ranks k', each the engine's own, whichever of k and k' is
+    larger."""
+    url, folder, model = served
+    client, tok = served_client(url), demo.Tokenizer(folder)
+    prompt = tok.encode(SERVED_PROMPTS[2])
+    ref = served_reference(model, [prompt], SamplingParams(max_tokens=1, temperature=0,
+                                                           prompt_logprobs=4))[0]
+    for k, prompt_k in [(0, 3), (1, 4), (3, 1), (2, 2)]:
+        body = client.completions.create(model="pydoc-chat", prompt=prompt, echo=True,
+                                         logprobs=k, max_tokens=1,
+                                         extra_body=dict(prompt_logprobs=prompt_k)).model_dump()
+        choice = body["choices"][0]
+        echoed = choice["logprobs"]["top_logprobs"][1:len(prompt)]
+        ranked = [sorted((x["logprob"] for x in entry.values() if x["rank"]), reverse=True)
+                  for entry in choice["prompt_logprobs"][1:]]
+        for t, top, ranks, e in zip(prompt[1:], echoed, ranked, ref.prompt_logprobs[1:]):
+            top_k = {served_token(i) for i in sorted(e, key=e.get, reverse=True)[:k]}
+            assert top_k <= set(top) <= top_k | {served_token(t)}
+            assert ranks == pytest.approx(sorted(e.values(), reverse=True)[:prompt_k],
+                                          abs=1e-4)
+
+
+@pytest.mark.server
 def test_server_greedy_outputs_of_16_concurrent_clients_equal_engine_generate(served):
     """16 clients at once, half streaming: every token as Engine.generate's for the same
     prompts. A batch changes a logit only by rounding (~1e-6 here), so an argmax can differ only
