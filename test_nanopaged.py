@@ -8103,6 +8103,46 @@ def test_server_a_failed_step_is_a_500_or_an_error_event_in_the_openai_shape():
         assert m["nanopaged:num_blocks_in_use"] == 0
 
 
+@pytest.mark.server
+@pytest.mark.demo
+def test_every_setting_generation_config_json_sets_is_a_flag_that_overrides_it(tmp_path):
+    """What a folder's generation_config.json can set, the command line can override: each
+    SamplingParams field it reads (but max_new_tokens, --max-tokens in the CLI and the cap of a
+    chat's default in the server) is a flag of `python nanopaged.py` and of server.py, whose
+    value the requests get, and without which they get the file's; and every flag README.md
+    names is the CLI's. The fields come from the metadata that says where the file keeps them,
+    so a field whose flag metadata went missing loses its flag here, not silently."""
+    pytest.importorskip("fastapi")
+    import server
+    read = [f for f in dataclasses.fields(SamplingParams) if "hf" in f.metadata
+            and f.name != "max_tokens"]
+    assert {"temperature", "top_k", "top_p", "min_p", "repetition_penalty",
+            "min_tokens"} <= {f.name for f in read}
+
+    def allowed(f, n):  # n values the field's own check takes, none its default
+        return [x for x in (0.5, 3, 0.25, 2) if f.metadata["ok"](x) and x != f.default][:n]
+    from_file, from_flag = ({f.name: allowed(f, 2)[i] for f in read} for i in (0, 1))
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{demo.DEMO_MODEL}/{name}", tmp_path / name)
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        dict(do_sample=True) | {f.metadata["hf"]: from_file[f.name] for f in read}))
+    flags = [x for name, value in from_flag.items()
+             for x in (f"--{name.replace('_', '-')}", str(value))]
+    base = ["--model", str(tmp_path)]
+    for extra, want in (([], from_file), (flags, from_flag)):
+        cli = demo.argument_parser().parse_args(base + ["--prompt", "A", "--max-tokens", "4"]
+                                                + extra)
+        params = demo.build(cli)[4][0]
+        assert {name: getattr(params, name) for name in want} == want
+        args = server.argument_parser().parse_args(base + extra)
+        served = server.served_model(args, *demo.load(args))
+        assert {name: served.defaults[name] for name in want} == want
+    readme = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read()
+    named = set(re.findall(r"`(--[a-z][a-z-]*)", readme.split("lists every flag:")[1][:600]))
+    options = set(re.findall(r"--[a-z][a-z-]*", demo.argument_parser().format_help()))
+    assert "--min-p" in named and named <= options
+
+
 @dataclasses.dataclass
 class TypicalSamplingParams(SamplingParams):
     """A fork's new sampling parameter, transformers' typical_p, as its one field: what it allows,
