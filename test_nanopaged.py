@@ -2518,6 +2518,46 @@ def test_a_swap_out_takes_room_from_the_tier_never_the_other_way():
     assert any(e["event"] == "cpu_evict" for e in trace.events)
 
 
+@pytest.mark.tier
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(firsts=st.lists(st.integers(0, 31), min_size=2, max_size=7, unique=True),
+       tier_blocks=st.integers(1, 3), device=st.sampled_from(EVICTION),
+       cpu=st.sampled_from([None, *EVICTION]))
+@example(firsts=[1, 2, 3, 4], tier_blocks=2, device="lru", cpu="mru")
+def test_the_cpu_tier_evicts_by_its_own_policy_not_the_devices(firsts, tier_blocks, device, cpu):
+    """cpu_eviction_policy orders the tier (the device's when None), whatever the device's is:
+    distinct prompts served one after another on a device pool of two blocks each give the
+    device one cached block to give up, which the tier takes in; once the tier is full, it
+    evicts the block its policy scores lowest, ties least recently freed (each block's score
+    taken as the tier freed it, after its copy)."""
+    trace = pagetrace.Trace()
+    engine = Engine(MODEL, block_size=4, num_blocks=2, eviction_policy=device,
+                    cpu_eviction_policy=cpu, observer=trace)
+    engine = Engine(MODEL, block_size=4, num_blocks=2, eviction_policy=device,
+                    cpu_eviction_policy=cpu, observer=trace,
+                    cpu_cache_bytes=tier_blocks * bytes_per_block(engine))
+    score = EVICTION_POLICIES[cpu or device]
+    tier, expected = [], []  # the model: (freed at, first token) of each block the tier holds
+    for clock, first in enumerate(firsts):
+        engine.generate([[first, 1, 2, 3, 4]], SamplingParams(max_tokens=1, temperature=0))
+        if clock == 0:
+            continue  # this request gave up the block the one before cached: the tier copies it
+        if len(tier) == tier_blocks:
+            victim = min(tier, key=lambda b: (score(SimpleNamespace(freed_at=b[0], num_hits=0)),
+                                              b[0]))
+            tier.remove(victim)
+            expected.append(victim[1])
+        tier.append((clock, firsts[clock - 1]))
+    held, evicted = {}, []
+    for e in trace.events:
+        if e["event"] == "cpu_publish":
+            held[e["block"]] = e["tokens"][0]
+        elif e["event"] == "cpu_evict":
+            evicted.append(held.pop(e["block"]))
+    assert evicted == expected
+    assert sorted(held.values()) == sorted(first for _, first in tier)
+
+
 @st.composite
 def conversation_rounds(draw):
     """Multi-turn chats in rounds: each round sends some conversations' next turns at once
