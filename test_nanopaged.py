@@ -2519,8 +2519,8 @@ def test_a_swap_out_takes_room_from_the_tier_never_the_other_way():
 
 
 @pytest.mark.tier
-@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(firsts=st.lists(st.integers(0, 31), min_size=2, max_size=7, unique=True),
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(firsts=st.lists(st.integers(0, 31), min_size=2, max_size=6, unique=True),
        tier_blocks=st.integers(1, 3), device=st.sampled_from(EVICTION),
        cpu=st.sampled_from([None, *EVICTION]))
 @example(firsts=[1, 2, 3, 4], tier_blocks=2, device="lru", cpu="mru")
