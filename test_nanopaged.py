@@ -8405,6 +8405,48 @@ def test_the_replay_forgets_the_prefix_of_a_block_a_failed_step_evicted(
 
 
 @pytest.mark.trace
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 7), min_size=1, max_size=4),
+                                   st.integers(4, 8), st.sampled_from(["greedy", "n=2"])),
+                         min_size=2, max_size=4),
+       spare=st.integers(0, 2), picks=st.lists(st.integers(0, 3), min_size=1, max_size=2),
+       tier=st.sampled_from([0, 8]))
+@example(requests=[([1, 2, 3], 6, "greedy"), ([4, 5, 6], 6, "n=2")], spare=0, picks=[0], tier=0)
+def test_the_replay_frees_the_cpu_blocks_of_a_swapped_request_that_is_aborted(
+        requests, spare, picks, tier):
+    """A request preempted by swap and aborted while swapped out gives back its CPU blocks: the
+    pool replayed from the trace holds no table of it, in either pool, and equals the engine's
+    after the abort and at the end (samples, a pool too tight for the requests together, the
+    tier on or off)."""
+    params = [SamplingParams(max_tokens=m, temperature=0 if kind == "greedy" else 1.0, seed=i,
+                             n=2 if kind == "n=2" else 1)
+              for i, (_, m, kind) in enumerate(requests)]
+    worst = max(p.n * (len(r[0]) + p.max_tokens) for r, p in zip(requests, params))
+    trace = pagetrace.Trace()
+    engine = Engine(MODEL, block_size=1, num_blocks=worst + spare, preemption_mode="swap",
+                    max_num_batched_tokens=8, max_num_seqs=4, observer=trace,
+                    cpu_cache_bytes=tier * 1024)  # 1024 bytes: a block of one token
+    for r, p in zip(requests, params):
+        engine.add_request(r[0], p)
+    aborted = []
+    for _ in range(300):  # bounded: see drain
+        if not engine.requests:
+            break
+        swapped = [g.request_id for g in engine.scheduler.swapped]
+        if swapped and len(aborted) < len(picks):
+            aborted.append(swapped[picks[len(aborted)] % len(swapped)])
+            engine.abort(aborted[-1])
+            pool = pagetrace.replay(trace.events)[-1][1]
+            assert not any(pool.request_of[pagetrace.seq_of(t)] == aborted[-1]
+                           for t in [*pool.tables, *pool.cpu_tables])
+            assert_replay_is_the_engine(pool, engine)
+        engine.step()
+    assert not engine.requests
+    assert_replay_is_the_engine(pagetrace.replay(trace.events)[-1][1], engine)
+    event(f"aborted a swapped request: {bool(aborted)}")
+
+
+@pytest.mark.trace
 def test_an_observer_that_raises_fails_the_step_and_changes_nothing():
     """A raising observer is the step's failure like any other: rolled back, nothing lost; an
     observer that raises while the step is undone cannot stop the undo."""
