@@ -5355,6 +5355,94 @@ def test_a_failed_step_recomputes_every_request_whose_blocks_it_handed_out():
         [naive_greedy(MODEL, p, 6) for p in prompts]
 
 
+def held_blocks(queue):
+    """The blocks the tables of a queue's requests point at (each once; a window's gaps not)."""
+    return {b for request in queue for seq in request.seqs for table in seq.block_tables
+            for b in table if b != NO_BLOCK}
+
+
+# the events of a plan that move blocks between owners or pools
+MOVES = {"preempt", "swap_out", "swap_in", "offload", "reload"}
+
+
+@pytest.mark.engine
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(st.lists(st.integers(0, 7), min_size=1, max_size=6),
+                                   st.integers(2, 8), st.sampled_from(["greedy", "n=2", "beam=2"])),
+                         min_size=2, max_size=4),
+       block_size=st.sampled_from([1, 2]), spare=st.integers(0, 2),
+       mode=st.sampled_from(["recompute", "swap"]), tier=st.sampled_from([0, 4, 16]),
+       fail=st.sets(st.integers(1, 4), min_size=1, max_size=2), after=st.booleans())
+# the first decode preempts the second request by recompute, and fails: its table comes back
+@example(requests=[([0], 2, "greedy")] * 2, block_size=1, spare=0, mode="recompute", tier=0,
+         fail={1}, after=True)
+# the second moving step swaps a request in, and the device's evictions go to the tier, into the
+# CPU blocks that request just gave up: after the failure it is recomputed, not swapped in
+@example(requests=[([2, 4, 1, 7], 7, "greedy"), ([4], 3, "beam=2"),
+                   ([1, 4, 6, 5, 4, 6], 2, "greedy")], block_size=2, spare=1, mode="swap",
+         tier=16, fail={2}, after=False)
+def test_a_step_that_fails_after_moving_blocks_leaves_them_counted_and_none_written_held(
+        requests, block_size, spare, mode, tier, fail, after):
+    """Steps that fail after a plan that preempted, swapped or copied to or from the CPU tier
+    (the k-th such step, before or after its forward writes K/V): the undo puts back whole every
+    table the plan cut (a request preempted by recompute keeps all its blocks), so after it the
+    free blocks of each pool are those no table points at; no running request holds a device
+    block, and no swapped request a CPU block, that the failed step handed out (its rollback
+    event names them: the forward, or an offload, may have written them); and every request
+    ends as it does without the failures."""
+    params = [SamplingParams(max_tokens=m, temperature=0 if kind == "greedy" else 1.0, seed=i,
+                             n=2 if kind == "n=2" else 1,
+                             beam_width=2 if kind == "beam=2" else None)
+              for i, (_, m, kind) in enumerate(requests)]
+    worst = max(p.num_seqs * -(-(len(r[0]) + p.max_tokens) // block_size)
+                for r, p in zip(requests, params))
+    settings_ = dict(block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
+                     max_num_batched_tokens=8, max_num_seqs=4)
+    cpu_block = bytes_per_block(Engine(MODEL, **settings_))
+
+    def run(inject):
+        trace = pagetrace.Trace()
+        engine = Engine(MODEL, **settings_, cpu_cache_bytes=tier * cpu_block, observer=trace)
+        ids = [engine.add_request(r[0], p) for r, p in zip(requests, params)]
+        real_forward, moving_steps, failed = GPT.forward, [0], []
+
+        def forward(self, *args, **kwargs):
+            this_step = trace.events[max(i for i, e in enumerate(trace.events)
+                                         if e["event"] == "step"):]
+            moved = any(e["event"] in MOVES for e in this_step)
+            moving_steps[0] += moved
+            if inject and moved and moving_steps[0] in fail and not after:
+                raise RuntimeError("injected before the forward")
+            logits = real_forward(self, *args, **kwargs)
+            if inject and moved and moving_steps[0] in fail:
+                raise RuntimeError("injected after the forward")
+            return logits
+        outputs = {}
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(GPT, "forward", forward)
+            for _ in range(300):  # bounded: see drain
+                if not engine.requests:
+                    break
+                try:
+                    outputs.update({o.request_id: o for o in engine.step() if o.finished})
+                except RuntimeError as e:
+                    assert "injected" in str(e)
+                    failed.append(1)
+                    s = engine.stats()
+                    rollback = next(e for e in reversed(trace.events) if e["event"] == "rollback")
+                    running, swapped = (held_blocks(engine.scheduler.running),
+                                        held_blocks(engine.scheduler.swapped))
+                    assert s["num_free_blocks"] == s["num_blocks"] - len(running)
+                    assert s["num_free_cpu_blocks"] == s["num_cpu_blocks"] - len(swapped)
+                    assert not running & set(rollback["uncached"])
+                    assert not swapped & set(rollback["cpu_uncached"])
+        assert not engine.requests
+        assert_all_blocks_free(engine)
+        event(f"failed: {bool(failed)}")
+        return [[(c.token_ids, c.finish_reason) for c in outputs[i].outputs] for i in ids]
+    assert run(inject=True) == run(inject=False)
+
+
 # What a step's plan may change of a sequence: its paging state, through the allocator
 PAGING_STATE = {"block_tables", "num_computed_tokens", "num_cached_blocks"}
 
