@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import functools
 import hashlib
+import importlib.util
 import inspect
 import itertools
 import http.client
@@ -8772,6 +8773,25 @@ def test_overhead_times_the_engine_on_one_thread_and_gives_the_process_its_own_b
 
 
 @pytest.mark.bench
+def test_bench_serve_without_guidellm_skips_its_benchmark_and_says_so(tmp_path, monkeypatch,
+                                                                     capsys):
+    """guidellm is a dev requirement that a machine may lack, as lm-eval: without it, --serve
+    (and so bench.py --quick) measures the rest and says what it skipped, as their tests skip,
+    instead of failing."""
+    import bench
+    # guidellm as if not installed: in this process, and in every Python it starts
+    (tmp_path / "sitecustomize.py").write_text('import sys\nsys.modules["guidellm"] = None\n')
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setitem(sys.modules, "guidellm", None)
+    results = bench.bench_serve(num_requests=2, rates=(), max_output=4, rounds=1, guidellm=dict(
+        requests=2, concurrency=1, prompt_tokens=8, output_tokens=4))
+    assert "guidellm" not in results
+    assert results["http @ inf/s"]["output_tokens"] == results["Engine.generate"]["output_tokens"]
+    assert "guidellm skipped: it needs the guidellm package" in capsys.readouterr().out
+
+
+@pytest.mark.bench
 def test_bench_quick_runs_every_section_and_leaves_the_readmes_results_alone():
     here = os.path.dirname(os.path.abspath(__file__))
     cited = os.path.join(here, "results", "results.json")
@@ -8794,7 +8814,11 @@ def test_bench_quick_runs_every_section_and_leaves_the_readmes_results_alone():
         serve = results["serve"]
         assert serve["http_over_generate_cpu_per_token"] > 0
         assert serve["http @ inf/s"]["output_tokens"] == serve["Engine.generate"]["output_tokens"]
-        assert serve["guidellm"]["requests"] == {"successful": 4, "errored": 0, "incomplete": 0}
+        if importlib.util.find_spec("guidellm") is None:  # see the test above
+            assert "guidellm" not in serve
+        else:
+            assert serve["guidellm"]["requests"] == {"successful": 4, "errored": 0,
+                                                     "incomplete": 0}
     # the same bytes: an fp8 pool holds every request the fp32 pool held, and the loss moves
     assert results["capacity"]["paged fp8 @ inf/s"]["peak_running"] >= \
         results["capacity"]["paged @ inf/s"]["peak_running"]
