@@ -9,7 +9,9 @@ tests carry its pytest marker, named in its title (pyproject.toml lists them).
     python -m pytest -q                               what CI runs (the default profile)
     python -m pytest -q -m allocator                  one part; -m "not bench" leaves one out
     python -m pytest -q --hypothesis-profile fast     the whole suite in about 2 minutes
-    python -m pytest -q --hypothesis-profile thorough 10x the examples, for a night
+    python -m pytest -q --hypothesis-profile thorough --timeout 0
+                                                      10x the examples, for a night (its
+                                                      slowest tests pass the per-test limit)
     bash tools/seeds.sh                               every Hypothesis test at seeds 0 to 4
 
 Without a GPU the Triton kernels run in Triton's interpreter.
@@ -183,6 +185,17 @@ def drain(engine, max_steps=1000):
         if not engine.scheduler.has_unfinished():
             return outputs
         outputs.update({o.request_id: o for o in engine.step() if o.finished})
+    pytest.fail(f"requests still unfinished after {max_steps} steps: {engine.stats()}")
+
+
+def stepped(engine, max_steps):
+    """Each step's outputs until no request is left, bounded as drain() is, by max_steps: the
+    steps its requests can need (with a budget for every prompt and no preemption, a step each
+    token they compute)."""
+    for _ in range(max_steps):
+        if not engine.scheduler.has_unfinished():
+            return
+        yield engine.step()
     pytest.fail(f"requests still unfinished after {max_steps} steps: {engine.stats()}")
 
 
@@ -4592,8 +4605,8 @@ def test_samples_come_back_in_index_order_with_their_tokens_logprob_under_the_mo
     num_blocks = n * nanopaged.cdiv(len(prompt) + 6, 2) + spare_blocks
     engine = Engine(MODEL, block_size=2, num_blocks=num_blocks)
     engine.add_request(prompt, params)
-    while engine.requests:
-        for out in engine.step():  # streamed too: by index, none finished or some
+    for outputs in stepped(engine, len(prompt) + 6):
+        for out in outputs:  # streamed too: by index, none finished or some
             assert [c.index for c in out.outputs] == list(range(n))
     outputs = out.outputs
     for c in outputs:
@@ -7050,8 +7063,8 @@ def test_stop_strings_end_and_stream_the_text_as_vllms_rules_say(text, prompt_te
     streamed, sent = [], ""
     request_id = engine.add_request(prompt, params)
     deltas.add_request(prompt, dataclasses.replace(params, output_kind="delta"))
-    while engine.requests:
-        streamed += [o.outputs[0] for o in engine.step() if o.request_id == request_id]
+    for outputs in stepped(engine, len(prompt) + len(ids)):
+        streamed += [o.outputs[0] for o in outputs if o.request_id == request_id]
         sent += "".join(o.outputs[0].text for o in deltas.step())
         assert sent == streamed[-1].text
     out = streamed[-1]
@@ -7108,8 +7121,8 @@ def test_stop_tokens_and_strings_end_the_text_as_vllm_does(
     prompt = tok.encode("a b").ids
     if streamed:
         request_id, outputs = engine.add_request(prompt, params), []
-        while engine.requests:
-            outputs += [o.outputs[0] for o in engine.step() if o.request_id == request_id]
+        for step_outputs in stepped(engine, len(prompt) + len(ids)):
+            outputs += [o.outputs[0] for o in step_outputs if o.request_id == request_id]
         assert_streams_as_vllm(outputs, released_texts(tok, prompt, ids), params)
         out = outputs[-1]
     else:
