@@ -353,7 +353,8 @@ def max_tokens_of(max_tokens, param, served, prompts):
     at most the folder's generation_config.json max_new_tokens (vLLM's get_max_tokens)."""
     longest = max(map(len, prompts))
     if max_tokens is None:
-        return min(served.max_seq_len - longest, served.max_tokens or served.max_seq_len)
+        room = served.max_seq_len - longest
+        return room if served.max_tokens is None else min(room, served.max_tokens)
     if max_tokens >= 1 and longest + max_tokens > served.max_seq_len:
         raise APIError(f"{param}: this model's maximum context length is {served.max_seq_len} "
                        f"tokens, and you requested {longest + max_tokens} ({longest} in the "
