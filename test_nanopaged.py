@@ -2545,11 +2545,10 @@ def test_the_cpu_tier_evicts_by_its_own_policy_not_the_devices(firsts, tier_bloc
     evicts the block its policy scores lowest, ties least recently freed (each block's score
     taken as the tier freed it, after its copy)."""
     trace = pagetrace.Trace()
-    engine = Engine(MODEL, block_size=4, num_blocks=2, eviction_policy=device,
-                    cpu_eviction_policy=cpu, observer=trace)
+    per_block = bytes_per_block(Engine(MODEL, block_size=4, num_blocks=1))
     engine = Engine(MODEL, block_size=4, num_blocks=2, eviction_policy=device,
                     cpu_eviction_policy=cpu, observer=trace,
-                    cpu_cache_bytes=tier_blocks * bytes_per_block(engine))
+                    cpu_cache_bytes=tier_blocks * per_block)
     score = EVICTION_POLICIES[cpu or device]
     tier, expected = [], []  # the model: (freed at, first token) of each block the tier holds
     for clock, first in enumerate(firsts):
@@ -5443,7 +5442,8 @@ def test_a_step_that_fails_after_moving_blocks_leaves_them_counted_and_none_writ
                     assert "injected" in str(e)
                     failed.append(1)
                     s = engine.stats()
-                    rollback = next(e for e in reversed(trace.events) if e["event"] == "rollback")
+                    rollback = next(event for event in reversed(trace.events)
+                                    if event["event"] == "rollback")
                     running, swapped = (held_blocks(engine.scheduler.running),
                                         held_blocks(engine.scheduler.swapped))
                     assert s["num_free_blocks"] == s["num_blocks"] - len(running)
@@ -7525,11 +7525,11 @@ def test_server_usage_streams_in_every_chunk_only_with_both_include_usage_and_co
 def test_server_chat_without_max_tokens_generates_the_room_left_in_the_context(served):
     """vLLM's default for a chat request that sets no max_tokens: what max_seq_len leaves after
     the prompt (the built-in model has no end-of-text token, so it runs to that length)."""
-    url, _, _ = served
+    url, _, model = served
     client = served_client(url)
     chat = client.chat.completions.create(
         model="pydoc-chat", messages=[{"role": "user", "content": "The with statement"}])
-    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 256  # max_seq_len
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == model.config.max_seq_len
     assert chat.choices[0].finish_reason == "length"
 
 
@@ -7555,8 +7555,8 @@ def test_server_chat_default_max_tokens_is_capped_by_generation_config(tmp_path)
                 model=name, messages=[{"role": "user", "content": content}], **more).usage
         assert chat("Lambdas").completion_tokens == 5
         assert chat("Lambdas", max_tokens=7).completion_tokens == 7
-        long = chat("x" * 236)  # the template adds 17 bytes: 3 tokens of room are left
-        assert long.completion_tokens == 256 - long.prompt_tokens < 5  # max_seq_len 256
+        long = chat("x" * (model.config.max_seq_len - 20))  # and the template's 17 bytes
+        assert long.completion_tokens == model.config.max_seq_len - long.prompt_tokens < 5
         out = client.completions.create(model=name, prompt="Lambdas")
         assert out.usage.completion_tokens == 16
 
