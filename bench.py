@@ -2081,13 +2081,17 @@ def bench_serve(num_requests=100, rates=(4.0, 16.0), max_output=256, rounds=3,
     free port, stopped at the end) at each arrival rate; then all at once, over HTTP and through
     Engine.generate in this process, taking turns for rounds (the table keeps the run of each
     that took the least CPU: other load on the machine only adds to it; the ratio is the median
-    of the rounds'), for what the HTTP path costs; then guidellm against the same server.
+    of the rounds'), for what the HTTP path costs; then guidellm against the same server, if
+    it is installed.
     model: a checkpoint folder to serve instead of the built-in model (its prompts are bytes,
     so its vocabulary must hold them)."""
     import concurrent.futures
     import multiprocessing
 
     import server
+    if guidellm and importlib.util.find_spec("guidellm") is None:  # a dev requirement only
+        print("\n--serve: guidellm skipped: it needs the guidellm package (requirements-dev.txt)")
+        guidellm = None
     workload = serve_workload(num_requests, max_output)
     flags = SERVE_FLAGS + ([] if model is None else [  # the name the clients ask for
         "--model", model, "--served-model-name", "pydoc-gpt"])

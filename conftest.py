@@ -17,6 +17,12 @@ if not torch.cuda.is_available():
     # Triton's interpreter runs the kernels on the CPU. kernel.py's @triton.jit reads this when
     # it is imported, so it is set here, before any test file (yours too) imports kernel.py.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # One torch thread, unless OMP_NUM_THREADS says otherwise: the tests' models are tiny, and
+    # on cores another process is using, a second thread's spin-waits stretched tests up to 8x
+    # (test_a_failure_anywhere_in_a_step_changes_nothing: 244 s on two threads, 29 s on one),
+    # past what pyproject.toml's per-test limit allows.
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
 
 settings.register_profile("fast", max_examples=10)  # an edit-test loop: about 2 minutes
 settings.register_profile("thorough", max_examples=1000)  # a night: 10x the default's examples

@@ -20,7 +20,8 @@ server-sent events with `stream=true`; GET /v1/models; vLLM's /tokenize, /detoke
 the OpenAI API's, and SamplingParams' own fields under their names (vLLM's extensions: top_k,
 min_p, ignore_eos, ...), read as vLLM reads them (an unknown field ignored and logged). A
 sampling field left out takes the server's sampling flag, which defaults to the folder's
-generation_config.json as in `python nanopaged.py`.
+generation_config.json as in `python nanopaged.py`; a chat request without max_tokens generates
+the room its prompt leaves, at most the file's max_new_tokens (vLLM's default).
 
 A thread of its own, EngineLoop's, steps the Engine: nothing else touches it. Handlers check a
 request completely (nothing bad reaches the engine), queue it for that thread, and read the
@@ -242,6 +243,9 @@ class ServedModel:
     check_request: object  # Engine.check_request: it reads only the engine's settings
     api_key: str | None = None  # --api-key: the key every /v1 request must bear, if set
     seed: int | None = None  # --seed: requests without a seed take one from this stream
+    # generation_config.json's max_new_tokens, if it sets one: the most a chat request that
+    # sets no max_tokens generates (vLLM's default_sampling_params["max_tokens"])
+    max_tokens: int | None = None
     tokens: object = field(init=False)  # TokenTexts: each token's text and bytes, for logprobs
     seeds: random.Random | None = field(init=False)
 
@@ -345,11 +349,12 @@ def sampling_params(req, served, prompts, own, names):
 
 
 def max_tokens_of(max_tokens, param, served, prompts):
-    """max_tokens, or, left out (chat), what the context has room for after the longest prompt
-    (vLLM's default)."""
+    """max_tokens, or, left out (chat), what the context has room for after the longest prompt,
+    at most the folder's generation_config.json max_new_tokens (vLLM's get_max_tokens)."""
     longest = max(map(len, prompts))
     if max_tokens is None:
-        return served.max_seq_len - longest
+        room = served.max_seq_len - longest
+        return room if served.max_tokens is None else min(room, served.max_tokens)
     if max_tokens >= 1 and longest + max_tokens > served.max_seq_len:
         raise APIError(f"{param}: this model's maximum context length is {served.max_seq_len} "
                        f"tokens, and you requested {longest + max_tokens} ({longest} in the "
@@ -1134,7 +1139,8 @@ def served_model(args, model, engine, tokenizer):
         max_seq_len=model.config.max_seq_len, vocab_size=model.config.vocab_size,
         defaults={f.name: getattr(args, f.name) for f in demo.sampling_fields()},
         priority_scheduling=args.scheduling_policy == "priority",
-        check_request=engine.check_request, api_key=args.api_key, seed=args.seed)
+        check_request=engine.check_request, api_key=args.api_key, seed=args.seed,
+        max_tokens=checkpoints.generation_defaults(args.model).get("max_tokens"))
 
 
 def main(argv=None):
