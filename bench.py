@@ -852,11 +852,12 @@ def bench_kernel(grid=None):
 # programming guide; every one of them has 64K registers per SM
 AOT_GPUS = {80: (167936, 166912, 2048), 86: (102400, 101376, 1536), 90: (233472, 232448, 2048)}
 # step -> (q_len of each sequence, its context, num_splits, a Mask or None), batched as by the
-# engine; the mask's numbers are runtime arguments (one binary for every mask), taken here too
+# engine; the mask's numbers are runtime arguments (one binary for every mask), but for whether
+# a prefill has sinks (a binary of its own), which "prefill" has and "mixed" has not
 AOT_STEPS = {
     "decode": ([1] * 32, [1000] * 32, 1, None),
     "split decode": ([1] * 2, [3000, 2000], 8, dict(window=1024, sink=4)),
-    "prefill": ([300, 200], [300, 500], 1, None),
+    "prefill": ([300, 200], [300, 500], 1, dict(window=256, sink=4)),
     "mixed": ([1] * 30 + [256, 100], [800] * 30 + [256, 900], 4, dict(chunk=512)),
 }
 
@@ -1020,6 +1021,7 @@ def aot_config(cc, dtype, head_dim, group, block_size, step, cache_dtype=None):
         launch = ("merge" if fn.__name__ == "_merge_splits_kernel" else
                   "store" if fn.__name__ == "_store_kv_kernel" else
                   "prefill" if not k["DECODE"] else "split decode" if k["SPLIT_KV"] else "decode")
+        launch += ", sinks" if k.get("SINKS") else ""
         row = aot_compile(cc, fn, grid, a, k)
         rows.append(dict(sm=cc, dtype=str(dtype).replace("torch.", ""), head_dim=head_dim,
                          cache=str(args[1].dtype).replace("torch.", ""),
@@ -1034,23 +1036,31 @@ AOT_FP8 = {80: (torch.float8_e5m2,), 86: (torch.float8_e5m2,),
 
 
 def aot_matrix(full=True):
-    """The configurations the compile gate covers: every combination the issue names (full), or
-    a subset for CI that still takes every head size, dtype, group, block size, step and target;
-    then the 8-bit caches each target supports (AOT_FP8), rotating through the same."""
+    """The configurations the compile gate covers: every combination of target, dtype, head
+    size the kernel takes, group, block size and step (full), or a subset for CI that still
+    takes every head size, dtype, group, block size, step and target; then the 8-bit caches each
+    target supports (AOT_FP8), rotating through the same."""
     import itertools
-    dtypes, head_dims, groups = (torch.float16, torch.bfloat16), (64, 80, 128, 256), (1, 4, 8)
+    import kernel
+    dtypes, head_dims, groups = (torch.float16, torch.bfloat16), kernel.HEAD_DIMS, (1, 4, 8)
     fp8 = [(cc, c) for cc in AOT_GPUS for c in AOT_FP8[cc]]
     if full:
         return (list(itertools.product(AOT_GPUS, dtypes, head_dims, groups, (16, 32), AOT_STEPS))
                 + [(cc, dt, d, groups[i % 3], (16, 32)[i // 3 % 2], step, c) for i, ((cc, c), dt, d,
                    step) in enumerate(itertools.product(fp8, dtypes, head_dims, AOT_STEPS))])
     # each target, dtype and head size; a plain decode step and a mixed step (split decode, merge
-    # and prefill) give every kernel variant; groups and block sizes rotate through them
+    # and prefill) give every kernel variant but those with sinks, which a prefill step (with its
+    # decode launch) and a split decode step give each target and dtype; head sizes, groups and
+    # block sizes rotate through them
     combos = itertools.product(AOT_GPUS, dtypes, head_dims, ("decode", "mixed"))
+    sinks = itertools.product(AOT_GPUS, dtypes, ("prefill", "split decode"))
+    n = len(head_dims)
     # 8-bit: each target's formats, in both dtypes, a mixed step each, head sizes rotating
     return ([(cc, dt, d, groups[i % 3], (16, 32)[i // 2 % 2], step)
              for i, (cc, dt, d, step) in enumerate(combos)]
-            + [(cc, dt, head_dims[(i + j) % 4], groups[i % 3], 16, "mixed", c)
+            + [(cc, dt, head_dims[i % n], groups[i % 3], 16, step)
+               for i, (cc, dt, step) in enumerate(sinks)]
+            + [(cc, dt, head_dims[(i + j) % n], groups[i % 3], 16, "mixed", c)
                for i, (cc, c) in enumerate(fp8) for j, dt in enumerate(dtypes)])
 
 

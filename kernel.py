@@ -113,7 +113,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    DECODE: tl.constexpr, SPLIT_KV: tl.constexpr,
+    DECODE: tl.constexpr, SPLIT_KV: tl.constexpr, SINKS: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # one program: BLOCK_Q new tokens of one sequence x the GROUP query heads of one KV head
@@ -150,7 +150,8 @@ def _paged_attention_kernel(
     q_pos = seq_len - q_len + q_idx  # its position
     # it sees keys first_seen <= k <= q_pos, q_span of them, and the sinks k < q_sink (Mask)
     q_span = q_pos - tl.maximum(q_pos - window + 1, q_pos - q_pos % chunk) + 1
-    q_sink = tl.minimum(sink, q_pos + 1)
+    if SINKS:
+        q_sink = tl.minimum(sink, q_pos + 1)
     # row of q and out; int64, a long batch * stride can pass 2**31
     token = (q_start + q_idx).to(tl.int64)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -167,11 +168,15 @@ def _paged_attention_kernel(
 
     # keys past the tile's last new token are masked for every row, and so are keys between the
     # sinks and the first key its first row sees: never load them. Key j of the program is at
-    # position j among the num_sink sinks, then at kv_start + j - num_sink
+    # position kv_start + j; with sinks, at j among the num_sink sinks, then at
+    # kv_start + j - num_sink (in a binary of its own: the second index costs registers that
+    # would spill in the 8-bit caches' decode and prefill at some head sizes)
     first_pos = seq_len - q_len + q_tile * BLOCK_Q
     kv_start = tl.maximum(first_pos - window + 1, first_pos - first_pos % chunk)
     kv_end = seq_len - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len)
-    num_sink = tl.minimum(sink, kv_start)
+    num_sink = 0
+    if SINKS:
+        num_sink = tl.minimum(sink, kv_start)
     # split-KV (Flash-Decoding): this program takes one share of the keys, a whole number of
     # BLOCK_N-key tiles
     per_split = tl.cdiv(tl.cdiv(num_sink + kv_end - kv_start, num_splits), BLOCK_N) * BLOCK_N
@@ -184,7 +189,10 @@ def _paged_attention_kernel(
     for start in range(lo, hi, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         j_mask = j < hi
-        pos = tl.where(j < num_sink, j, j - num_sink + kv_start)
+        if SINKS:
+            pos = tl.where(j < num_sink, j, j - num_sink + kv_start)
+        else:
+            pos = j + kv_start
         # the physical slot of each key, so BLOCK_N does not depend on the cache block size;
         # masked lanes never read a padded (-1) table entry or a slot past seq_len
         block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=j_mask,
@@ -203,9 +211,11 @@ def _paged_attention_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # (M, N) fp32
         if DECODE:  # one new token, and the loop runs over exactly the keys it sees
             s = tl.where(j_mask[None, :], s, float("-inf"))
-        else:  # 0 <= q_pos - pos < q_span (one unsigned compare), or a sink
+        else:  # 0 <= q_pos - pos < q_span (one unsigned compare), or a sink (a second one)
             behind = (q_pos[:, None] - pos[None, :]).to(tl.uint32)
-            seen = (behind < q_span[:, None].to(tl.uint32)) | (pos[None, :] < q_sink[:, None])
+            seen = behind < q_span[:, None].to(tl.uint32)
+            if SINKS:
+                seen |= pos[None, :] < q_sink[:, None]
             s = tl.where(j_mask[None, :] & seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         # a row with no visible key yet (only possible in a split) keeps exp2 at 0, not NaN
@@ -267,9 +277,10 @@ MAX_SPLITS = 64
 INTERPRETED = type(_paged_attention_kernel).__name__ == "InterpretedFunction"
 
 
-def kernel_config(dtype, head_dim, group, block_size, decode, split_kv=False, cache_dtype=None):
+def kernel_config(dtype, head_dim, group, block_size, decode, split_kv=False, cache_dtype=None,
+                  sinks=False):
     """The paged-attention kernel's compile-time constants and launch options for the decode
-    launch (decode=True) or the prefill launch of one call. Sized for the ~100 KiB of shared
+    launch (decode=True) or the prefill launch of one call (sinks: its mask has some). Sized for the ~100 KiB of shared
     memory of consumer GPUs, and for no register spills (the compile gate checks both)."""
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_dim)
@@ -290,7 +301,7 @@ def kernel_config(dtype, head_dim, group, block_size, decode, split_kv=False, ca
         BLOCK_M=block_m, BLOCK_Q=1 if decode else block_m // group_pad,
         BLOCK_N=min(64, 4096 // head_dim_pad),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, BLOCK_SIZE=block_size,
-        DECODE=decode, SPLIT_KV=split_kv,
+        DECODE=decode, SPLIT_KV=split_kv, SINKS=sinks,
         DOT_DTYPE=tl.float32 if upcast else tl.float16 if dtype == torch.float16 else tl.bfloat16,
         DOT_PRECISION="ieee" if upcast else None,
         num_warps=4 if head_dim_pad <= 128 or decode else 8,
@@ -396,7 +407,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
 
     # decode: one program per sequence x KV head x split; those not decoding exit at once
     decode = kernel_config(q.dtype, head_dim, group, block_size, decode=True,
-                           cache_dtype=k_cache.dtype)
+                           cache_dtype=k_cache.dtype, sinks=mask.sink > 0)
     if num_splits is None:
         resident = _resident_programs(q, args(out[:, :, None], out, 1), decode) if q.is_cuda else 0
         context = block_tables.shape[1] * block_size  # the longest a decode can see
@@ -408,7 +419,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
         partial = _buffer("partial", (num_seqs, n_head, num_splits, head_dim), f32)  # (S, nh, n, D)
         lse = _buffer("lse", (num_seqs, n_head, num_splits), f32)                     # (S, nh, n)
         decode = kernel_config(q.dtype, head_dim, group, block_size, decode=True, split_kv=True,
-                               cache_dtype=k_cache.dtype)
+                               cache_dtype=k_cache.dtype, sinks=mask.sink > 0)
         grid = (num_seqs, n_kv_head, num_splits)
         _paged_attention_kernel[grid](*args(partial, lse, num_splits), **decode)
         _merge_splits_kernel[(num_seqs, n_head)](
@@ -419,7 +430,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
         )
     if max_q_len > 1:  # prefill: query tiles numbered across sequences; decoding ones exit at once
         prefill = kernel_config(q.dtype, head_dim, group, block_size, decode=False,
-                                cache_dtype=k_cache.dtype)
+                                cache_dtype=k_cache.dtype, sinks=mask.sink > 0)
         grid = (num_tokens // prefill["BLOCK_Q"] + num_seqs, n_kv_head, 1)  # >= all the tiles
         _paged_attention_kernel[grid](*args(out[:, :, None], out, 1), **prefill)
     return out

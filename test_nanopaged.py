@@ -961,26 +961,34 @@ def test_kernel_compiles_for_a_gpu():
     # the interpreter never runs Triton's compiler. bench.py --kernel --aot captures the
     # launcher's real arguments for engine-shaped steps, lets Triton's JIT specialize them as a
     # launch would and compile them for sm_80, sm_86 and sm_90, and reads the binaries: here a
-    # subset that still takes every target, dtype, head size, group, block size and launch, and
-    # every 8-bit cache each target supports
+    # subset that still takes every target, dtype, head size, group, block size and launch (a
+    # prefill with sinks, a binary of its own, at one head size each), and every 8-bit cache
+    # each target supports
     import json
     code = "import json, bench; print(json.dumps(bench.aot_rows(bench.aot_matrix(full=False), 2)))"
     if FAST:  # one head size with every target, dtype and launch; sm_90's two 8-bit caches
         code = ("import json, bench, torch; print(json.dumps(bench.aot_rows([c for c in "
-                "bench.aot_matrix(full=False) if (c[2] == 64 if len(c) == 6 else "
-                "c[0] == 90 and c[1] == torch.float16)], 2)))")
+                "bench.aot_matrix(full=False) if (c[2] == 64 or c[5] in ('prefill', "
+                "'split decode') if len(c) == 6 else c[0] == 90 and c[1] == torch.float16)], "
+                "2)))")
     rows = json.loads(run_without_interpreter(code))
     launches = Counter((r["sm"], r["dtype"], r["head_dim"], r["launch"]) for r in rows
                        if r["cache"] == r["dtype"])
     fp8 = {(r["sm"], r["cache"], r["dtype"], r["launch"]) for r in rows if r["cache"] != r["dtype"]}
+    sinks = {(sm, dtype, launch) for sm, dtype, _, launch in launches if "sinks" in launch}
+    assert sinks == {(sm, dtype, f"{launch}, sinks") for sm in (80, 86, 90)
+                     for dtype in ("float16", "bfloat16")
+                     for launch in ("decode", "split decode", "prefill")}
+    launches = Counter(k for k in launches if "sinks" not in k[3])
     if FAST:
-        assert set(launches) == {(sm, dtype, 64, launch) for sm in (80, 86, 90)
-                                 for dtype in ("float16", "bfloat16")
-                                 for launch in ("decode", "split decode", "merge", "prefill")}
+        assert {k for k in launches if k[2] == 64} == {
+            (sm, dtype, 64, launch) for sm in (80, 86, 90) for dtype in ("float16", "bfloat16")
+            for launch in ("decode", "split decode", "merge", "prefill")}
         assert fp8 == {(90, cache, "float16", launch) for cache in ("float8_e5m2", "float8_e4m3fn")
                        for launch in ("split decode", "merge", "prefill", "store")}, fp8
     else:
-        assert len(launches) == 3 * 2 * 4 * 4, "a target, dtype, head size or launch is missing"
+        assert len(launches) == 3 * 2 * len(kernel.HEAD_DIMS) * 4, \
+            "a target, dtype, head size or launch is missing"
         # 8-bit caches: e4m3 on sm_90 (Triton has it from sm_89), e5m2 on every target, each
         # with both query dtypes, the store that quantizes and every attention launch of a
         # mixed step
@@ -988,7 +996,7 @@ def test_kernel_compiles_for_a_gpu():
             (80, "float8_e5m2"), (86, "float8_e5m2"), (90, "float8_e5m2"), (90, "float8_e4m3fn")]
             for dtype in ("float16", "bfloat16")
             for launch in ("split decode", "merge", "prefill", "store")}, fp8
-        assert len({r["head_dim"] for r in rows if r["cache"] != r["dtype"]}) == 4
+        assert len({r["head_dim"] for r in rows if r["cache"] != r["dtype"]}) >= 4
     for r in rows:
         where = "sm_{sm} {dtype} cache {cache} head_dim {head_dim} group {group} {launch}".format(
             **r)
@@ -1019,7 +1027,7 @@ def jit_keys_of_steps(seed=0, steps=40):
         launches = bench.capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits,
                                           mask=mask)
         for fn, _, a, k in launches:
-            launch = (fn.__name__, k.get("DECODE"), k.get("SPLIT_KV"))
+            launch = (fn.__name__, k.get("DECODE"), k.get("SPLIT_KV"), k.get("SINKS"))
             keys.setdefault(launch, set()).add(bench.jit_key(90, fn, a, k))
     return {str(launch): len(k) for launch, k in keys.items()}
 
@@ -1028,13 +1036,15 @@ def jit_keys_of_steps(seed=0, steps=40):
 def test_kernel_compiles_once_per_launch_kind_not_per_step():
     # Triton specializes integers on == 1 and divisibility by 16: a block-table width or a
     # sequence count that does it mid-serving would recompile (seconds) in the middle of a step,
-    # and a mask that did would compile per attention kind
+    # and a mask that did would compile per attention kind: a prefill with sinks alone has a
+    # binary of its own
     import json
     counts = json.loads(run_without_interpreter(
         "import json, test_nanopaged as t; print(json.dumps(t.jit_keys_of_steps()))"))
-    merges = counts.pop(str(("_merge_splits_kernel", None, None)))
-    assert counts == {str(("_paged_attention_kernel",) + kind): 1
-                      for kind in ((True, False), (True, True), (False, False))}, counts
+    merges = counts.pop(str(("_merge_splits_kernel", None, None, None)))
+    assert counts == {str(("_paged_attention_kernel", decode, split, sinks)): 1
+                      for decode, split in ((True, False), (True, True), (False, False))
+                      for sinks in (False, True)}, counts
     assert merges <= math.log2(kernel.MAX_SPLITS), "the merge compiles once per power of two"
 
 
