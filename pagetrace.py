@@ -257,8 +257,8 @@ def _ids(blocks):
 
 def _allocated(e, seq):
     hits, table = e["hits"], e["table"]
-    if not hits:
-        return f"{seq(e['seq'])} took blocks {_ids(table)}"
+    if not hits:  # no prefix hit: its blocks come chunk by chunk as it runs ("append")
+        return None
     rest = f"; {seq(e['seq'])} took {_ids(table[hits:])} for the rest" if table[hits:] else ""
     return f"request {e['request']} hit {hits} cached blocks ({_ids(table[:hits])}){rest}"
 

@@ -8887,6 +8887,9 @@ def test_every_event_the_engine_tells_has_words():
     events = page_run_events()
     names = pagetrace.seq_names(events)
     assert {e["event"] for e in events} <= set(pagetrace.WORDS)
+    for e in events:  # a sentence is what a browser shows: no stray space, no empty list
+        words = pagetrace.describe(e, names)
+        assert words is None or (words == " ".join(words.split()) and "()" not in words), e
     cow = next(e for e in events if e["event"] == "cow")
     assert pagetrace.describe(cow, names).startswith(
         f"seq {names[cow['seq']]} copied block {cow['src']} to {cow['dst']} before writing")
