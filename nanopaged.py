@@ -343,15 +343,6 @@ class Request:
                 return False
         return True
 
-    def admitted(self):
-        """Commit of the step that first admitted it to running: its time in the queue ends,
-        and the prompt tokens the prefix cache served are counted."""
-        m = self.metrics
-        if m.first_scheduled_time is None:
-            now = time.perf_counter()
-            self.metrics = replace(m, first_scheduled_time=now, time_in_queue=now - m.arrival_time)
-            self.num_cached_tokens = self.seqs[0].num_computed_tokens
-
 
 @dataclass(slots=True)  # slots: one is made per sample per step, in half the time
 class CompletionOutput:
@@ -1471,10 +1462,22 @@ class Scheduler:
             out.admitted.append(request)
             notify(self, "admit", request=request.request_id)
             self.allocator.allocate_together(request.seqs)
+            self._first_scheduled(request)
             if not request.is_decoding:
                 self._schedule_prefill(request, out, chunk)
             elif not self._over_budget(out, len(request.seqs)):
                 self._append_slots(request, out)  # recomputed samples, all but the last cached
+
+    def _first_scheduled(self, request):
+        """A request's first admission ends its time in the queue as the scheduler schedules it
+        (vLLM's stamp), not after the forward, and counts the prompt tokens the prefix cache
+        served it. Journaled: a failed step's undo takes both back."""
+        m = request.metrics
+        if m.first_scheduled_time is None:
+            now, journal = time.perf_counter(), self.allocator.journal
+            journal.set(request, "metrics", replace(m, first_scheduled_time=now,
+                                                    time_in_queue=now - m.arrival_time))
+            journal.set(request, "num_cached_tokens", request.seqs[0].num_computed_tokens)
 
     def _admission_chunk(self, request, out):
         """The longest first chunk (tokens a sequence, up to the budget left) with which the
@@ -2654,8 +2657,6 @@ class OutputProcessor:
     def commit(self, plan, result):
         """Advance the scheduled sequences past their new tokens, give each ready request what
         the run decided, retire finished sequences. Returns the ready requests, to report."""
-        for request in plan.admitted:  # before num_computed_tokens moves on: the prefix hits
-            request.admitted()
         for request in plan.preempted:
             self.scheduler.count_preemption(request)
         for seq, num_new in plan.scheduled:

@@ -1508,6 +1508,32 @@ def test_request_metrics_follow_the_lifecycle_and_count_cached_prompt_tokens():
 
 
 @pytest.mark.engine
+def test_a_request_leaves_the_queue_when_scheduled_not_when_its_forward_ends():
+    """vLLM stamps a request's first scheduling as the scheduler schedules it: on an idle engine
+    its time in the queue ends before the first forward begins, however long that takes. A
+    step that fails takes its stamp back, with the rest of its plan."""
+    engine = Engine(MODEL, block_size=4, num_blocks=32)
+    real_forward, starts = GPT.forward, []
+
+    def forward(self, *args, **kwargs):
+        starts.append(time.perf_counter())
+        if len(starts) == 1:
+            raise RuntimeError("injected")
+        return real_forward(self, *args, **kwargs)
+
+    request_id = engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=2, temperature=0))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GPT, "forward", forward)
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.step()
+        assert engine.requests[request_id].metrics.first_scheduled_time is None
+        (out,) = drain(engine).values()
+    m = out.metrics
+    assert starts[0] < m.first_scheduled_time <= starts[1] < m.first_token_time
+    assert m.time_in_queue == m.first_scheduled_time - m.arrival_time
+
+
+@pytest.mark.engine
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_metrics_are_set_once_even_when_a_request_is_preempted(mode):
     prompts = [[(7 * i + j) % 32 for j in range(5 + 3 * i)] for i in range(8)]
