@@ -292,15 +292,15 @@ class Sequence:
                      min(end, self.num_prompt_tokens - 1))
 
     def fork(self, seq_id, index):
-        """A copy that shares everything generated so far (every field a copy of nanopaged adds,
-        too), with an empty block table: the allocator shares the blocks. The prompt's logprobs
-        stay the parent's."""
+        """A copy of everything generated so far (every field a copy of nanopaged adds, too),
+        its lists and dicts copied, so parent and child go on apart; with empty block tables:
+        the allocator shares the blocks. The prompt's logprobs stay the parent's."""
         child = copy.copy(self)
+        for name, value in vars(self).items():
+            if isinstance(value, (list, dict, set)):
+                setattr(child, name, copy.copy(value))
         child.seq_id, child.index, child.prompt_logprobs = seq_id, index, []
         child.block_tables = [BlockTable() for _ in self.block_tables]
-        child.token_ids = list(self.token_ids)
-        child.block_hashes = list(self.block_hashes)
-        child.logprobs = list(self.logprobs)
         return child
 
 
@@ -399,10 +399,20 @@ def group_field(group):  # an event's KV cache group (section 7): said only past
 # so a sequence wastes at most the unfilled tail of its last block (paper, section 4.2).
 #
 # A step plans first (section 5): it takes and moves blocks before the model runs. If the
-# step then fails, its plan is undone from a journal: every change to a block, a block table
-# or a queue records how to put back what it changed, so the undo costs what the plan changed,
-# never what the sequences hold. Blocks and block tables journal their own changes, so no code
-# that changes them can leave a change out of the undo.
+# step then fails, its plan is undone from one Journal: a list of (function, args) that put
+# back each change, replayed latest first. Every change a plan makes records its undo there:
+# - a block's fields (ref_count, hash, stamps, ...): PhysicalBlock records each assignment
+#   itself, so `block.ref_count += 1` anywhere is undone without a word at the call;
+# - a block table's entries: BlockTable records each append, assignment and truncate;
+# - any other field (a sequence's paging state, a request's first admission, the counters):
+#   Journal.set(obj, name, value), which records the old value;
+# - a request's move between queues: Scheduler._move records the move back.
+# What is derived from those is not journaled but rebuilt after the undo, from the blocks
+# alone: the free lists and the prefix cache's index and eviction heap (rebuild_free_list).
+# So the undo costs what the plan changed, plus one pass over each pool to rebuild. State a
+# fork adds follows the same rule: a field of a block is journaled for free; a field of
+# anything else is changed with Journal.set, or rebuilt from the blocks in rebuild(); a plain
+# counter changed in the plan is not undone, and the failure property catches it.
 
 
 class Journal:
@@ -423,7 +433,7 @@ class Journal:
             self.undo.append((undo, args))
 
     def set(self, obj, name, value):
-        """obj.name = value, journaled (the plan's changes to a sequence's paging state)."""
+        """obj.name = value, journaled: any field the plan changes outside blocks and tables."""
         self.record(setattr, obj, name, getattr(obj, name))
         setattr(obj, name, value)
 
@@ -447,6 +457,7 @@ class PhysicalBlock:
     token_ids: tuple = ()   # the tokens it holds and which block of its sequence it is, to
     logical_index: int = 0  # confirm a key hit: a colliding key must never share K/V
     num_hits: int = 0       # prefix-cache hits since it was taken
+    cached_at: int = 0      # when it was last published: the order of a fifo policy
     score: float = 0        # its eviction policy's score, when last freed
     journal = None          # its pool's Journal (a class attribute, not a field, until then)
 
@@ -718,8 +729,9 @@ class BlockAllocator(BlockPool):
         that many: each KV cache group's kind's bound, summed."""
         return sum(kind.max_blocks(num_tokens, chunk, self.block_size) for kind in self.kinds)
 
-    def tables(self, seq):
-        """seq's block tables, one per KV cache group, journaled."""
+    def journaled_tables(self, seq):
+        """seq's block tables, one per KV cache group (made if it has one for a single group),
+        each given the journal, so its changes from here on are undone with the plan."""
         if len(seq.block_tables) != len(self.kinds):  # made for one group
             self.journal.set(seq, "block_tables", [BlockTable() for _ in self.kinds])
         for table in seq.block_tables:
@@ -778,7 +790,7 @@ class BlockAllocator(BlockPool):
         if num_taken > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {num_taken} blocks, "
                                    f"{self.num_free_blocks} are free")
-        (length, found), tables = self.lookup(seq), self.tables(seq)
+        (length, found), tables = self.lookup(seq), self.journaled_tables(seq)
         held = [block for hits in found for block, cache in filter(None, hits)
                 if cache is self.prefix_cache]
         for block_id in held:  # share before taking, so take() cannot evict a hit
@@ -889,7 +901,8 @@ class BlockAllocator(BlockPool):
 
     def fork(self, parent, child):
         """The child shares every block of the parent: parallel samples and beams start this way."""
-        for g, (parent_table, table) in enumerate(zip(parent.block_tables, self.tables(child))):
+        tables = zip(parent.block_tables, self.journaled_tables(child))
+        for g, (parent_table, table) in enumerate(tables):
             for block_id in parent_table:
                 if block_id != NO_BLOCK:
                     self.share(block_id)
@@ -994,7 +1007,8 @@ def chain_hash(prev_hash, token_ids):
 
 
 # A score given to a cached block when it is freed: the lowest is evicted first, ties least
-# recently freed
+# recently freed. A policy reads the block's stamps (freed_at, cached_at, num_hits,
+# logical_index); FIFO, say, is lambda block: block.cached_at
 EVICTION_POLICIES = {"lru": lambda block: 0,  # all tie: least recently used first
                      "lfu": lambda block: block.num_hits}  # fewest prefix-cache hits first
 
@@ -1021,6 +1035,8 @@ class PrefixCache:
         self.evictable = {}  # cached free block -> its entry in heap (other entries are stale)
         self.heap = []  # (score, freed_at, block_id), smallest first
         self.counts = HitCounts()
+        # stamps cached_at; an order, so the values a failed step skips need no undo
+        self.clock = itertools.count(1)
 
     @property
     def num_evictable(self):
@@ -1113,6 +1129,7 @@ class PrefixCache:
         """Cache block_id as a holder of token_ids, block index of its sequence, under key."""
         block = self.blocks[block_id]
         block.hash, block.token_ids, block.logical_index = key, token_ids, index
+        block.cached_at = next(self.clock)
         self.blocks_by_key.setdefault(key, {})[block_id] = None
         notify(self, self.tier + "publish", block=block_id, index=index, tokens=list(token_ids))
 
@@ -1321,8 +1338,9 @@ class SwapPool(BlockPool):
 #
 # schedule() is a step's plan: it moves requests between queues and takes the blocks their
 # tokens need, every change journaled (section 2), and returns what the step runs. It changes
-# no sequence but its paging state (block table, num_computed_tokens on a hit or a preemption);
-# the tokens, the counters and the times change in the step's commit (section 11).
+# no sequence but its paging state (block table, num_computed_tokens on a hit or a preemption)
+# and a request's first admission (its queue time ends as it is scheduled, vLLM's stamp); the
+# tokens, the other counters and times change in the step's commit (section 11).
 
 SCHEDULING_POLICIES = {  # the order: a Request's key (fixed while queued), smaller first
     "fcfs": lambda request: request.request_id,  # first come, first served: ids count arrivals
@@ -2851,7 +2869,10 @@ def samples_in_order(request):
 #   3. commit  the output processor appends the tokens, advances what is computed, stops and
 #              frees; the engine reports: nothing in it can fail halfway
 # A failure in plan or run undoes the plan and propagates: the step leaves every request,
-# queue and block as it found them, and the next step computes the same tokens again.
+# queue and block as it found them, and the next step computes the same tokens again. One
+# exception, as K/V writes cannot be undone: a request that held a block the failed step
+# handed out (a preemption in the step gave it away) is preempted by recompute, and that
+# preemption is counted, outside any commit (Engine.rollback).
 
 
 class Engine:

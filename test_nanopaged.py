@@ -81,11 +81,13 @@ def some(cases, n):
 
 
 # Policies your copy would add, one entry each, so that every test that holds for any policy runs
-# under one nobody built in: shortest prompt first, and the most recently freed block first.
+# under one nobody built in: shortest prompt first; the most recently freed block first, and
+# the first cached first (FIFO, from the stamp each block keeps).
 # The machines and the naive equality tests run under every registered policy; what belongs to
 # one policy alone is stated in its part's section.
 SCHEDULING_POLICIES.setdefault("shortest_prompt", lambda g: (len(g.prompt_token_ids), g.request_id))
 EVICTION_POLICIES.setdefault("mru", lambda block: -block.freed_at)
+EVICTION_POLICIES.setdefault("fifo", lambda block: block.cached_at)
 SCHEDULING, EVICTION = sorted(SCHEDULING_POLICIES), sorted(EVICTION_POLICIES)
 
 
@@ -1546,6 +1548,24 @@ def test_metrics_are_set_once_even_when_a_request_is_preempted(mode):
         assert o.num_cached_tokens == 0
 
 
+@pytest.mark.engine
+def test_a_fork_goes_on_apart_from_its_parent_in_every_field_your_copy_adds():
+    """A sample forked from its parent shares what was generated so far, but no container: a
+    list, dict or set field (nanopaged's, or one a copy of it adds) that the child changes
+    leaves the parent's as it was."""
+    parent = nanopaged.Sequence(0, [1, 2, 3], 2, request_id=0)
+    parent.logprobs, parent.history, parent.seen = [{1: -0.5}], [7], {"a": 1}
+    child = parent.fork(1, 1)
+    for name, value in vars(parent).items():
+        if isinstance(value, (list, dict, set)) and name != "block_tables":
+            assert getattr(child, name) == (value if name != "prompt_logprobs" else [])
+            assert getattr(child, name) is not value, name
+    child.history.append(8)
+    child.seen["b"] = 2
+    child.token_ids.append(4)
+    assert (parent.history, parent.seen, parent.token_ids) == ([7], {"a": 1}, [1, 2, 3])
+
+
 # -----------------------------------------------------------------------------
 # 2. The block allocator: free list, ref counts, copy-on-write  (-m allocator)
 #
@@ -2726,8 +2746,8 @@ def test_the_cpu_tier_evicts_by_its_own_policy_not_the_devices(firsts, tier_bloc
         if clock == 0:
             continue  # this request gave up the block the one before cached: the tier copies it
         if len(tier) == tier_blocks:
-            victim = min(tier, key=lambda b: (score(SimpleNamespace(freed_at=b[0], num_hits=0)),
-                                              b[0]))
+            stamps = lambda b: SimpleNamespace(freed_at=b[0], cached_at=b[0], num_hits=0)
+            victim = min(tier, key=lambda b: (score(stamps(b)), b[0]))
             tier.remove(victim)
             expected.append(victim[1])
         tier.append((clock, firsts[clock - 1]))
@@ -5596,6 +5616,42 @@ def test_a_failed_step_recomputes_every_request_whose_blocks_it_handed_out():
         [naive_greedy(MODEL, p, 6) for p in prompts]
 
 
+class PlainCounterCache(nanopaged.PrefixCache):
+    """A fork's FIFO order kept the wrong way: a plain count of the blocks published, which a
+    failed step's undo does not take back (section 2's rule: journal it, or read the blocks'
+    own stamps)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_published = 0
+
+    def insert(self, block_id, *args):
+        self.num_published += 1
+        super().insert(block_id, *args)
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("fork", ["plain counter", "fifo by the blocks' stamps"])
+def test_the_failure_property_sees_the_state_a_fork_adds(fork):
+    """What the failure property compares (engine_state) takes in a fork's own state: a plain
+    counter the failed step moved shows, so the property fails on it; FIFO as one registry
+    entry over the blocks' cached_at stamps is undone with the blocks, and passes."""
+    planted = fork == "plain counter"
+    engine = Engine(MODEL, block_size=2, num_blocks=16, eviction_policy="fifo",
+                    prefix_cache_cls=PlainCounterCache if planted else None)
+    engine.add_request([1, 2, 3, 4, 5], SamplingParams(max_tokens=2, temperature=0))
+    before = engine_state(engine)
+
+    def forward(*args, **kwargs):
+        raise RuntimeError("injected")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(GPT, "forward", forward)
+        with pytest.raises(RuntimeError, match="injected"):
+            engine.step()  # its plan published the prompt's two full blocks
+    assert (engine_state(engine) != before) == planted
+    (out,) = drain(engine).values()
+    assert out.outputs[0].token_ids == naive_greedy(MODEL, [1, 2, 3, 4, 5], 2)
+
 def held_blocks(queue):
     """The blocks the tables of a queue's requests point at (each once; a window's gaps not)."""
     return {b for request in queue for seq in request.seqs for table in seq.block_tables
@@ -5685,8 +5741,10 @@ def test_a_step_that_fails_after_moving_blocks_leaves_them_counted_and_none_writ
     assert run(inject=True) == run(inject=False)
 
 
-# What a step's plan may change of a sequence: its paging state, through the allocator
+# What a step's plan may change of a sequence: its paging state, through the allocator; and of
+# a request, at its first admission: the stamps of its time in the queue (vLLM's) and its hits
 PAGING_STATE = {"block_tables", "num_computed_tokens", "num_cached_blocks"}
+ADMISSION_STATE = {"first_scheduled_time", "time_in_queue", "num_cached_tokens"}
 
 
 @pytest.mark.engine
@@ -5698,7 +5756,8 @@ def test_only_a_steps_commit_changes_a_request(requests, block_size, spare, mode
     """Over random workloads (samples, beams, logprobs, prompt logprobs, stop strings through a
     tokenizer, logits processors, speculation, preemption in both modes): the run changes no
     request, sequence, queue or block, and the plan changes no request or sequence but the
-    sequences' paging state (so a field your copy adds needs no undo), nor any counter."""
+    sequences' paging state and the first admission's stamps, those of the requests it admits
+    for the first time (so a field your copy adds needs no undo), nor any counter."""
     def kind_of(kind):
         return "n=2" if kind == "beam=2" and speculate else kind
     params = [SamplingParams(max_tokens=m, temperature=0 if kind_of(k) == "greedy" else 1.0,
@@ -5712,7 +5771,7 @@ def test_only_a_steps_commit_changes_a_request(requests, block_size, spare, mode
               for i, (_, m, k) in enumerate(requests)]
     engine = tight_engine(requests, params, block_size, spare, mode, speculate)
     real_plan, real_run = engine.plan, engine.run
-    leave_out = NOT_STATE | PAGING_STATE
+    leave_out = NOT_STATE | PAGING_STATE | ADMISSION_STATE
 
     def counters():
         s = engine.stats()
@@ -5721,8 +5780,11 @@ def test_only_a_steps_commit_changes_a_request(requests, block_size, spare, mode
 
     def plan():
         before = state_of(engine.requests, skip=leave_out), counters()
+        queued = {i for i, r in engine.requests.items() if r.metrics.first_scheduled_time is None}
         out = real_plan()
         assert (state_of(engine.requests, skip=leave_out), counters()) == before
+        stamped = {i for i in queued if engine.requests[i].metrics.first_scheduled_time}
+        assert stamped == {r.request_id for r in out.admitted} & queued
         return out
 
     def run(out):
