@@ -6,7 +6,7 @@ model. One optional file over the core: nanopaged.py never imports it.
 
     pip install -r requirements.txt                      # FastAPI, uvicorn, prometheus_client
     python server.py [--model PATH] [--port 8000] [--api-key KEY] [--seed N]
-                     [engine and sampling flags of `python nanopaged.py`]
+                     [--stream-interval N] [engine and sampling flags of `python nanopaged.py`]
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
@@ -15,9 +15,9 @@ model. One optional file over the core: nanopaged.py never imports it.
 
 Routes: POST /v1/completions (with echo: the prompt and its logprobs, what lm-eval's
 loglikelihood tasks read) and /v1/chat/completions (the folder's chat template), streamed as
-server-sent events with `stream=true`; GET /v1/models; vLLM's /tokenize, /detokenize and
-/tokenizer_info; /health and /metrics (prometheus_client's text, vLLM's metric names and
-latency histograms). Request fields are
+server-sent events with `stream=true` (--stream-interval N tokens an event, SGLang's flag);
+GET /v1/models; vLLM's /tokenize, /detokenize and /tokenizer_info; /health and /metrics
+(prometheus_client's text, vLLM's metric names and latency histograms). Request fields are
 the OpenAI API's, and SamplingParams' own fields under their names (vLLM's extensions: top_k,
 min_p, ignore_eos, ...), read as vLLM reads them (an unknown field ignored and logged). A
 sampling field left out takes the server's sampling flag, which defaults to the folder's
@@ -249,6 +249,7 @@ class ServedModel:
     # generation_config.json's max_new_tokens, if it sets one: the most a chat request that
     # sets no max_tokens generates (vLLM's default_sampling_params["max_tokens"])
     max_tokens: int | None = None
+    stream_interval: int = 1  # --stream-interval: a stream's events carry this many tokens each
     tokens: object = field(init=False)  # TokenTexts: each token's text and bytes, for logprobs
     seeds: random.Random | None = field(init=False)
 
@@ -638,7 +639,7 @@ class ServerMetrics:
       thread, when it finishes: from its RequestMetrics (the engine's stamps: time to first
       token, time in the queue, end to end), and its inter-token latencies, the gaps between
       the steps that gave it tokens, stamped when the loop had those tokens (whenever the
-      client is sent them). vLLM observes a first token and a gap as they
+      client is sent them: --stream-interval). vLLM observes a first token and a gap as they
       come; held to the finish here, a request aborted or failed is in none of them.
     The histograms may be a step ahead of the counts: they are not read at one moment.
     A request is one, whatever its n: its samples get their tokens in the same steps."""
@@ -812,6 +813,46 @@ class Cursor:
             d.text = self.call.prompt_texts[sub.index] + d.text
             if d.logprobs is not None:
                 d.logprobs = out.prompt_logprobs + d.logprobs
+
+
+class StreamInterval:
+    """SGLang's --stream-interval N: a stream's chunks carry a choice's tokens N at a time, fewer
+    events for the same text. A choice's first tokens go out at once (the time to first token a
+    client sees is not N tokens late), then as soon as N more have come, and the rest with its
+    finish. With one token a step, a choice of T tokens takes 1 + ceil((T - 1) / N) chunks (as
+    SGLang's, which sends at tokens 1, N + 1, 2N + 1, ... and the last). N = 1: every delta as
+    it comes, as before the flag."""
+
+    def __init__(self, n):
+        self.n = n
+        self.held = {}  # choice index -> the Delta it holds back, its tokens since it last sent
+        self.sent = {}  # choice index -> its num_tokens when it last sent
+
+    def due(self, deltas):
+        """The deltas to send now, each with what its choice held back before it."""
+        if self.n == 1:
+            yield from deltas
+            return
+        for d in deltas:
+            held = self.held.pop(d.index, None)
+            if held is not None:
+                d = joined(held, d)
+            last = self.sent.get(d.index)
+            if last is None or d.finish_reason is not None or d.num_tokens - last >= self.n:
+                self.sent[d.index] = d.num_tokens
+                yield d
+            else:
+                self.held[d.index] = d
+
+
+def joined(a, b):
+    """Two deltas of one choice, a then b, as one: the text offset and prompt logprobs of the
+    first, the finish and count of the second."""
+    return Delta(index=a.index, token_ids=a.token_ids + b.token_ids, text=a.text + b.text,
+                 logprobs=None if a.logprobs is None else a.logprobs + b.logprobs,
+                 finish_reason=b.finish_reason, stop_reason=b.stop_reason,
+                 text_offset=a.text_offset, num_tokens=b.num_tokens,
+                 prompt_logprobs=a.prompt_logprobs)
 
 
 class TokenTexts:
@@ -1063,11 +1104,12 @@ async def wait_for_disconnect(request):
 
 
 async def events(call, loop, served):
-    """Server-sent events: a chunk per choice as it gains tokens, then usage if asked, then
-    [DONE]. Starlette cancels this generator when the client disconnects: finally aborts.
-    stream_options.continuous_usage_stats puts the usage so far in every chunk too: the prompt's
-    tokens and the choice's (vLLM's)."""
+    """Server-sent events: a chunk per choice as it gains tokens (--stream-interval's N at a
+    time), then usage if asked, then [DONE]. Starlette cancels this generator when the client
+    disconnects: finally aborts. stream_options.continuous_usage_stats puts the usage so far in
+    every chunk too: the prompt's tokens and the choice's (vLLM's)."""
     tokens, cursor, finals = served.tokens, Cursor(call), []
+    interval = StreamInterval(served.stream_interval)
     options = call.req.stream_options or StreamOptions()
     continuous = options.include_usage and options.continuous_usage_stats
     try:
@@ -1083,10 +1125,12 @@ async def events(call, loop, served):
             chunks = []
             for sub, out in pairs:
                 prompt = len(out.prompt_token_ids)
-                chunks += [call.chunk(call.choice(d, tokens, True), continuous and token_usage(
-                    prompt, d.num_tokens)) for d in cursor.deltas(sub, out, tokens)]
+                for d in interval.due(cursor.deltas(sub, out, tokens)):
+                    chunks.append(call.chunk(call.choice(d, tokens, True),
+                                             continuous and token_usage(prompt, d.num_tokens)))
                 finals += [out] if out.finished else []
-            yield b"".join(chunks)
+            if chunks:  # every choice of the step may be holding its tokens back
+                yield b"".join(chunks)
         if options.include_usage:
             yield call.chunk(None, usage(finals, cursor.num_tokens()))
     except (StepFailed, APIError) as e:  # the status line went out already: an error event
@@ -1228,6 +1272,10 @@ def argument_parser():
     p.add_argument("--seed", type=int,
                    help="seeds the requests that give no seed, in the order they come, so that a "
                    "run repeats (default: each a random seed)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per server-sent event of a streamed response, as SGLang's flag: "
+                   "a choice's first token goes out at once, then N at a time, and the last with "
+                   "its finish (default 1: each step's tokens as they come)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level; info logs a line per request (default info)")
@@ -1242,7 +1290,8 @@ def served_model(args, model, engine, tokenizer):
         defaults={f.name: getattr(args, f.name) for f in demo.sampling_fields()},
         priority_scheduling=args.scheduling_policy == "priority",
         check_request=engine.check_request, api_key=args.api_key, seed=args.seed,
-        max_tokens=checkpoints.generation_defaults(args.model).get("max_tokens"))
+        max_tokens=checkpoints.generation_defaults(args.model).get("max_tokens"),
+        stream_interval=args.stream_interval)
 
 
 def main(argv=None):
@@ -1251,6 +1300,9 @@ def main(argv=None):
         if args.tensor_parallel_size != 1:  # ranks step in lockstep; one process serves HTTP
             raise ValueError("--tensor-parallel-size: the server runs in one process, "
                              "without torchrun; use 1")
+        if args.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be an integer >= 1, "
+                             f"got {args.stream_interval}")
         model, engine, tokenizer = demo.load(args)
     except ValueError as e:
         sys.exit(f"server.py: error: {e}")

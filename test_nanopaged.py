@@ -8511,6 +8511,90 @@ def test_server_metrics_parse_keep_every_count_and_observe_each_finished_request
     assert abs(samples[itl + "_sum"] - decode) < 0.02 * len(kinds)
 
 
+@pytest.mark.server
+def test_server_stream_interval_sends_n_tokens_an_event_that_add_up_to_the_answer(tmp_path,
+                                                                                   monkeypatch):
+    """--stream-interval N (SGLang's): a streamed choice of T tokens, one a step, comes in
+    1 + ceil((T - 1) / N) chunks: its first token at once, then N at a time, then the rest with
+    its finish (SGLang sends at tokens 1, N + 1, 2N + 1, ... and the last). Together they are the
+    text, tokens and logprob offsets of the same request not streamed, each chunk with the usage
+    so far, and the usage chunk is the whole; N = 1 is a chunk a token, as without the flag.
+    Drawn: N, T, n, the route and the prompt."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    pytest.importorskip("prometheus_client")
+    import server
+
+    def loaded(args):  # refused flags never get this far (else main would go on to serve)
+        raise AssertionError("main loaded the model for a refused --stream-interval")
+    monkeypatch.setattr(demo, "load", loaded)
+    with pytest.raises(SystemExit, match="--stream-interval must be an integer >= 1"):
+        server.main(["--stream-interval", "0"])
+    monkeypatch.undo()
+    base = ["--model", str(served_chat_folder(tmp_path)), "--temperature", "0",
+            "--served-model-name", "pydoc-chat"]
+    assert server.argument_parser().parse_args(base).stream_interval == 1
+    args = server.argument_parser().parse_args(base + ["--stream-interval", "3"])
+    model, engine, tokenizer = demo.load(args)
+    served = server.served_model(args, model, engine, tokenizer)
+    assert served.stream_interval == 3
+
+    def pieces(choice, chat, streamed):  # a choice's text, its tokens, and their text offsets
+        if chat:
+            text = choice.delta.content if streamed else choice.message.content
+            return text, [e.token for e in choice.logprobs.content], []
+        logprobs = choice.logprobs
+        return choice.text, logprobs.tokens, logprobs.text_offset
+
+    with served_in_thread(engine, served) as url:
+        client = served_client(url)
+
+        @settings(max_examples=examples(20), deadline=None, database=None)
+        @given(interval=st.integers(1, 6), max_tokens=st.integers(1, 12), n=st.integers(1, 2),
+               chat=st.booleans(), prompt=st.sampled_from(SERVED_PROMPTS))
+        @example(interval=3, max_tokens=11, n=1, chat=False, prompt=SERVED_PROMPTS[0])  # 1+3+3+3
+        @example(interval=3, max_tokens=12, n=2, chat=True, prompt=SERVED_PROMPTS[1])  # 1+3+3+3+2
+        @example(interval=1, max_tokens=5, n=1, chat=False, prompt=SERVED_PROMPTS[0])  # as before
+        def check(interval, max_tokens, n, chat, prompt):
+            served.stream_interval = interval  # as the flag sets it: each stream reads it
+            if chat:
+                create = client.chat.completions.create
+                asked = dict(messages=[{"role": "user", "content": prompt}], logprobs=True,
+                             top_logprobs=0)
+            else:
+                create, asked = client.completions.create, dict(prompt=prompt, logprobs=0)
+            asked |= dict(model="pydoc-chat", max_tokens=max_tokens, n=n)
+            whole = create(**asked)
+            chunks = list(create(**asked, stream=True, stream_options={
+                "include_usage": True, "continuous_usage_stats": True}))
+            assert chunks[-1].choices == []  # the usage chunk: the whole's tokens
+            assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == (
+                n * max_tokens)
+            assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+            # tokens a content chunk: the first at once, then N at a time, the rest with the end
+            rest = max_tokens - 1
+            sizes = [1] + [interval] * (rest // interval)
+            if rest % interval:
+                sizes.append(rest % interval)
+            assert len(sizes) == 1 + math.ceil(rest / interval)
+            for choice in whole.choices:
+                mine = [c for c in chunks[:-1] if c.choices[0].index == choice.index]
+                if chat:  # the role's chunk first, as without the flag
+                    assert mine[0].choices[0].delta.role == "assistant"
+                    mine = mine[1:]
+                got = [pieces(c.choices[0], chat, True) for c in mine]
+                assert [len(tokens) for _, tokens, _ in got] == sizes
+                text, tokens, offsets = pieces(choice, chat, False)
+                assert "".join(t for t, _, _ in got) == text
+                assert sum((t for _, t, _ in got), []) == tokens
+                assert sum((o for _, _, o in got), []) == offsets
+                assert [c.choices[0].finish_reason for c in mine] == [None] * (len(sizes) - 1) + [
+                    choice.finish_reason]
+                assert [c.usage.completion_tokens for c in mine] == list(
+                    itertools.accumulate(sizes))
+        check()
+
+
 # -----------------------------------------------------------------------------
 # A step that fails: the engine rolls it back, the loop fails its requests, the rest go on
 
