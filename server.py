@@ -642,7 +642,8 @@ class ServerMetrics:
       client is sent them: --stream-interval). vLLM observes a first token and a gap as they
       come; held to the finish here, a request aborted or failed is in none of them.
     The histograms may be a step ahead of the counts: they are not read at one moment.
-    A request is one, whatever its n: its samples get their tokens in the same steps."""
+    A request counts once, whatever its n (vLLM v1 counts each sample as a request): its
+    samples get their tokens in the same steps."""
 
     def __init__(self, model_name):
         # no *_created series beside each histogram's (prometheus_client's switch: per process)
