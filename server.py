@@ -4,9 +4,9 @@ so that clients nobody here wrote (the official `openai` package, lm-eval, guide
 serve`, chat UIs) can drive a scheduling or eviction policy under online load, or score the
 model. One optional file over the core: nanopaged.py never imports it.
 
-    pip install -r requirements.txt                      # FastAPI and uvicorn
+    pip install -r requirements.txt                      # FastAPI, uvicorn, prometheus_client
     python server.py [--model PATH] [--port 8000] [--api-key KEY] [--seed N]
-                     [engine and sampling flags of `python nanopaged.py`]
+                     [--stream-interval N] [engine and sampling flags of `python nanopaged.py`]
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
@@ -15,8 +15,9 @@ model. One optional file over the core: nanopaged.py never imports it.
 
 Routes: POST /v1/completions (with echo: the prompt and its logprobs, what lm-eval's
 loglikelihood tasks read) and /v1/chat/completions (the folder's chat template), streamed as
-server-sent events with `stream=true`; GET /v1/models; vLLM's /tokenize, /detokenize and
-/tokenizer_info; /health and /metrics (Prometheus text, vLLM's metric names). Request fields are
+server-sent events with `stream=true` (--stream-interval N tokens an event, SGLang's flag);
+GET /v1/models; vLLM's /tokenize, /detokenize and /tokenizer_info; /health and /metrics
+(prometheus_client's text, vLLM's metric names and latency histograms). Request fields are
 the OpenAI API's, and SamplingParams' own fields under their names (vLLM's extensions: top_k,
 min_p, ignore_eos, ...), read as vLLM reads them (an unknown field ignored and logged). A
 sampling field left out takes the server's sampling flag, which defaults to the folder's
@@ -48,14 +49,16 @@ import time
 import typing
 import urllib.request
 import uuid
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, fields
 
+import prometheus_client
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from starlette.exceptions import HTTPException
 
@@ -246,6 +249,7 @@ class ServedModel:
     # generation_config.json's max_new_tokens, if it sets one: the most a chat request that
     # sets no max_tokens generates (vLLM's default_sampling_params["max_tokens"])
     max_tokens: int | None = None
+    stream_interval: int = 1  # --stream-interval: a stream's events carry this many tokens each
     tokens: object = field(init=False)  # TokenTexts: each token's text and bytes, for logprobs
     seeds: random.Random | None = field(init=False)
 
@@ -413,8 +417,9 @@ class EngineLoop:
     loop, which serves HTTP meanwhile, hears of a step once: one callback puts each of the step's
     outputs in its request's queue. It never waits on a client: the queues have no bound."""
 
-    def __init__(self, engine, loop):
+    def __init__(self, engine, loop, model_name=""):
         self.engine, self.loop = engine, loop  # loop: the event loop the handlers run in
+        self.metrics = ServerMetrics(model_name)  # what /metrics shows: see ServerMetrics
         self.wake = threading.Condition()  # guards what handlers queue; notified when they do
         self.to_add, self.to_abort = deque(), deque()  # from handlers, applied between steps
         self.stats_wanted = []  # futures of /metrics handlers: answered between steps
@@ -423,6 +428,7 @@ class EngineLoop:
         self.finished = Counter()  # requests by how they ended: stop, length, abort, error
         self.dead = None  # the exception that stopped the loop itself (a bug), if one did
         self.scheduled = set()  # the request ids the step in progress scheduled
+        self.sampled = set()  # those of them it gives tokens (it computes them to their end)
         self.thread = threading.Thread(target=self.run, name="engine loop", daemon=True)
         record_scheduled(engine, self)
 
@@ -486,12 +492,15 @@ class EngineLoop:
                 self.loop.call_soon_threadsafe(future.cancel)
 
     def step(self):
-        self.scheduled = set()
+        self.scheduled, self.sampled = set(), set()
         try:
             outputs = self.engine.step()
         except Exception as e:
             self.fail_step(e)
             return
+        # every request the step gave tokens, whether or not it asked for an output now (one
+        # that is not streamed hears only at its end): stamped before any client hears of it
+        self.metrics.tokens_handed_out(self.sampled, time.perf_counter())
         handed = []
         for out in outputs:
             sub = self.live[out.request_id]
@@ -499,6 +508,7 @@ class EngineLoop:
             if out.finished:
                 del self.live[out.request_id]
                 self.finished[out.outputs[0].finish_reason] += 1
+                self.metrics.request_finished(out)
         self.hand_over(handed)
 
     def hand_over(self, handed):
@@ -519,6 +529,7 @@ class EngineLoop:
             self.engine.abort(request_id)
             handed.append((sub, StepFailed(f"the engine step failed: {error!r}")))
             self.finished["error"] += 1
+            self.metrics.forget(request_id)
         self.hand_over(handed)
 
     def apply_queued(self):
@@ -530,6 +541,7 @@ class EngineLoop:
             if self.live.pop(sub.request_id, None) is not None:  # else finished, or never added
                 self.engine.abort(sub.request_id)
                 self.finished["abort"] += 1
+                self.metrics.forget(sub.request_id)
         refused = []
         for sub in to_add:
             if sub.cancelled:
@@ -570,12 +582,18 @@ def answer(future, value):  # in the event loop
 def record_scheduled(engine, loop):
     """Have the scheduler tell the loop which requests each step schedules: a failed step's
     error does not name the requests at fault, and after the rollback nothing says which ran.
-    The wrapper lives on the scheduler object, so a step's undo keeps it."""
+    And which of them the step gives tokens, for the inter-token latency: a request that is not
+    streamed has no output until its last step. The wrapper lives on the scheduler object, so a
+    step's undo keeps it."""
     schedule = engine.scheduler.schedule
 
     def recorded():
         out = schedule()
         loop.scheduled = {seq.request_id for seq, _ in out.scheduled}
+        # a sequence computed up to its last token gets the step's next token (the engine's
+        # rule for a row of logits); one whose prompt's chunk ends before that gets none yet
+        loop.sampled = {seq.request_id for seq, num_new in out.scheduled
+                        if seq.num_computed_tokens + num_new == len(seq)}
         return out
     engine.scheduler.schedule = recorded
 
@@ -592,6 +610,148 @@ async def results(subs):
                 raise out
             left -= sub.finished
         yield pairs
+
+
+# -----------------------------------------------------------------------------
+# /metrics: prometheus_client's text (vLLM's choice), with vLLM's metric names and buckets
+# (vllm/v1/metrics/loggers.py) where vLLM has the metric, nanopaged's where it has none
+
+# vLLM's buckets, in seconds: a first token from 1 ms to 43 minutes; a gap between two of a
+# request's tokens from 10 ms to 80 s; a request's time in the queue, or its whole life, from
+# 0.3 s to two hours
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISHED_REASONS = ("stop", "length", "abort", "error")  # abort: the client left; error: a step
+METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # what generate_latest writes
+
+
+class ServerMetrics:
+    """What /metrics shows, in a prometheus_client registry of the server's own (a test runs
+    several servers in one process, whose figures the default registry would mix), every sample
+    labelled with the model's name. Two kinds of figures:
+    - counts the engine keeps (queues, pool, prefix cache, tokens) and the loop's finished
+      requests: read between two steps when /metrics asks, and rendered by collect();
+    - latency histograms of the requests that finished, each observed once, in the loop's
+      thread, when it finishes: from its RequestMetrics (the engine's stamps: time to first
+      token, time in the queue, end to end), and its inter-token latencies, the gaps between
+      the steps that gave it tokens, stamped when the loop had those tokens (whenever the
+      client is sent them: --stream-interval). vLLM observes a first token and a gap as they
+      come; held to the finish here, a request aborted or failed is in none of them.
+    The histograms may be a step ahead of the counts: they are not read at one moment.
+    A request counts once, whatever its n (vLLM v1 counts each sample as a request): its
+    samples get their tokens in the same steps."""
+
+    def __init__(self, model_name):
+        # no *_created series beside each histogram's (prometheus_client's switch: per process)
+        prometheus_client.disable_created_metrics()
+        self.model_name = model_name
+        self.registry = prometheus_client.CollectorRegistry()
+        self.stats = None  # what the scrape in progress renders: see render
+        self.registry.register(self)  # collect(), below
+        self.time_to_first_token = self.histogram(
+            "vllm:time_to_first_token_seconds", "Seconds from a request's arrival to its first "
+            "token, of each finished request.", TTFT_BUCKETS)
+        self.inter_token_latency = self.histogram(
+            "vllm:inter_token_latency_seconds", "Seconds between two steps that gave a request "
+            "tokens, of each finished request.", ITL_BUCKETS)
+        self.queue_time = self.histogram(
+            "vllm:request_queue_time_seconds", "Seconds from a request's arrival to its first "
+            "scheduling, of each finished request.", REQUEST_BUCKETS)
+        self.e2e_latency = self.histogram(
+            "vllm:e2e_request_latency_seconds", "Seconds from a request's arrival to its last "
+            "token, of each finished request.", REQUEST_BUCKETS)
+        # request_id -> when the loop had each step's tokens of it, until it finishes
+        self.token_times = defaultdict(list)
+
+    def histogram(self, name, documentation, buckets):
+        return prometheus_client.Histogram(name, documentation, ["model_name"], buckets=buckets,
+                                           registry=self.registry).labels(self.model_name)
+
+    def tokens_handed_out(self, request_ids, now):  # in the engine loop's thread
+        """A step gave these requests tokens (several in one step, speculated, are one stamp,
+        as vLLM's one gap an iteration)."""
+        for request_id in request_ids:
+            self.token_times[request_id].append(now)
+
+    def request_finished(self, out):  # in the engine loop's thread; out: its last output
+        m = out.metrics
+        self.time_to_first_token.observe(m.first_token_time - m.arrival_time)
+        self.queue_time.observe(m.time_in_queue)
+        self.e2e_latency.observe(m.finished_time - m.arrival_time)
+        times = self.token_times.pop(out.request_id, [])
+        for earlier, later in zip(times, times[1:]):  # the first tokens have no gap before
+            self.inter_token_latency.observe(later - earlier)
+
+    def forget(self, request_id):  # aborted, or failed: it is in no histogram
+        self.token_times.pop(request_id, None)
+
+    def render(self, stats):  # in the event loop
+        """The text of /metrics, with the counts of stats (EngineLoop.stats'). Nothing else
+        runs in the event loop between setting them and reading them."""
+        self.stats = stats
+        return prometheus_client.generate_latest(self.registry)
+
+    def collect(self):
+        """The counts of the scrape in progress, as metric families (prometheus_client's
+        collector interface: generate_latest calls it)."""
+        s = self.stats
+        if s is None:  # a registry read other than by render
+            return
+        used, cpu = s["num_blocks"] - s["num_free_blocks"], s["num_cpu_blocks"]
+        queried, hits = s["prefix_cache_queried_tokens"], s["prefix_cache_hit_tokens"]
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        rows = [  # kind, name, help, value
+            (gauge, "vllm:num_requests_running", "Requests in model execution batches.",
+             s["num_requests_running"]),
+            (gauge, "vllm:num_requests_waiting", "Requests waiting to be processed.",
+             s["num_requests_waiting"]),
+            (gauge, "vllm:num_requests_swapped", "Requests swapped to CPU.",
+             s["num_requests_swapped"]),
+            (gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+             used / s["num_blocks"]),
+            (gauge, "vllm:cpu_cache_usage_perc", "CPU KV-cache (swap space) usage.",
+             (cpu - s["num_free_cpu_blocks"]) / cpu if cpu else 0.0),
+            (gauge, "nanopaged:num_blocks", "KV blocks in the device pool.", s["num_blocks"]),
+            (gauge, "nanopaged:num_blocks_in_use", "KV blocks that some sequence holds.", used),
+            (counter, "vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of "
+             "number of queried tokens.", queried),
+            (counter, "vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of "
+             "cached tokens.", hits),
+            (gauge, "vllm:gpu_prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens, "
+             "since the start.", hits / queried if queried else 0.0),
+            (gauge, "nanopaged:cpu_cache_blocks", "CPU blocks that hold a cached prefix (the "
+             "prefix cache's second tier).", s["num_cpu_cached_blocks"]),
+            (counter, "nanopaged:cpu_prefix_cache_hits_total", "Prefix cache hits served from "
+             "the CPU tier (copied back), in terms of number of cached tokens.",
+             s["prefix_cache_cpu_hit_tokens"]),
+            (counter, "nanopaged:offloaded_blocks_total", "Cached blocks copied to the CPU tier "
+             "before their eviction.", s["num_offloaded_blocks"]),
+            (counter, "nanopaged:reloaded_blocks_total", "Blocks copied back from the CPU tier "
+             "on a hit.", s["num_reloaded_blocks"]),
+            (counter, "vllm:num_preemptions_total", "Cumulative number of preemptions.",
+             s["num_preemptions"]),
+            (counter, "vllm:prompt_tokens_total", "Prompt tokens of the requests prefilled.",
+             s["num_prompt_tokens"]),
+            (counter, "vllm:generation_tokens_total", "Generated tokens.",
+             s["num_generated_tokens"]),
+            (counter, "process_cpu_seconds_total", "Total user and system CPU time spent in "
+             "seconds, by every thread of the server (Prometheus' process metric).",
+             time.process_time()),
+        ]
+        for kind, name, documentation, value in rows:
+            family = kind(name, documentation, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        success = counter("vllm:request_success_total", "Finished requests by finished_reason "
+                          "(abort: the client left; error: a failed step).",
+                          labels=["model_name", "finished_reason"])
+        for reason in FINISHED_REASONS:
+            success.add_metric([self.model_name, reason], s["finished"].get(reason, 0))
+        yield success
 
 
 # -----------------------------------------------------------------------------
@@ -654,6 +814,46 @@ class Cursor:
             d.text = self.call.prompt_texts[sub.index] + d.text
             if d.logprobs is not None:
                 d.logprobs = out.prompt_logprobs + d.logprobs
+
+
+class StreamInterval:
+    """SGLang's --stream-interval N: a stream's chunks carry a choice's tokens N at a time, fewer
+    events for the same text. A choice's first tokens go out at once (the time to first token a
+    client sees is not N tokens late), then as soon as N more have come, and the rest with its
+    finish. With one token a step, a choice of T tokens takes 1 + ceil((T - 1) / N) chunks (as
+    SGLang's, which sends at tokens 1, N + 1, 2N + 1, ... and the last). N = 1: every delta as
+    it comes, as before the flag."""
+
+    def __init__(self, n):
+        self.n = n
+        self.held = {}  # choice index -> the Delta it holds back, its tokens since it last sent
+        self.sent = {}  # choice index -> its num_tokens when it last sent
+
+    def due(self, deltas):
+        """The deltas to send now, each with what its choice held back before it."""
+        if self.n == 1:
+            yield from deltas
+            return
+        for d in deltas:
+            held = self.held.pop(d.index, None)
+            if held is not None:
+                d = joined(held, d)
+            last = self.sent.get(d.index)
+            if last is None or d.finish_reason is not None or d.num_tokens - last >= self.n:
+                self.sent[d.index] = d.num_tokens
+                yield d
+            else:
+                self.held[d.index] = d
+
+
+def joined(a, b):
+    """Two deltas of one choice, a then b, as one: the text offset and prompt logprobs of the
+    first, the finish and count of the second."""
+    return Delta(index=a.index, token_ids=a.token_ids + b.token_ids, text=a.text + b.text,
+                 logprobs=None if a.logprobs is None else a.logprobs + b.logprobs,
+                 finish_reason=b.finish_reason, stop_reason=b.stop_reason,
+                 text_offset=a.text_offset, num_tokens=b.num_tokens,
+                 prompt_logprobs=a.prompt_logprobs)
 
 
 class TokenTexts:
@@ -905,11 +1105,12 @@ async def wait_for_disconnect(request):
 
 
 async def events(call, loop, served):
-    """Server-sent events: a chunk per choice as it gains tokens, then usage if asked, then
-    [DONE]. Starlette cancels this generator when the client disconnects: finally aborts.
-    stream_options.continuous_usage_stats puts the usage so far in every chunk too: the prompt's
-    tokens and the choice's (vLLM's)."""
+    """Server-sent events: a chunk per choice as it gains tokens (--stream-interval's N at a
+    time), then usage if asked, then [DONE]. Starlette cancels this generator when the client
+    disconnects: finally aborts. stream_options.continuous_usage_stats puts the usage so far in
+    every chunk too: the prompt's tokens and the choice's (vLLM's)."""
     tokens, cursor, finals = served.tokens, Cursor(call), []
+    interval = StreamInterval(served.stream_interval)
     options = call.req.stream_options or StreamOptions()
     continuous = options.include_usage and options.continuous_usage_stats
     try:
@@ -925,10 +1126,12 @@ async def events(call, loop, served):
             chunks = []
             for sub, out in pairs:
                 prompt = len(out.prompt_token_ids)
-                chunks += [call.chunk(call.choice(d, tokens, True), continuous and token_usage(
-                    prompt, d.num_tokens)) for d in cursor.deltas(sub, out, tokens)]
+                for d in interval.due(cursor.deltas(sub, out, tokens)):
+                    chunks.append(call.chunk(call.choice(d, tokens, True),
+                                             continuous and token_usage(prompt, d.num_tokens)))
                 finals += [out] if out.finished else []
-            yield b"".join(chunks)
+            if chunks:  # every choice of the step may be holding its tokens back
+                yield b"".join(chunks)
         if options.include_usage:
             yield call.chunk(None, usage(finals, cursor.num_tokens()))
     except (StepFailed, APIError) as e:  # the status line went out already: an error event
@@ -944,62 +1147,6 @@ encode_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 def sse(payload):
     return f"data: {encode_json(payload)}\n\n".encode()
-
-
-def metrics_text(s, model):
-    """Prometheus text (format 0.0.4): vLLM's metric names where it has one (a counter's name
-    ends in _total), nanopaged's where it has none; each sample labelled with the model."""
-    used, cpu = s["num_blocks"] - s["num_free_blocks"], s["num_cpu_blocks"]
-    queried, hits = s["prefix_cache_queried_tokens"], s["prefix_cache_hit_tokens"]
-    rows = [  # name, type, help, {finished_reason or None: value}
-        ("vllm:num_requests_running", "gauge", "Requests in model execution batches.",
-         s["num_requests_running"]),
-        ("vllm:num_requests_waiting", "gauge", "Requests waiting to be processed.",
-         s["num_requests_waiting"]),
-        ("vllm:num_requests_swapped", "gauge", "Requests swapped to CPU.",
-         s["num_requests_swapped"]),
-        ("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
-         used / s["num_blocks"]),
-        ("vllm:cpu_cache_usage_perc", "gauge", "CPU KV-cache (swap space) usage.",
-         (cpu - s["num_free_cpu_blocks"]) / cpu if cpu else 0.0),
-        ("nanopaged:num_blocks", "gauge", "KV blocks in the device pool.", s["num_blocks"]),
-        ("nanopaged:num_blocks_in_use", "gauge", "KV blocks that some sequence holds.", used),
-        ("vllm:prefix_cache_queries_total", "counter", "Prefix cache queries, in terms of "
-         "number of queried tokens.", queried),
-        ("vllm:prefix_cache_hits_total", "counter", "Prefix cache hits, in terms of number of "
-         "cached tokens.", hits),
-        ("vllm:gpu_prefix_cache_hit_rate", "gauge", "Prefix cache hits / queries, in tokens, "
-         "since the start.", hits / queried if queried else 0.0),
-        ("nanopaged:cpu_cache_blocks", "gauge", "CPU blocks that hold a cached prefix (the "
-         "prefix cache's second tier).", s["num_cpu_cached_blocks"]),
-        ("nanopaged:cpu_prefix_cache_hits_total", "counter", "Prefix cache hits served from "
-         "the CPU tier (copied back), in terms of number of cached tokens.",
-         s["prefix_cache_cpu_hit_tokens"]),
-        ("nanopaged:offloaded_blocks_total", "counter", "Cached blocks copied to the CPU tier "
-         "before their eviction.", s["num_offloaded_blocks"]),
-        ("nanopaged:reloaded_blocks_total", "counter", "Blocks copied back from the CPU tier on "
-         "a hit.", s["num_reloaded_blocks"]),
-        ("vllm:num_preemptions_total", "counter", "Cumulative number of preemptions.",
-         s["num_preemptions"]),
-        ("vllm:prompt_tokens_total", "counter", "Prompt tokens of the requests prefilled.",
-         s["num_prompt_tokens"]),
-        ("vllm:generation_tokens_total", "counter", "Generated tokens.",
-         s["num_generated_tokens"]),
-        ("vllm:request_success_total", "counter", "Finished requests by finished_reason (abort: "
-         "the client left; error: a failed step).",
-         {r: s["finished"].get(r, 0) for r in ("stop", "length", "abort", "error")}),
-        ("process_cpu_seconds_total", "counter", "Total user and system CPU time spent in "
-         "seconds, by every thread of the server (Prometheus' process metric).",
-         time.process_time()),
-    ]
-    model = model.replace("\\", "\\\\").replace('"', '\\"')
-    lines = []
-    for name, kind, help_, values in rows:
-        lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
-        for reason, value in (values.items() if isinstance(values, dict) else [(None, values)]):
-            reason = f',finished_reason="{reason}"' if reason else ""
-            lines.append(f'{name}{{model_name="{model}"{reason}}} {value}')
-    return "\n".join(lines) + "\n"
 
 
 def tokenizer_description(served):
@@ -1057,7 +1204,7 @@ def build_app(engine, served):
     @asynccontextmanager
     async def lifespan(app):
         nonlocal loop
-        loop = EngineLoop(engine, asyncio.get_running_loop())
+        loop = EngineLoop(engine, asyncio.get_running_loop(), served.names[0])
         loop.start()
         yield
         loop.stop()
@@ -1095,8 +1242,8 @@ def build_app(engine, served):
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(metrics_text(await loop.stats(), served.names[0]),
-                                 media_type="text/plain; version=0.0.4")
+        stats = await loop.stats()
+        return Response(loop.metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
 
     return app
 
@@ -1126,6 +1273,10 @@ def argument_parser():
     p.add_argument("--seed", type=int,
                    help="seeds the requests that give no seed, in the order they come, so that a "
                    "run repeats (default: each a random seed)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per server-sent event of a streamed response, as SGLang's flag: "
+                   "a choice's first token goes out at once, then N at a time, and the last with "
+                   "its finish (default 1: each step's tokens as they come)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level; info logs a line per request (default info)")
@@ -1140,7 +1291,8 @@ def served_model(args, model, engine, tokenizer):
         defaults={f.name: getattr(args, f.name) for f in demo.sampling_fields()},
         priority_scheduling=args.scheduling_policy == "priority",
         check_request=engine.check_request, api_key=args.api_key, seed=args.seed,
-        max_tokens=checkpoints.generation_defaults(args.model).get("max_tokens"))
+        max_tokens=checkpoints.generation_defaults(args.model).get("max_tokens"),
+        stream_interval=args.stream_interval)
 
 
 def main(argv=None):
@@ -1149,6 +1301,9 @@ def main(argv=None):
         if args.tensor_parallel_size != 1:  # ranks step in lockstep; one process serves HTTP
             raise ValueError("--tensor-parallel-size: the server runs in one process, "
                              "without torchrun; use 1")
+        if args.stream_interval < 1:
+            raise ValueError(f"--stream-interval must be an integer >= 1, "
+                             f"got {args.stream_interval}")
         model, engine, tokenizer = demo.load(args)
     except ValueError as e:
         sys.exit(f"server.py: error: {e}")

@@ -18,6 +18,7 @@ Without a GPU the Triton kernels run in Triton's interpreter.
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import copy
 import dataclasses
@@ -7681,15 +7682,21 @@ def served(tmp_path_factory):
     stopped (killed if need be) however the tests end. Yields (url, folder, model)."""
     pytest.importorskip("fastapi")
     pytest.importorskip("openai")
+    pytest.importorskip("prometheus_client")
     import server
-    folder = tmp_path_factory.mktemp("pydoc-chat")
-    for name in ("config.json", "model.safetensors"):
-        shutil.copy(f"{demo.DEMO_MODEL}/{name}", folder / name)
-    (folder / "chat_template.jinja").write_text(SERVED_CHAT_TEMPLATE)
+    folder = served_chat_folder(tmp_path_factory.mktemp("pydoc-chat"))
     with open(folder / "server.log", "w+") as log, server.running_server(
             ["--model", str(folder), "--served-model-name", "pydoc-chat", "--temperature", "0",
              "--uvicorn-log-level", "warning"], timeout_s=60, log=log) as url:
         yield url, str(folder), GPT.from_pretrained(str(folder))
+
+
+def served_chat_folder(folder):
+    """The built-in model in folder, with a chat template."""
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(f"{demo.DEMO_MODEL}/{name}", folder / name)
+    (folder / "chat_template.jinja").write_text(SERVED_CHAT_TEMPLATE)
+    return folder
 
 
 @pytest.mark.server
@@ -7724,15 +7731,19 @@ def served_client(url):
 
 
 def served_metrics(url, cpu=True):
-    """/metrics as {name or name{labels}: value}, the model_name label left out (and the
-    server's CPU seconds, which every call moves, unless cpu)."""
+    """/metrics, read by prometheus_client's own parser, as {sample name or name{labels}: value},
+    the model_name label that every sample has left out (and the server's CPU seconds, which
+    every call moves, unless cpu)."""
+    from prometheus_client.parser import text_string_to_metric_families
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#") and (cpu or not line.startswith("process_cpu")):
-            key, value = line.rsplit(" ", 1)
-            key = re.sub(r'model_name="[^"]*",?', "", key).replace("{}", "")
-            samples[key] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name"), sample
+            if cpu or sample.name != "process_cpu_seconds_total":
+                named = ",".join(f'{k}="{v}"' for k, v in labels.items())
+                samples[sample.name + (f"{{{named}}}" if named else "")] = sample.value
     return samples
 
 
@@ -8450,6 +8461,228 @@ def test_server_api_key_and_seed_as_vllm_serve_takes_them():
         assert engine.stats()["num_free_blocks"] == engine.stats()["num_blocks"]
 
 
+# What /metrics exported before prometheus_client rendered it (issue 53): each is still there
+SERVED_METRICS = [
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_swapped",
+    "vllm:kv_cache_usage_perc", "vllm:cpu_cache_usage_perc", "nanopaged:num_blocks",
+    "nanopaged:num_blocks_in_use", "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hit_rate", "nanopaged:cpu_cache_blocks",
+    "nanopaged:cpu_prefix_cache_hits_total", "nanopaged:offloaded_blocks_total",
+    "nanopaged:reloaded_blocks_total", "vllm:num_preemptions_total", "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total", "process_cpu_seconds_total"] + [
+    f'vllm:request_success_total{{finished_reason="{r}"}}' for r in ("stop", "length", "abort",
+                                                                     "error")]
+# vLLM's buckets for its latency histograms (vllm/v1/metrics/loggers.py), in seconds
+VLLM_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                        60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+VLLM_BUCKETS = {
+    "vllm:time_to_first_token_seconds": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25,
+                                         0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+                                         160.0, 640.0, 2560.0],
+    "vllm:inter_token_latency_seconds": [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                                         0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0],
+    "vllm:request_queue_time_seconds": VLLM_REQUEST_BUCKETS,
+    "vllm:e2e_request_latency_seconds": VLLM_REQUEST_BUCKETS,
+}
+
+
+@pytest.mark.server
+def test_server_metrics_parse_keep_every_count_and_observe_each_finished_request_once(tmp_path):
+    """/metrics through prometheus_client's own parser: every metric it had before the library
+    rendered it, labelled with the served name, with the engine's and the requests' values; and
+    vLLM's latency histograms after requests of each kind (completions and chat, streamed or
+    not, n=2) that queue for two sequence slots. Each finished request is observed once, with
+    the engine's own RequestMetrics (the sums and the buckets of its time to first token, in the
+    queue and end to end), and each gap between two steps that gave a request tokens once."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    parser = pytest.importorskip("prometheus_client.parser")
+    import server
+    folder = served_chat_folder(tmp_path)
+    # two sequences at a time, and 16 tokens a step: the prompts are prefilled in chunks, steps
+    # that give a request no token
+    args = server.argument_parser().parse_args(["--model", str(folder), "--temperature", "0",
+                                                "--max-num-seqs", "2",
+                                                "--max-num-batched-tokens", "16",
+                                                "--served-model-name", "pydoc-chat"])
+    model, engine, tokenizer = demo.load(args)
+    finals, step = [], engine.step
+
+    def recorded():  # the engine's outputs as the loop gets them, in its thread
+        outs = step()
+        finals.extend(out for out in outs if out.finished)
+        return outs
+    engine.step = recorded
+    # (route, stream, n, max_tokens): the prompts share a block, so the prefix cache hits
+    kinds = [("completions", False, 1, 9), ("completions", True, 1, 12), ("chat", False, 2, 7),
+             ("chat", True, 1, 10), ("completions", True, 2, 8), ("completions", False, 1, 1),
+             ("chat", True, 2, 11), ("completions", False, 1, 14)]
+
+    def ask(i):
+        route, stream, n, max_tokens = kinds[i]
+        prompt = f"The for statement of Python, {SERVED_PROMPTS[i]}"
+        more = dict(stream=True, stream_options={"include_usage": True}) if stream else {}
+        if route == "chat":
+            out = client.chat.completions.create(model="pydoc-chat", max_tokens=max_tokens, n=n,
+                                                 messages=[{"role": "user", "content": prompt}],
+                                                 **more)
+        else:
+            out = client.completions.create(model="pydoc-chat", prompt=prompt, n=n,
+                                            max_tokens=max_tokens, **more)
+        usage = list(out)[-1].usage if stream else out.usage
+        assert usage.completion_tokens == n * max_tokens  # one token a sample a step, no end
+        return usage
+    served = server.served_model(args, model, engine, tokenizer)
+    with served_in_thread(engine, served) as url:
+        client = served_client(url)
+        with concurrent.futures.ThreadPoolExecutor(len(kinds)) as pool:
+            usages = list(pool.map(ask, range(len(kinds))))
+        cpu = time.process_time()  # the server runs in this process: its CPU seconds are ours
+        text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+        cpu_after = time.process_time()
+    s = engine.stats()
+    samples = {}
+    for family in parser.text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name") == "pydoc-chat", sample
+            named = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+            samples[sample.name + (f"{{{named}}}" if named else "")] = sample.value
+    assert set(SERVED_METRICS) <= set(samples)
+    want = {  # the counts as the engine keeps them, once it is idle
+        "vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0,
+        "vllm:num_requests_swapped": 0, "vllm:kv_cache_usage_perc": 0,
+        "nanopaged:num_blocks": s["num_blocks"],
+        "nanopaged:num_blocks_in_use": s["num_blocks"] - s["num_free_blocks"],
+        "vllm:cpu_cache_usage_perc": 0,  # nothing swapped out
+        "vllm:prefix_cache_queries_total": s["prefix_cache_queried_tokens"],
+        "vllm:prefix_cache_hits_total": s["prefix_cache_hit_tokens"],
+        "vllm:gpu_prefix_cache_hit_rate": (s["prefix_cache_hit_tokens"]
+                                           / s["prefix_cache_queried_tokens"]),
+        "nanopaged:cpu_cache_blocks": s["num_cpu_cached_blocks"],
+        "nanopaged:cpu_prefix_cache_hits_total": s["prefix_cache_cpu_hit_tokens"],
+        "nanopaged:offloaded_blocks_total": s["num_offloaded_blocks"],
+        "nanopaged:reloaded_blocks_total": s["num_reloaded_blocks"],
+        "vllm:num_preemptions_total": s["num_preemptions"],
+        "vllm:prompt_tokens_total": sum(u.prompt_tokens for u in usages),
+        "vllm:generation_tokens_total": sum(u.completion_tokens for u in usages),
+        'vllm:request_success_total{finished_reason="length"}': len(kinds)}
+    assert {name: samples[name] for name in want} == pytest.approx(want, rel=1e-12)
+    assert s["prefix_cache_hit_tokens"] > 0 and s["num_blocks"] > 0
+    for reason in ("stop", "abort", "error"):
+        assert samples[f'vllm:request_success_total{{finished_reason="{reason}"}}'] == 0
+    assert cpu <= samples["process_cpu_seconds_total"] <= cpu_after
+    # the histograms: each finished request once, as its own metrics have it
+    assert sorted(out.request_id for out in finals) == list(range(len(kinds)))
+    observed = {
+        "vllm:time_to_first_token_seconds": [o.metrics.first_token_time - o.metrics.arrival_time
+                                             for o in finals],
+        "vllm:request_queue_time_seconds": [o.metrics.time_in_queue for o in finals],
+        "vllm:e2e_request_latency_seconds": [o.metrics.finished_time - o.metrics.arrival_time
+                                             for o in finals]}
+    assert max(observed["vllm:request_queue_time_seconds"]) > 0  # two slots: some waited
+    for name, buckets in VLLM_BUCKETS.items():
+        bounds = re.findall(rf'^{name}_bucket{{le="([^"]+)"}}$', "\n".join(samples), re.M)
+        assert bounds == [str(le) for le in buckets] + ["+Inf"]
+    for name, values in observed.items():
+        assert samples[name + "_count"] == len(kinds)
+        assert samples[name + "_sum"] == pytest.approx(sum(values), rel=1e-12, abs=1e-12)
+        for le in VLLM_BUCKETS[name]:  # cumulative: the values at most le
+            assert samples[f'{name}_bucket{{le="{le}"}}'] == sum(v <= le for v in values)
+        assert samples[f'{name}_bucket{{le="+Inf"}}'] == len(kinds)
+    # a gap between each two steps that gave a request tokens, however many samples it has
+    # and whether or not it streams; together they span each request's first token to its
+    # last, stamped where the loop hands them out, just after the engine's own stamps
+    itl = "vllm:inter_token_latency_seconds"
+    assert samples[itl + "_count"] == sum(max_tokens - 1 for *_, max_tokens in kinds)
+    decode = sum(o.metrics.finished_time - o.metrics.first_token_time for o in finals)
+    assert abs(samples[itl + "_sum"] - decode) < 0.02 * len(kinds)
+
+
+@pytest.mark.server
+def test_server_stream_interval_sends_n_tokens_an_event_that_add_up_to_the_answer(tmp_path,
+                                                                                   monkeypatch):
+    """--stream-interval N (SGLang's): a streamed choice of T tokens, one a step, comes in
+    1 + ceil((T - 1) / N) chunks: its first token at once, then N at a time, then the rest with
+    its finish (SGLang sends at tokens 1, N + 1, 2N + 1, ... and the last). Together they are the
+    text, tokens and logprob offsets of the same request not streamed, each chunk with the usage
+    so far, and the usage chunk is the whole; N = 1 is a chunk a token, as without the flag.
+    Drawn: N, T, n, the route and the prompt."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    pytest.importorskip("prometheus_client")
+    import server
+
+    def loaded(args):  # refused flags never get this far (else main would go on to serve)
+        raise AssertionError("main loaded the model for a refused --stream-interval")
+    monkeypatch.setattr(demo, "load", loaded)
+    with pytest.raises(SystemExit, match="--stream-interval must be an integer >= 1"):
+        server.main(["--stream-interval", "0"])
+    monkeypatch.undo()
+    base = ["--model", str(served_chat_folder(tmp_path)), "--temperature", "0",
+            "--served-model-name", "pydoc-chat"]
+    assert server.argument_parser().parse_args(base).stream_interval == 1
+    args = server.argument_parser().parse_args(base + ["--stream-interval", "3"])
+    model, engine, tokenizer = demo.load(args)
+    served = server.served_model(args, model, engine, tokenizer)
+    assert served.stream_interval == 3
+
+    def pieces(choice, chat, streamed):  # a choice's text, its tokens, and their text offsets
+        if chat:
+            text = choice.delta.content if streamed else choice.message.content
+            return text, [e.token for e in choice.logprobs.content], []
+        logprobs = choice.logprobs
+        return choice.text, logprobs.tokens, logprobs.text_offset
+
+    with served_in_thread(engine, served) as url:
+        client = served_client(url)
+
+        @settings(max_examples=examples(20), deadline=None, database=None)
+        @given(interval=st.integers(1, 6), max_tokens=st.integers(1, 12), n=st.integers(1, 2),
+               chat=st.booleans(), prompt=st.sampled_from(SERVED_PROMPTS))
+        @example(interval=3, max_tokens=11, n=1, chat=False, prompt=SERVED_PROMPTS[0])  # 1+3+3+3
+        @example(interval=3, max_tokens=12, n=2, chat=True, prompt=SERVED_PROMPTS[1])  # 1+3+3+3+2
+        @example(interval=1, max_tokens=5, n=1, chat=False, prompt=SERVED_PROMPTS[0])  # as before
+        def check(interval, max_tokens, n, chat, prompt):
+            served.stream_interval = interval  # as the flag sets it: each stream reads it
+            if chat:
+                create = client.chat.completions.create
+                asked = dict(messages=[{"role": "user", "content": prompt}], logprobs=True,
+                             top_logprobs=0)
+            else:
+                create, asked = client.completions.create, dict(prompt=prompt, logprobs=0)
+            asked |= dict(model="pydoc-chat", max_tokens=max_tokens, n=n)
+            whole = create(**asked)
+            chunks = list(create(**asked, stream=True, stream_options={
+                "include_usage": True, "continuous_usage_stats": True}))
+            assert chunks[-1].choices == []  # the usage chunk: the whole's tokens
+            assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == (
+                n * max_tokens)
+            assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+            # tokens a content chunk: the first at once, then N at a time, the rest with the end
+            rest = max_tokens - 1
+            sizes = [1] + [interval] * (rest // interval)
+            if rest % interval:
+                sizes.append(rest % interval)
+            assert len(sizes) == 1 + math.ceil(rest / interval)
+            for choice in whole.choices:
+                mine = [c for c in chunks[:-1] if c.choices[0].index == choice.index]
+                if chat:  # the role's chunk first, as without the flag
+                    assert mine[0].choices[0].delta.role == "assistant"
+                    mine = mine[1:]
+                got = [pieces(c.choices[0], chat, True) for c in mine]
+                assert [len(tokens) for _, tokens, _ in got] == sizes
+                text, tokens, offsets = pieces(choice, chat, False)
+                assert "".join(t for t, _, _ in got) == text
+                assert sum((t for _, t, _ in got), []) == tokens
+                assert sum((o for _, _, o in got), []) == offsets
+                assert [c.choices[0].finish_reason for c in mine] == [None] * (len(sizes) - 1) + [
+                    choice.finish_reason]
+                assert [c.usage.completion_tokens for c in mine] == list(
+                    itertools.accumulate(sizes))
+        check()
+
+
 # -----------------------------------------------------------------------------
 # A step that fails: the engine rolls it back, the loop fails its requests, the rest go on
 
@@ -8498,14 +8731,83 @@ def test_engine_loop_fails_the_requests_of_a_failed_step_and_serves_the_rest():
             out = (await mailbox.take())[-1][1]
         stats = await loop.stats()
         loop.stop()
-        return ends, out, stats
-    ends, after, stats = asyncio.run(scenario())
+        return ends, out, stats, loop.metrics
+    ends, after, stats, metrics = asyncio.run(scenario())
     assert isinstance(ends[0], server.StepFailed) and isinstance(ends[1], server.StepFailed)
     assert "poisoned batch" in str(ends[1])
     assert ends[2].outputs[0].token_ids == expected[0].outputs[0].token_ids
     assert after.outputs[0].token_ids == expected[1].outputs[0].token_ids
     assert stats["finished"] == {"error": 2, "length": 2} and not engine.requests
     assert stats["num_free_blocks"] == stats["num_blocks"]
+    # the latency histograms hold the two that finished, and the loop keeps no stamp of any
+    counts = {name: value for name, value in rendered_histograms(metrics, stats).items()
+              if name.endswith("_count")}
+    assert counts == {"vllm:time_to_first_token_seconds_count": 2,
+                      "vllm:request_queue_time_seconds_count": 2,
+                      "vllm:e2e_request_latency_seconds_count": 2,
+                      "vllm:inter_token_latency_seconds_count": 2 * (params.max_tokens - 1)}
+    assert metrics.token_times == {}
+
+
+def rendered_histograms(metrics, stats):
+    """ServerMetrics' text through prometheus_client's parser: {histogram sample: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    samples = {}
+    for family in text_string_to_metric_families(metrics.render(stats).decode()):
+        if family.type == "histogram":
+            samples |= {x.name: x.value for x in family.samples if "le" not in x.labels}
+    return samples
+
+
+@pytest.mark.server
+def test_engine_loop_latency_histograms_leave_out_an_aborted_request():
+    """A streamed request aborted after steps that gave it tokens (its first token and gaps
+    between them) is in no latency histogram; the request that finished beside it is in each
+    once, with a gap for each step after its first."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("prometheus_client")
+    import server
+    streamed = SamplingParams(max_tokens=60, temperature=0, output_kind="delta")
+    whole = SamplingParams(max_tokens=6, temperature=0)
+    engine = Engine(MODEL, block_size=4, num_blocks=64)
+    released, step, steps = threading.Event(), engine.step, []
+
+    def held():  # the fourth step waits for the abort, so the streamed request cannot finish
+        if len(steps) == 3:
+            assert released.wait(timeout=30)
+        steps.append(len(steps))
+        return step()
+    engine.step = held
+
+    async def scenario():
+        loop = server.EngineLoop(engine, asyncio.get_running_loop())
+        loop.start()
+        mailbox = server.Mailbox()
+        aborted = server.Submission([1, 2, 3], streamed, 0, mailbox, 0)
+        finished = server.Submission([4, 5], whole, 0, mailbox, 1)
+        loop.submit(aborted)
+        loop.submit(finished)
+        deltas, last = 0, None
+        while last is None or not last.finished:
+            for sub, out in await mailbox.take():
+                deltas += sub is aborted
+                last = out if sub is finished else last
+            if deltas == 3 and not released.is_set():  # three steps gave it tokens
+                loop.abort([aborted])
+                released.set()
+        stats = await loop.stats()
+        loop.stop()
+        return last, stats, loop.metrics
+    last, stats, metrics = asyncio.run(scenario())
+    assert stats["finished"] == {"abort": 1, "length": 1} and not engine.requests
+    assert last.outputs[0].finish_reason == "length" and len(last.outputs[0].token_ids) == 6
+    counts = {name: value for name, value in rendered_histograms(metrics, stats).items()
+              if name.endswith("_count")}
+    assert counts == {"vllm:time_to_first_token_seconds_count": 1,
+                      "vllm:request_queue_time_seconds_count": 1,
+                      "vllm:e2e_request_latency_seconds_count": 1,
+                      "vllm:inter_token_latency_seconds_count": whole.max_tokens - 1}
+    assert metrics.token_times == {}
 
 
 @contextlib.contextmanager
