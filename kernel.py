@@ -280,8 +280,9 @@ INTERPRETED = type(_paged_attention_kernel).__name__ == "InterpretedFunction"
 def kernel_config(dtype, head_dim, group, block_size, decode, split_kv=False, cache_dtype=None,
                   sinks=False):
     """The paged-attention kernel's compile-time constants and launch options for the decode
-    launch (decode=True) or the prefill launch of one call (sinks: its mask has some). Sized for the ~100 KiB of shared
-    memory of consumer GPUs, and for no register spills (the compile gate checks both)."""
+    launch (decode=True) or the prefill launch of one call (sinks: its mask has some). Sized
+    for the ~100 KiB of shared memory of consumer GPUs, and for no register spills (the compile
+    gate checks both)."""
     group_pad = triton.next_power_of_2(group)
     head_dim_pad = triton.next_power_of_2(head_dim)
     # the M dimension stacks (new token, head of the group) rows, at least 16 for tl.dot:
@@ -716,11 +717,11 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
     (unless decode_attention takes them), those with 2 to SHORT_Q_LEN new tokens when there are
     several, then each other sequence alone. A batch whose gathered K/V (token_bytes a position)
     would pass CHUNK_BYTES is cut, shortest spans first, into calls that stay within it: each
-    call pads only to its own longest span, and its copy stays small (README: the budget's
-    sweep). A call is (rows of q, slots to gather, (B, Q, L), seen (B, 1, G*Q, L) or None, rows
-    of o kept, rows of out written): a padding row repeats its sequence's last and is not written
-    back; keys past a sequence's span re-read its last one, real values that seen hides. Indices
-    are built on the host, which knows the lengths."""
+    call pads only to its own longest span, and its copy stays small (results/README.md,
+    Kernel: the sweep of the budget). A call is (rows of q, slots to gather, (B, Q, L), seen
+    (B, 1, G*Q, L) or None, rows of o kept, rows of out written): a padding row repeats its
+    sequence's last and is not written back; keys past a sequence's span re-read its last one,
+    real values that seen hides. Indices are built on the host, which knows the lengths."""
     cu, lens, dev = cu_seqlens_q.tolist(), seq_lens.tolist(), block_tables.device
     q_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
     starts = [mask.first_seen(n - q) for n, q in zip(lens, q_lens)]  # its first new token's
@@ -889,7 +890,7 @@ def naive_attention(q, k, v, cu_seqlens_q, seq_lens, scale, mask=None):
 # -----------------------------------------------------------------------------
 # Attention backends by name: how a layer stores its new K/V and reads its context. The engine
 # picks one when it is built (Engine(attention_backend=...)) and every step's batch carries it.
-# A new backend is one function and one entry (README: Forking).
+# A new backend is one function and one entry (README: Making it yours).
 
 
 @dataclass(frozen=True)

@@ -6042,7 +6042,8 @@ def test_what_a_request_may_need_and_the_default_pool_follow_its_kinds_bound(nam
     engine = Engine(model, block_size=4, max_num_seqs=3, max_num_batched_tokens=8)
     assert engine.allocator.num_blocks == 3 * sum(k.max_blocks(n, 8, 4) for k in kinds)
     need = 2 * sum(k.max_blocks(n, 1, 4) for k in kinds)
-    prompt, params = [t % 32 for t in range(n - 4)], SamplingParams(max_tokens=4, n=2, temperature=0)
+    prompt = [t % 32 for t in range(n - 4)]
+    params = SamplingParams(max_tokens=4, n=2, temperature=0)
     for num_blocks in (need - 1, need):
         engine = Engine(model, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=8)
         if num_blocks < need:
