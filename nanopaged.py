@@ -2700,8 +2700,16 @@ class OutputProcessor:
             self.scheduler.remove_finished()
         return result.ready
 
+    def land(self, seq, tokens):
+        """Where every draw lands, a sample's or a beam's: its tokens join the sequence, its
+        new full blocks are keyed, and the tokens counted. A fork that keeps a per-draw field of
+        a sequence updates it here."""
+        seq.token_ids += tokens
+        self.allocator.prefix_cache.key_blocks(seq)
+        self.num_generated_tokens += len(tokens)
+
     def apply_sample(self, seq, update, proposal):
-        seq.token_ids += update.tokens
+        self.land(seq, update.tokens)
         for logprob in update.logprobs:
             seq.cumulative_logprob += logprob
         if update.entries is not None:
@@ -2709,8 +2717,6 @@ class OutputProcessor:
         if update.text is not None:
             seq.text, seq.text_offsets = update.text
         seq.num_computed_tokens += len(update.tokens) - 1  # the proposed tokens it kept
-        self.allocator.prefix_cache.key_blocks(seq)
-        self.num_generated_tokens += len(update.tokens)
         if proposal is not None:
             self.proposer.count(proposal, update.tokens)
         if update.finish_reason is not None:
@@ -2724,9 +2730,10 @@ class OutputProcessor:
     def apply_beam_step(self, request, step):
         """The next beams: a beam chosen twice forks, so both continuations share its blocks; a
         beam not chosen is freed, and what it shared lives on in the survivors."""
-        self.num_generated_tokens += len(step.survivors) + len(step.hypotheses)
         request.hypotheses += step.hypotheses
-        if step.done:
+        self.num_generated_tokens += len(step.hypotheses)  # drawn, each ending a hypothesis
+        if step.done:  # the survivors' tokens were drawn too, and the search ends with them
+            self.num_generated_tokens += len(step.survivors)
             for seq in request.seqs:
                 self.allocator.free(seq)
             request.seqs = []
@@ -2742,11 +2749,10 @@ class OutputProcessor:
             if i not in chosen:
                 self.allocator.free(seq)
         for i, (seq, (_, token, score)) in enumerate(zip(survivors, step.survivors)):
-            seq.token_ids.append(token)  # after every fork, so no child copies a new token
+            self.land(seq, [token])  # after every fork, so no child copies a new token
             seq.cumulative_logprob = score
             if step.texts is not None:
                 seq.text = step.texts[i]
-            self.allocator.prefix_cache.key_blocks(seq)
         request.seqs = survivors
 
     def fork(self, request, seq, index, join=True):

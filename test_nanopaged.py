@@ -5803,14 +5803,15 @@ def test_only_a_steps_commit_changes_a_request(requests, block_size, spare, mode
 
 @pytest.mark.engine
 def test_a_field_your_copy_adds_to_a_sequence_needs_no_undo(monkeypatch):
-    """Your copy counts each sample's draws in a field of its own, set in the commit (here by a
-    wrapper of apply_sample) and named by no undo: steps that fail after the forward leave it as
-    they found it, and it ends equal to the tokens each sample drew."""
-    real_apply, real_forward, calls = nanopaged.OutputProcessor.apply_sample, GPT.forward, [0]
+    """Your copy counts each sequence's draws in a field of its own, set in the commit where
+    every draw lands, a sample's or a beam's (here by a wrapper of land, the one place), and
+    named by no undo: steps that fail after the forward leave it as they found it, and it stays
+    equal to the tokens each sample and each beam drew (a forked beam inherits its parent's)."""
+    real_land, real_forward, calls = nanopaged.OutputProcessor.land, GPT.forward, [0]
 
-    def apply_sample(self, seq, update, proposal):
-        seq.num_draws = getattr(seq, "num_draws", 0) + 1
-        real_apply(self, seq, update, proposal)
+    def land(self, seq, tokens):
+        seq.num_draws = getattr(seq, "num_draws", 0) + len(tokens)
+        real_land(self, seq, tokens)
 
     def forward(self, *args, **kwargs):
         calls[0] += 1
@@ -5819,15 +5820,17 @@ def test_a_field_your_copy_adds_to_a_sequence_needs_no_undo(monkeypatch):
             raise RuntimeError("injected after the forward")
         return logits
 
-    monkeypatch.setattr(nanopaged.OutputProcessor, "apply_sample", apply_sample)
+    monkeypatch.setattr(nanopaged.OutputProcessor, "land", land)
     monkeypatch.setattr(GPT, "forward", forward)
     # room for all (no request is preempted, so none is recomputed after a failure either)
-    engine = Engine(MODEL, block_size=2, num_blocks=40, max_num_batched_tokens=8,
+    engine = Engine(MODEL, block_size=2, num_blocks=48, max_num_batched_tokens=8,
                     enable_prefix_caching=False)
     prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
     ids = [engine.add_request(p, SamplingParams(max_tokens=6, n=2, seed=i))
            for i, p in enumerate(prompts)]
+    engine.add_request([5, 6], SamplingParams(max_tokens=6, beam_width=2))
     requests = [engine.requests[i] for i in ids]
+    beams_drew = []
     for _ in range(200):  # bounded: see drain
         if not engine.requests:
             break
@@ -5836,7 +5839,11 @@ def test_a_field_your_copy_adds_to_a_sequence_needs_no_undo(monkeypatch):
             engine.step()
         except RuntimeError:
             assert engine_state(engine) == before
-    assert not engine.requests and calls[0] >= 3
+        for request in engine.requests.values():
+            for seq in request.seqs:
+                assert getattr(seq, "num_draws", 0) == seq.num_output_tokens
+                beams_drew.append(seq.num_output_tokens if request.params.beam_width else 0)
+    assert not engine.requests and calls[0] >= 3 and max(beams_drew) >= 3
     assert [[(s.num_draws, s.num_output_tokens) for s in g.finished_seqs] for g in requests] == \
         [[(6, 6)] * 2] * 3
 
