@@ -105,8 +105,11 @@ def number(x):
 def setting(default, allowed, ok, beams=True, **about):
     """A dataclass field and what it allows: ok(value) says whether a value is allowed, allowed
     says which in words, for the ValueError that names the field (check_fields). beams=False: a
-    sampling parameter beam search cannot honour, refused beside beam_width. about: more
-    metadata, for the layers that read the fields (SamplingParams says which)."""
+    sampling parameter that would change what beam search ranks and that it does not honour,
+    refused beside beam_width. Beams draw nothing, so a warper (a field with hf_default:
+    temperature, top_k, top_p, min_p), which shapes only a draw, is ignored by them, as by
+    transformers' beam search. about: more metadata, for the layers that read the fields
+    (SamplingParams says which)."""
     return field(default=default, metadata=dict(allowed=allowed, ok=ok, beams=beams, **about))
 
 
@@ -156,7 +159,7 @@ class SamplingParams:
     top_p: float = setting(1.0, "a number in (0, 1]", lambda x: number(x) and 0 < x <= 1,
                            flag="nucleus sampling threshold", hf="top_p", hf_default=1.0)
     min_p: float = setting(0.0, "a number in [0, 1]", lambda x: number(x) and 0 <= x <= 1,
-                           beams=False, hf="min_p", hf_default=0.0,
+                           hf="min_p", hf_default=0.0,
                            flag="drop tokens less likely than this times the likeliest")
     # over prompt and output, a token's positive logit divided by it, a negative one multiplied
     repetition_penalty: float = setting(
@@ -222,7 +225,7 @@ class SamplingParams:
                              "(the best beams change, so no output extends the one before): "
                              "use 'cumulative' or 'final_only'")
         # beams rank by (penalised) log-probabilities, as transformers' beam search, which
-        # draws nothing: temperature, top_k and top_p do not apply to them
+        # draws nothing: the warpers do not apply to them, the fields it lacks are refused
         for f in fields(self):
             if (self.beam_width is not None and not f.metadata.get("beams", True)
                     and getattr(self, f.name) not in (f.default, [])):

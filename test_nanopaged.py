@@ -1346,6 +1346,33 @@ def test_bad_sampling_params(kwargs, message):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.engine
+def test_beam_search_ignores_the_warpers_and_refuses_the_fields_it_does_not_honour():
+    """One rule, read from the fields' metadata, so a new field follows it: beside beam_width
+    a field marked beams=False is refused, naming it, and a warper (hf_default: it only shapes
+    a draw, and beams draw nothing) is taken and changes no beam, as in transformers."""
+    def set_apart(f):  # a value its check takes, not its default
+        candidates = (0.5, 3, 0.25, 2, [7], ["ab"], True, [UserProcessor()])
+        return next(x for x in candidates if f.metadata["ok"](x) and x != f.default)
+    engine = Engine(MODEL, block_size=4, num_blocks=32)
+    beams = SamplingParams(max_tokens=4, beam_width=2)
+    plain = [c.token_ids for c in engine.generate([[1, 2, 3]], beams)[0].outputs]
+    warpers = []
+    for f in dataclasses.fields(SamplingParams):
+        if "ok" not in f.metadata or f.name in ("beam_width", "n", "output_kind"):
+            continue
+        value = set_apart(f)
+        if not f.metadata["beams"]:
+            with pytest.raises(ValueError, match=f"{f.name} does not apply to beam search"):
+                dataclasses.replace(beams, **{f.name: value})
+        elif "hf_default" in f.metadata:
+            warpers.append(f.name)
+            warped = dataclasses.replace(beams, **{f.name: value})
+            out = engine.generate([[1, 2, 3]], warped)[0].outputs
+            assert [c.token_ids for c in out] == plain, f.name
+    assert {"temperature", "top_k", "top_p", "min_p"} <= set(warpers)
+
+
 # vLLM's ranges of the numeric sampling parameters (vllm/sampling_params.py, _verify_args):
 # field -> (low, high, whether each end is allowed)
 VLLM_RANGES = dict(temperature=(0, math.inf, True, False), top_p=(0, 1, False, True),
