@@ -6641,14 +6641,19 @@ def test_generation_defaults_read_generation_config_json_as_transformers_does(tm
     unset = transformers.GenerationConfig._get_default_generation_params()  # what generate() uses
 
     def value(key):
-        return unset[key] if getattr(config, key) is None else getattr(config, key)
-    expected = dict(temperature=0.0) if value("do_sample") is not True else \
-        dict(temperature=value("temperature"), top_k=value("top_k"), top_p=value("top_p"),
-             min_p=config.min_p or 0.0)  # no MinPLogitsWarper without it
-    for key, name in [("max_new_tokens", "max_tokens"), ("min_new_tokens", "min_tokens"),
-                      ("repetition_penalty", "repetition_penalty")]:
-        if getattr(config, key) is not None:  # processors: whether or not it samples
-            expected[name] = getattr(config, key)
+        return unset.get(key) if getattr(config, key, None) is None else getattr(config, key)
+    # the fields the file can set, by their metadata: warpers (hf_default) apply only when it
+    # samples, taking generate()'s default where it is silent (None: no warper, the field's
+    # own default); processors, whether or not it samples, where the file sets them
+    read = [f for f in dataclasses.fields(SamplingParams) if "hf" in f.metadata]
+    expected = {} if value("do_sample") is True else dict(temperature=0.0)  # greedy
+    for f in read:
+        key, warper = f.metadata["hf"], "hf_default" in f.metadata
+        if warper and value("do_sample") is True:
+            expected[f.name] = f.default if value(key) is None else value(key)
+        elif not warper and getattr(config, key, None) is not None:
+            expected[f.name] = getattr(config, key)
+    assert {"temperature", "top_k", "min_p", "max_tokens"} <= {f.name for f in read}
     got = checkpoints.generation_defaults(str(tmp_path))
     assert got == expected and type(got.get("top_k", 0)) is int
     SamplingParams(**got)  # they are SamplingParams' own
