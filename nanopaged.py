@@ -2191,14 +2191,9 @@ class ModelRunner:
             block_tables.append(tables)
             slot_mappings.append(tables[owner, positions // bs].astype(np.int64) * bs
                                  + positions % bs)                                  # (T,)
-        logits_indices = [r for c, end in zip(chunks, cu_seqlens_q[1:].tolist())
-                          for r in range(end - c.num_logits, end)]
-        if prompt_logprobs:  # rows after the sampling rows
-            logits_indices += [end - c.start - len(c.tokens) + p
-                               for c, end in zip(chunks, cu_seqlens_q[1:].tolist())
-                               if c.seq.prompt_logprobs  # the sequences that asked for them
-                               for p in c.seq.prompt_logprob_positions(c.start,
-                                                                      c.start + len(c.tokens))]
+        # each row of logits wanted: the token at position p of chunk i, in the batch
+        logits_indices = [int(cu_seqlens_q[i]) + p - chunks[i].start
+                          for i, p in logits_rows(chunks, prompt_logprobs)]
 
         def tensor(x, dtype=torch.int64):
             return torch.as_tensor(x, dtype=dtype).to(self.device)
@@ -2210,6 +2205,23 @@ class ModelRunner:
         return Batch(input_ids=tensor([t for c in chunks for t in c.tokens]),
                      positions=tensor(positions), logits_indices=tensor(logits_indices),
                      groups=groups, backend=self.backend, kv_scales=self.kv_scales)
+
+
+def logits_rows(chunks, prompt_logprobs=True):
+    """The rows of a step's logits, in order, each as (chunk index, position): first each
+    chunk's sampling rows, after its last num_logits tokens; then, if asked, the positions
+    whose logits give a prompt logprob still owed. The model runner gathers these rows and the
+    output processor reads them: the order is worked out here alone."""
+    rows = []
+    for i, c in enumerate(chunks):
+        end = c.start + len(c.tokens)
+        rows += [(i, p) for p in range(end - c.num_logits, end)]
+    if prompt_logprobs:
+        for i, c in enumerate(chunks):
+            if c.seq.prompt_logprobs:  # it asked for them
+                end = c.start + len(c.tokens)
+                rows += [(i, p) for p in c.seq.prompt_logprob_positions(c.start, end)]
+    return rows
 
 
 def step_chunks(scheduled, proposals):
@@ -2543,19 +2555,19 @@ class OutputProcessor:
         if logits is None:
             return result
         running = {g.request_id: g for g in self.scheduler.running}
+        chunks = list(step_chunks(plan.scheduled, proposals))
+        rows = logits_rows(chunks)  # the order the model runner gathered them in
+        num_sampling = sum(c.num_logits for c in chunks)
         row_of = {}  # seq_id -> its first row of logits, for sequences whose last token is in
         ready = {}  # request_id -> request: the scheduler completes a request's sequences together
-        num_rows, owed = 0, []  # owed: (seq, position p), prompt logprobs from the rows after
-        for seq, num_new in plan.scheduled:
-            start = seq.num_computed_tokens
-            if seq.prompt_logprobs:  # it asked for them
-                owed += [(seq, p) for p in seq.prompt_logprob_positions(start, start + num_new)]
-            if start + num_new == len(seq):
-                row_of[seq.seq_id] = num_rows  # then a row after each of its proposals
-                num_rows += 1 + len(proposals.get(seq.seq_id, ()))
-                ready[seq.request_id] = running[seq.request_id]
+        for row, (i, _) in enumerate(rows[:num_sampling]):
+            seq = chunks[i].seq
+            row_of.setdefault(seq.seq_id, row)  # then a row after each of its proposals
+            ready[seq.request_id] = running[seq.request_id]
+        owed = [(chunks[i].seq, p) for i, p in rows[num_sampling:]]  # prompt logprobs' rows
         if owed:
-            result.prompt_logprobs = self.prompt_logprob_entries(owed, logits[num_rows:], running)
+            result.prompt_logprobs = self.prompt_logprob_entries(owed, logits[num_sampling:],
+                                                                 running)
         result.ready = list(ready.values())
         to_sample = []  # (request, seq, sample index, row)
         for request in result.ready:
