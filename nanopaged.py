@@ -834,7 +834,9 @@ class BlockAllocator(BlockPool):
     def num_blocks_to_append(self, seqs, num_new=1):
         """Free blocks allocate_slots takes to give each of seqs its next num_new tokens: the
         blocks past its tables' ends, and a copy of each shared block they write into."""
-        bs, num_blocks, writers = self.block_size, 0, {}  # writers: shared block -> how many
+        bs = self.block_size
+        num_blocks = 0
+        writers = {}  # shared block -> how many of seqs write into it
         for seq in seqs:
             start = seq.num_computed_tokens
             for table in seq.block_tables:
@@ -858,7 +860,8 @@ class BlockAllocator(BlockPool):
     def num_slots_free(self, seq, most):
         """The most of seq's next `most` tokens whose blocks are free: all of them, or as many as
         the blocks allow (a prefill chunk shrinks to fit)."""
-        free, lo, hi = self.num_free_blocks, 0, most
+        free = self.num_free_blocks
+        lo, hi = 0, most
         while lo < hi:  # the largest count whose blocks fit; the blocks grow with it
             mid = (lo + hi + 1) // 2
             if self.num_blocks_to_append([seq], mid) <= free:
@@ -877,7 +880,8 @@ class BlockAllocator(BlockPool):
         if need > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {need} blocks, "
                                    f"{self.num_free_blocks} are free")
-        bs, start, copies = self.block_size, seq.num_computed_tokens, []
+        bs, start = self.block_size, seq.num_computed_tokens
+        copies = []
         for g, table in enumerate(seq.block_tables):
             i = start // bs
             if num_new and i < len(table) and self.blocks[table[i]].ref_count > 1:
@@ -2595,13 +2599,18 @@ class OutputProcessor:
             proposal = proposals.get(seq.seq_id, [])
             for j in range(1 + len(proposal)):
                 draws.append((request, seq, index, row + j, proposal[:j]))
-        requests, seqs, _, rows, proposed = map(list, zip(*draws))  # a list each, an item a draw
+        rows = [row for _, _, _, row, _ in draws]
         logits = logits if rows == list(range(len(logits))) else logits[rows]           # (D, V)
+        generators = []  # a seeded draw's own: token t of sample i from (seed, i, t)
+        for request, seq, index, _, before in draws:
+            t = seq.num_output_tokens + len(before)
+            seeded = request.seed is not None
+            generators.append(sample_generator(request.seed, index, t, self.device) if seeded
+                              else None)
         meta = SamplingMetadata(
-            params=[request.params for request in requests], seqs=seqs, proposed=proposed,
-            generators=[None if request.seed is None else sample_generator(
-                request.seed, index, seq.num_output_tokens + len(before), self.device)
-                for request, seq, index, _, before in draws],
+            params=[request.params for request, _, _, _, _ in draws],
+            seqs=[seq for _, seq, _, _, _ in draws],
+            proposed=[before for _, _, _, _, before in draws], generators=generators,
             eos_token_ids=self.config.eos_token_ids, device=logits.device)
         # Tensor parallel ranks run this same scheduler on bit-identical logits (the all-reduce
         # gives each the same sum), so greedy picks, beams and stops agree; a random draw may
@@ -2612,7 +2621,8 @@ class OutputProcessor:
         chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1).tolist()
         asked = [p.logprobs for p in meta.params if p.logprobs is not None]  # top-k logprobs
         top = logprobs.topk(max(asked)) if asked else None
-        tokens, updates, d = tokens.tolist(), [], 0
+        tokens, updates = tokens.tolist(), []
+        d = 0  # the first draw of the sample in hand
         for request, seq, index, _ in to_sample:
             proposal = proposals.get(seq.seq_id)
             drawn = tokens[d:d + 1 + len(proposal or ())]
@@ -2753,7 +2763,8 @@ class OutputProcessor:
                 self.allocator.free(seq)
             request.seqs = []
             return
-        beams, chosen, survivors = request.seqs, set(), []
+        beams = request.seqs
+        chosen, survivors = set(), []  # the beams chosen, and the next beams in order
         for parent, _, _ in step.survivors:
             seq = beams[parent]
             if parent in chosen:
