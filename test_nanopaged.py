@@ -544,7 +544,7 @@ def scales(b):
 
 def reference(b):
     return naive_attention(b["q"], b["k"], b["v"], b["cu_seqlens_q"], b["seq_lens"], b["scale"],
-                           mask=b["mask"])
+                           mask=b["mask"], keep=b.get("keep"))  # keep: selected_batches
 
 
 def assert_close(out, ref):
@@ -841,6 +841,152 @@ def test_triton_never_reads_a_block_outside_the_mask(b, num_splits):
             start = mask.first_seen(n - q_len + first)
             tiles += -(-(min(mask.sink, start) + end - start) // config["BLOCK_N"])
     assert reads.dots == 2 * n_kv_head * tiles  # q k^T and p v, per tile
+
+
+@st.composite
+def selected_batches(draw, every_block=False, **kwargs):
+    """A batch of full attention (paged_batches' kwargs) read through per-head block tables, as
+    a read policy gives them: each (sequence, KV head) keeps a random subset of its blocks, in
+    order, always with every block that holds a new token (a decode's last, partly filled one),
+    or all of them (every_block: each head repeats its sequence's table). Adds "tables"
+    [S, n_kv_head, W] (-1 past each head's blocks), "lens" [S, n_kv_head] (its blocks' tokens)
+    and "keep" [sum(seq_lens), n_kv_head] for naive_attention; the K/V of a (block, KV head)
+    that no table lists are NaN in the cache, and those a head does not keep in the contiguous
+    copy, so reading one spoils the output."""
+    b = draw(paged_batches(**kwargs))
+    num_blocks, bs, n_kv_head = b["k_cache"].shape[:3]
+    lens, cu, tables = b["seq_lens"].tolist(), b["cu_seqlens_q"].tolist(), b["block_tables"]
+    rows, row_lens, keep = [], [], []
+    listed = torch.zeros(num_blocks, n_kv_head, dtype=torch.bool)  # by some head's table
+    for i, n in enumerate(lens):
+        first_new = (n - (cu[i + 1] - cu[i])) // bs  # the first block with a new token
+        kept = torch.zeros(n, n_kv_head, dtype=torch.bool)                    # (n, nkv)
+        for h in range(n_kv_head):
+            chosen = [j for j in range(-(-n // bs))
+                      if every_block or j >= first_new or draw(st.booleans())]
+            blocks = tables[i, chosen].cpu()
+            rows.append(blocks.tolist())
+            row_lens.append(sum(min(bs, n - j * bs) for j in chosen))
+            listed[blocks.long(), h] = True
+            for j in chosen:
+                kept[j * bs:(j + 1) * bs, h] = True
+        keep.append(kept)
+    width = max(map(len, rows)) + 1  # a -1 column of padding
+    per_head = [r + [-1] * (width - len(r)) for r in rows]
+    nan = float("nan")
+    keep = torch.cat(keep).to(DEVICE)                                         # (sum(n), nkv)
+    unlisted = ~listed.to(DEVICE)[:, None, :, None]                           # (nb, 1, nkv, 1)
+    return dict(
+        b, tables=torch.tensor(per_head, dtype=torch.int32, device=DEVICE).view(
+            len(lens), n_kv_head, width),
+        lens=torch.tensor(row_lens, dtype=torch.int32, device=DEVICE).view(len(lens), n_kv_head),
+        keep=keep, k_cache=b["k_cache"].masked_fill(unlisted, nan),
+        v_cache=b["v_cache"].masked_fill(unlisted, nan),
+        k=b["k"].masked_fill(~keep[..., None], nan), v=b["v"].masked_fill(~keep[..., None], nan))
+
+
+def selected_args(b):
+    """paged_attention's arguments with a selected batch's per-head tables and lengths."""
+    return (b["q"], b["k_cache"], b["v_cache"], b["tables"], b["lens"], b["cu_seqlens_q"],
+            b["scale"])
+
+
+@pytest.mark.kernel
+@settings(max_examples=examples(12), deadline=None)
+@given(selected_batches(every_block=True, dtypes=[torch.float32, torch.float16], max_seqs=3,
+                        max_seq_len=100, head_dims=(16, 32), groups=(1, 4)),
+       st.sampled_from([1, 2, 3, 7]))
+def test_per_head_tables_that_repeat_the_shared_one_give_the_same_output(b, num_splits):
+    # a table per KV head, each its sequence's own, is the shared table read once per head: the
+    # same numbers, bit for bit, on the Triton launches (decode, split, prefill) and the torch path
+    for attend, kwargs in ((paged_attention, dict(num_splits=num_splits)),
+                           (paged_attention_torch, {})):
+        shared = attend(*paged_args(b), **kwargs)
+        assert torch.equal(attend(*selected_args(b), **kwargs), shared), attend.__name__
+
+
+@pytest.mark.kernel
+@settings(max_examples=examples(20), deadline=None)
+@given(selected_batches(dtypes=[torch.float32, torch.float16, torch.bfloat16], max_seqs=4,
+                        max_seq_len=120, head_dims=(16, 64, 80)),
+       st.sampled_from([None, 1, 2, 3, 9]))
+def test_triton_reads_a_selection_as_naive_attention_over_its_keys(b, num_splits):
+    # decodes read their heads' selections; prefills and chunks their new tokens' blocks and a
+    # selection of the blocks before: each head attends to its kept keys alone
+    out = paged_attention(*selected_args(b), num_splits=num_splits)
+    assert_close(out, reference(b))
+
+
+@pytest.mark.kernel
+@settings(max_examples=examples(60), deadline=None)
+@given(selected_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16]),
+       st.sampled_from([kernel.CHUNK_BYTES, 0, 1 << 12]))
+def test_torch_path_reads_a_selection_as_naive_attention_over_its_keys(b, chunk_bytes):
+    default, kernel.CHUNK_BYTES = kernel.CHUNK_BYTES, chunk_bytes
+    try:
+        assert_close(paged_attention_torch(*selected_args(b)), reference(b))
+    finally:
+        kernel.CHUNK_BYTES = default
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(not kernel.INTERPRETED, reason="reads are recorded in Triton's interpreter")
+@settings(max_examples=examples(12), deadline=None)
+@given(selected_batches(dtypes=[torch.float16], max_seqs=3, max_seq_len=200, head_dims=(16,),
+                        groups=(1, 4)),
+       st.sampled_from([1, 2, 3]))
+def test_triton_never_reads_a_block_its_heads_table_leaves_out(b, num_splits):
+    # a KV head reads the K/V of the blocks its own table lists and no other (not another
+    # head's), only the table entries of those blocks, and visits only the tiles of their keys
+    with interpreter_reads() as reads:
+        out = paged_attention(*selected_args(b), num_splits=num_splits)
+    assert_close(out, reference(b))
+    bs, n_kv_head = b["k_cache"].shape[1:3]
+    tables, lens, cu = b["tables"].tolist(), b["lens"].tolist(), b["cu_seqlens_q"].tolist()
+    kept = {(block * bs + o) * n_kv_head + h  # rows of the caches' (slot, KV head) pairs
+            for i, heads in enumerate(tables) for h, table in enumerate(heads)
+            for j, block in enumerate(table[:-(-lens[i][h] // bs)])
+            for o in range(min(bs, lens[i][h] - j * bs))}
+    addresses = np.concatenate(reads.addresses)
+    for cache in (b["k_cache"], b["v_cache"]):
+        assert read_slots(addresses, cache.view(-1, 1, cache.shape[3])) <= kept
+    width = b["tables"].shape[2]
+    entries = read_slots(addresses, b["tables"].view(-1, 1, 1))  # (row * nkv + head) * W + col
+    assert all(e % width < -(-lens[e // width // n_kv_head][e // width % n_kv_head] // bs)
+               for e in entries)
+    group = b["q"].shape[1] // n_kv_head
+    tiles = 0
+    for i, heads in enumerate(lens):
+        q_len = cu[i + 1] - cu[i]
+        config = kernel.kernel_config(torch.float16, 16, group, bs, decode=q_len == 1)
+        for n in heads:
+            for first in range(0, q_len, config["BLOCK_Q"]):
+                end = n - q_len + min(first + config["BLOCK_Q"], q_len)
+                tiles += -(-end // config["BLOCK_N"])
+    assert reads.dots == 2 * tiles  # q k^T and p v, per tile of each head's own keys
+
+
+@pytest.mark.kernel
+def test_per_head_tables_take_full_attention_their_own_lengths_and_no_flex():
+    q, k_cache, v_cache, tables, lens, cu, scale = small_batch()
+    per_head = tables[:, None].repeat(1, 2, 1)                                # (S, nkv, W)
+    per_head_lens = lens[:, None].repeat(1, 2)                                # (S, nkv)
+    for attend in (paged_attention, paged_attention_torch):
+        with pytest.raises(AssertionError, match="they take full attention"):
+            attend(q, k_cache, v_cache, per_head, per_head_lens, cu, scale,
+                   mask=kernel.Mask(window=4))
+        with pytest.raises(AssertionError, match="with seq_lens"):
+            attend(q, k_cache, v_cache, per_head, lens, cu, scale)
+        with pytest.raises(AssertionError, match=r"n_kv_head \(2\)"):
+            attend(q, k_cache, v_cache, per_head[:, :1], per_head_lens[:, :1], cu, scale)
+        with pytest.raises(AssertionError, match="seq_lens is \\[num_seqs\\]"):
+            attend(q, k_cache, v_cache, tables, per_head_lens, cu, scale)
+        attend(q, k_cache, v_cache, per_head, per_head_lens, cu, scale, mask=kernel.Mask())
+    with pytest.raises(ValueError, match="no per-head block tables"):
+        paged_attention_torch(q, k_cache, v_cache, per_head, per_head_lens, cu, scale,
+                              decode_attention=kernel.paged_attention_flex)
+    backends = kernel.ATTENTION_BACKENDS
+    assert [name for name in backends if backends[name].per_head_tables] == ["triton", "torch"]
 
 
 def small_batch(head_dim=64, dtype=torch.float32):
