@@ -1,7 +1,9 @@
 """
 Paged attention for nanopaged: the KV store, a Triton kernel that reads K/V through block
 tables, a plain-torch path for the CPU, a naive contiguous reference to check both, and the
-attention backends the engine picks them by (ATTENTION_BACKENDS).
+attention backends the engine picks them by (ATTENTION_BACKENDS). A block table is a sequence's,
+or, for a read policy (Quest: Tang et al., ICML 2024), one per sequence and KV head that lists
+only the blocks that head reads: every path is still one gather through a table.
 PagedAttention: Kwon et al., "Efficient Memory Management for Large Language Model Serving
 with PagedAttention", SOSP 2023.
 

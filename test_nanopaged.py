@@ -1108,15 +1108,15 @@ def test_kernel_compiles_for_a_gpu():
     # launcher's real arguments for engine-shaped steps, lets Triton's JIT specialize them as a
     # launch would and compile them for sm_80, sm_86 and sm_90, and reads the binaries: here a
     # subset that still takes every target, dtype, head size, group, block size and launch (a
-    # prefill with sinks, a binary of its own, at one head size each), and every 8-bit cache
-    # each target supports
+    # prefill with sinks, a binary of its own, at one head size each; a decode through per-head
+    # tables, the same binaries), and every 8-bit cache each target supports
     import json
     code = "import json, bench; print(json.dumps(bench.aot_rows(bench.aot_matrix(full=False), 2)))"
     if FAST:  # one head size with every target, dtype and launch; sm_90's two 8-bit caches
         code = ("import json, bench, torch; print(json.dumps(bench.aot_rows([c for c in "
                 "bench.aot_matrix(full=False) if (c[2] == 64 or c[5] in ('prefill', "
-                "'split decode') if len(c) == 6 else c[0] == 90 and c[1] == torch.float16)], "
-                "2)))")
+                "'split decode', 'selected decode') if len(c) == 6 else c[0] == 90 and "
+                "c[1] == torch.float16)], 2)))")
     rows = json.loads(run_without_interpreter(code))
     launches = Counter((r["sm"], r["dtype"], r["head_dim"], r["launch"]) for r in rows
                        if r["cache"] == r["dtype"])
@@ -1126,6 +1126,9 @@ def test_kernel_compiles_for_a_gpu():
                      for dtype in ("float16", "bfloat16")
                      for launch in ("decode", "split decode", "prefill")}
     launches = Counter(k for k in launches if "sinks" not in k[3])
+    selected = {(r["sm"], r["dtype"], r["launch"]) for r in rows if r["step"] == "selected decode"}
+    assert selected == {(sm, dtype, launch) for sm in (80, 86, 90) for dtype in ("float16",
+                        "bfloat16") for launch in ("split decode", "merge")}, selected
     if FAST:
         assert {k for k in launches if k[2] == 64} == {
             (sm, dtype, 64, launch) for sm in (80, 86, 90) for dtype in ("float16", "bfloat16")
@@ -1158,7 +1161,7 @@ def jit_keys_of_steps(seed=0, steps=40):
     """The JIT cache keys (sm_90) of the launches of random engine steps of one model: many
     sequences or few, short or long tables, decode, split decode, prefill and mixed, in layers
     of every kind of mask: full attention, windows, chunks and sinks (1, a multiple of 16 or
-    not)."""
+    not), and of full attention read through per-head tables (a read policy's selection)."""
     import bench
     rng, keys = random.Random(seed), {}
     for _ in range(steps):
@@ -1170,6 +1173,8 @@ def jit_keys_of_steps(seed=0, steps=40):
         size = rng.choice([None, 1, 16, 100, 4096])
         mask = rng.choice([None, kernel.Mask(window=size), kernel.Mask(chunk=size),
                            kernel.Mask(window=size, sink=rng.choice([1, 4, 32]))])
+        if mask is None and rng.random() < 0.5:  # each decode's heads read 1 to 32 blocks
+            args = bench.select_blocks(args, rng.choice([1, 2, 16, 32]), seed=rng.randrange(99))
         launches = bench.capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits,
                                           mask=mask)
         for fn, _, a, k in launches:
@@ -1183,7 +1188,7 @@ def test_kernel_compiles_once_per_launch_kind_not_per_step():
     # Triton specializes integers on == 1 and divisibility by 16: a block-table width or a
     # sequence count that does it mid-serving would recompile (seconds) in the middle of a step,
     # and a mask that did would compile per attention kind: a prefill with sinks alone has a
-    # binary of its own
+    # binary of its own. Per-head tables (head strides not 0) are the shared tables' binary
     import json
     counts = json.loads(run_without_interpreter(
         "import json, test_nanopaged as t; print(json.dumps(t.jit_keys_of_steps()))"))
