@@ -885,6 +885,9 @@ def selected_batches(draw, every_block=False, **kwargs):
         k=b["k"].masked_fill(~keep[..., None], nan), v=b["v"].masked_fill(~keep[..., None], nan))
 
 
+SELECTED_BLOCKS = (1, 3, 4, 5, 8)  # blocks smaller than a context, so that a head has some to skip
+
+
 def selected_args(b):
     """paged_attention's arguments with a selected batch's per-head tables and lengths."""
     return (b["q"], b["k_cache"], b["v_cache"], b["tables"], b["lens"], b["cu_seqlens_q"],
@@ -906,9 +909,9 @@ def test_per_head_tables_that_repeat_the_shared_one_give_the_same_output(b, num_
 
 
 @pytest.mark.kernel
-@settings(max_examples=examples(20), deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(selected_batches(dtypes=[torch.float32, torch.float16, torch.bfloat16], max_seqs=4,
-                        max_seq_len=120, head_dims=(16, 64, 80)),
+                        max_seq_len=120, head_dims=(16, 64, 80), block_sizes=SELECTED_BLOCKS),
        st.sampled_from([None, 1, 2, 3, 9]))
 def test_triton_reads_a_selection_as_naive_attention_over_its_keys(b, num_splits):
     # decodes read their heads' selections; prefills and chunks their new tokens' blocks and a
@@ -919,7 +922,8 @@ def test_triton_reads_a_selection_as_naive_attention_over_its_keys(b, num_splits
 
 @pytest.mark.kernel
 @settings(max_examples=examples(60), deadline=None)
-@given(selected_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16]),
+@given(selected_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16],
+                        block_sizes=SELECTED_BLOCKS),
        st.sampled_from([kernel.CHUNK_BYTES, 0, 1 << 12]))
 def test_torch_path_reads_a_selection_as_naive_attention_over_its_keys(b, chunk_bytes):
     default, kernel.CHUNK_BYTES = kernel.CHUNK_BYTES, chunk_bytes
@@ -931,9 +935,9 @@ def test_torch_path_reads_a_selection_as_naive_attention_over_its_keys(b, chunk_
 
 @pytest.mark.kernel
 @pytest.mark.skipif(not kernel.INTERPRETED, reason="reads are recorded in Triton's interpreter")
-@settings(max_examples=examples(12), deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(selected_batches(dtypes=[torch.float16], max_seqs=3, max_seq_len=200, head_dims=(16,),
-                        groups=(1, 4)),
+                        groups=(1, 4), block_sizes=SELECTED_BLOCKS),
        st.sampled_from([1, 2, 3]))
 def test_triton_never_reads_a_block_its_heads_table_leaves_out(b, num_splits):
     # a KV head reads the K/V of the blocks its own table lists and no other (not another
