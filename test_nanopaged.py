@@ -873,16 +873,23 @@ def selected_batches(draw, every_block=False, **kwargs):
         keep.append(kept)
     width = max(map(len, rows)) + 1  # a -1 column of padding
     per_head = [r + [-1] * (width - len(r)) for r in rows]
-    nan = float("nan")
     keep = torch.cat(keep).to(DEVICE)                                         # (sum(n), nkv)
     unlisted = ~listed.to(DEVICE)[:, None, :, None]                           # (nb, 1, nkv, 1)
     return dict(
         b, tables=torch.tensor(per_head, dtype=torch.int32, device=DEVICE).view(
             len(lens), n_kv_head, width),
         lens=torch.tensor(row_lens, dtype=torch.int32, device=DEVICE).view(len(lens), n_kv_head),
-        keep=keep, k_cache=b["k_cache"].masked_fill(unlisted, nan),
-        v_cache=b["v_cache"].masked_fill(unlisted, nan),
-        k=b["k"].masked_fill(~keep[..., None], nan), v=b["v"].masked_fill(~keep[..., None], nan))
+        keep=keep, k_cache=poisoned(b["k_cache"], unlisted),
+        v_cache=poisoned(b["v_cache"], unlisted),
+        k=poisoned(b["k"], ~keep[..., None]), v=poisoned(b["v"], ~keep[..., None]))
+
+
+def poisoned(x, where):
+    """x with NaN where `where` holds (broadcast); for an 8-bit cache, which masked_fill does not
+    take, fp8's NaN byte (0x7f in e4m3fn and e5m2 alike)."""
+    if x.dtype in FP8:
+        return x.view(torch.uint8).masked_fill(where, 0x7F).view(x.dtype)
+    return x.masked_fill(where, float("nan"))
 
 
 SELECTED_BLOCKS = (1, 3, 4, 5, 8)  # blocks smaller than a context, so that a head has some to skip
@@ -911,24 +918,25 @@ def test_per_head_tables_that_repeat_the_shared_one_give_the_same_output(b, num_
 @pytest.mark.kernel
 @settings(max_examples=examples(40), deadline=None)
 @given(selected_batches(dtypes=[torch.float32, torch.float16, torch.bfloat16], max_seqs=4,
-                        max_seq_len=120, head_dims=(16, 64, 80), block_sizes=SELECTED_BLOCKS),
+                        max_seq_len=120, head_dims=(16, 64, 80), block_sizes=SELECTED_BLOCKS,
+                        cache_dtypes=(None, None, *FP8)),
        st.sampled_from([None, 1, 2, 3, 9]))
 def test_triton_reads_a_selection_as_naive_attention_over_its_keys(b, num_splits):
     # decodes read their heads' selections; prefills and chunks their new tokens' blocks and a
-    # selection of the blocks before: each head attends to its kept keys alone
-    out = paged_attention(*selected_args(b), num_splits=num_splits)
+    # selection of the blocks before: each head attends to its kept keys alone (8-bit caches too)
+    out = paged_attention(*selected_args(b), num_splits=num_splits, **scales(b))
     assert_close(out, reference(b))
 
 
 @pytest.mark.kernel
 @settings(max_examples=examples(60), deadline=None)
 @given(selected_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16],
-                        block_sizes=SELECTED_BLOCKS),
+                        block_sizes=SELECTED_BLOCKS, cache_dtypes=(None, None, *FP8)),
        st.sampled_from([kernel.CHUNK_BYTES, 0, 1 << 12]))
 def test_torch_path_reads_a_selection_as_naive_attention_over_its_keys(b, chunk_bytes):
     default, kernel.CHUNK_BYTES = kernel.CHUNK_BYTES, chunk_bytes
     try:
-        assert_close(paged_attention_torch(*selected_args(b)), reference(b))
+        assert_close(paged_attention_torch(*selected_args(b), **scales(b)), reference(b))
     finally:
         kernel.CHUNK_BYTES = default
 
