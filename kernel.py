@@ -759,10 +759,10 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
     longest span, L: the keys a sequence's new tokens see, its mask's sinks and then from the
     first key its first new token sees to its end (paged_attention's numbering). The decodes
     (unless decode_attention takes them), those with 2 to SHORT_Q_LEN new tokens when there are
-    several, then each other sequence alone. A batch whose gathered K/V (token_bytes a position)
-    would pass CHUNK_BYTES is cut, shortest spans first, into calls that stay within it: each
-    call pads only to its own longest span, and its copy stays small (README: the budget's
-    sweep). A call is (rows of q, slots to gather, (B, Q, L), seen (B, H, G*Q, L) or None, rows
+    several, then each other sequence alone (_plan_batches). A batch whose gathered K/V
+    (token_bytes a position) would pass CHUNK_BYTES is cut, shortest spans first, into calls that
+    stay within it: each call pads only to its own longest span, and its copy stays small
+    (README: the budget's sweep). A call is (rows of q, slots to gather, (B, Q, L), seen (B, H, G*Q, L) or None, rows
     of o kept, rows of out written): a padding row repeats its sequence's last and is not written
     back; keys past a sequence's span re-read its last one, real values that seen hides. H is 1,
     or n_kv_head with per-head tables: each (sequence, KV head) then has its own span, and the
@@ -776,22 +776,10 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
     # per (sequence, table): the first key its first new token sees, its sinks, its span
     starts = [[mask.first_seen(n - q) for n in ns] for ns, q in zip(lens, q_lens)]
     sinks = [[min(mask.sink, start) for start in ss] for ss in starts]
-    spans = [[k + n - start for k, n, start in zip(*kns)] for kns in zip(sinks, lens, starts)]
+    spans = [[k + n - s for k, n, s in zip(ks, ns, ss)] for ks, ns, ss in zip(sinks, lens, starts)]
     longest = [max(ss) for ss in spans]  # what a sequence pads a call to
     decode = [i for i, n in enumerate(q_lens) if n == 1]
-    short = [i for i, n in enumerate(q_lens) if 1 < n <= SHORT_Q_LEN]
-    short = [short] if len(short) > 1 else [[i] for i in short]
-    long = [[i] for i, n in enumerate(q_lens) if n > SHORT_Q_LEN]
-    batches = ([decode] if decode and decodes else []) + short + long
-    chunks = []
-    for batch in batches:  # to be cut, shortest first: a call's spans are then alike
-        if len(batch) * max(longest[i] for i in batch) * token_bytes > CHUNK_BYTES:
-            batch = sorted(batch, key=lambda i: longest[i])
-        chunks.append(batch[:1])
-        for i in batch[1:]:  # the longest span so far, so the one the call would pad to
-            if (len(chunks[-1]) + 1) * longest[i] * token_bytes > CHUNK_BYTES:
-                chunks.append([])
-            chunks[-1].append(i)
+    chunks = _plan_batches(q_lens, longest, decodes, token_bytes)
     calls = []
     for seqs in chunks:
         B, Q, L = len(seqs), max(q_lens[i] for i in seqs), max(longest[i] for i in seqs)
@@ -823,6 +811,27 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
     whole = chunks == [list(range(len(lens)))] and calls[0][4] is None
     return dict(calls=calls, whole=whole, mask=mask, per_head=H > 1,
                 decode=torch.tensor(decode, device=dev) if decode and not decodes else None)
+
+
+def _plan_batches(q_lens, spans, decodes, token_bytes):
+    """Which sequences share a call (_attention_plan's): the decodes (unless decodes is False),
+    those with 2 to SHORT_Q_LEN new tokens when there are several, then each other sequence
+    alone; a batch whose K/V would pass CHUNK_BYTES cut, shortest spans first."""
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    short = [i for i, n in enumerate(q_lens) if 1 < n <= SHORT_Q_LEN]
+    short = [short] if len(short) > 1 else [[i] for i in short]
+    long = [[i] for i, n in enumerate(q_lens) if n > SHORT_Q_LEN]
+    batches = ([decode] if decode and decodes else []) + short + long
+    chunks = []
+    for batch in batches:  # to be cut, shortest first: a call's spans are then alike
+        if len(batch) * max(spans[i] for i in batch) * token_bytes > CHUNK_BYTES:
+            batch = sorted(batch, key=lambda i: spans[i])
+        chunks.append(batch[:1])
+        for i in batch[1:]:  # the longest span so far, so the one the call would pad to
+            if (len(chunks[-1]) + 1) * spans[i] * token_bytes > CHUNK_BYTES:
+                chunks.append([])
+            chunks[-1].append(i)
+    return chunks
 
 
 _flex = None  # flex_attention compiled by Inductor, made on first use (tens of seconds)
