@@ -854,7 +854,8 @@ AOT_GPUS = {80: (167936, 166912, 2048), 86: (102400, 101376, 1536), 90: (233472,
 # step -> (q_len of each sequence, its context, num_splits, a Mask or None, blocks each KV head
 # of a decode reads or None), batched as by the engine; the mask's numbers are runtime arguments
 # (one binary for every mask), but for whether a prefill has sinks (a binary of its own), which
-# "prefill" has and "mixed" has not; a read policy's per-head tables (select_blocks) are too
+# "prefill" has and "mixed" has not; a read policy's per-head tables (select_blocks) are runtime
+# arguments too: the shared tables' binaries
 AOT_STEPS = {
     "decode": ([1] * 32, [1000] * 32, 1, None, None),
     "split decode": ([1] * 2, [3000, 2000], 8, dict(window=1024, sink=4), None),
