@@ -851,14 +851,17 @@ def bench_kernel(grid=None):
 # compute capability -> (shared memory per SM, most per program, threads per SM), from CUDA's
 # programming guide; every one of them has 64K registers per SM
 AOT_GPUS = {80: (167936, 166912, 2048), 86: (102400, 101376, 1536), 90: (233472, 232448, 2048)}
-# step -> (q_len of each sequence, its context, num_splits, a Mask or None), batched as by the
-# engine; the mask's numbers are runtime arguments (one binary for every mask), but for whether
-# a prefill has sinks (a binary of its own), which "prefill" has and "mixed" has not
+# step -> (q_len of each sequence, its context, num_splits, a Mask or None, blocks each KV head
+# of a decode reads or None), batched as by the engine; the mask's numbers are runtime arguments
+# (one binary for every mask), but for whether a prefill has sinks (a binary of its own), which
+# "prefill" has and "mixed" has not; a read policy's per-head tables (select_blocks) are runtime
+# arguments too: the shared tables' binaries
 AOT_STEPS = {
-    "decode": ([1] * 32, [1000] * 32, 1, None),
-    "split decode": ([1] * 2, [3000, 2000], 8, dict(window=1024, sink=4)),
-    "prefill": ([300, 200], [300, 500], 1, dict(window=256, sink=4)),
-    "mixed": ([1] * 30 + [256, 100], [800] * 30 + [256, 900], 4, dict(chunk=512)),
+    "decode": ([1] * 32, [1000] * 32, 1, None, None),
+    "split decode": ([1] * 2, [3000, 2000], 8, dict(window=1024, sink=4), None),
+    "prefill": ([300, 200], [300, 500], 1, dict(window=256, sink=4), None),
+    "mixed": ([1] * 30 + [256, 100], [800] * 30 + [256, 900], 4, dict(chunk=512), None),
+    "selected decode": ([1] * 4, [4010, 4000, 3000, 2500], 4, None, 16),
 }
 
 
@@ -912,6 +915,29 @@ def engine_step(dtype, head_dim, group, block_size, q_lens, contexts, n_kv_head=
     cu = torch.tensor([0] + q_lens).cumsum(0).int()
     return (q, kv_cache[0, 1], kv_cache[1, 1], torch.tensor(tables, dtype=torch.int32),
             torch.tensor(contexts, dtype=torch.int32), cu, head_dim**-0.5)
+
+
+def select_blocks(args, num_blocks, seed=SEED):
+    """engine_step's args read through per-head block tables, as a read policy gives them: each
+    KV head of a decoding sequence reads num_blocks of its blocks, its last and others at random,
+    in order; a prefilling sequence's heads repeat its table (prefill stays dense)."""
+    q, k_cache, v_cache, tables, seq_lens, cu, scale = args
+    block_size, n_kv_head = k_cache.shape[1:3]
+    g = torch.Generator().manual_seed(seed)
+    rows, lens = [], []
+    for table, n, q_len in zip(tables.tolist(), seq_lens.tolist(), cu.diff().tolist()):
+        used = -(-n // block_size)
+        for _ in range(n_kv_head):
+            chosen = list(range(used))
+            if q_len == 1 and used > num_blocks:
+                chosen = sorted(torch.randperm(used - 1, generator=g)[:num_blocks - 1].tolist())
+                chosen.append(used - 1)
+            rows.append([table[j] for j in chosen])
+            lens.append(sum(min(block_size, n - j * block_size) for j in chosen))
+    width = max(map(len, rows))
+    per_head = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32)
+    return (q, k_cache, v_cache, per_head.view(len(cu) - 1, n_kv_head, width),
+            torch.tensor(lens, dtype=torch.int32).view(-1, n_kv_head), cu, scale)
 
 
 def kv_scale_args(args):
@@ -1005,9 +1031,11 @@ def aot_config(cc, dtype, head_dim, group, block_size, step, cache_dtype=None):
     of aot_compile's rows, tagged with the configuration. An 8-bit cache_dtype: its launches,
     and the KV store's that quantizes into it."""
     import kernel
-    q_lens, contexts, num_splits, mask = AOT_STEPS[step]
+    q_lens, contexts, num_splits, mask, selected = AOT_STEPS[step]
     args = engine_step(dtype, head_dim, group, block_size, q_lens, contexts,
                        cache_dtype=cache_dtype)
+    if selected:
+        args = select_blocks(args, selected)
     scales = kv_scale_args(args)
     mask = kernel.Mask(**mask) if mask else None
     launches = capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits, mask=mask,
@@ -1050,16 +1078,19 @@ def aot_matrix(full=True):
                    step) in enumerate(itertools.product(fp8, dtypes, head_dims, AOT_STEPS))])
     # each target, dtype and head size; a plain decode step and a mixed step (split decode, merge
     # and prefill) give every kernel variant but those with sinks, which a prefill step (with its
-    # decode launch) and a split decode step give each target and dtype; head sizes, groups and
-    # block sizes rotate through them
+    # decode launch) and a split decode step give each target and dtype, as a selected decode
+    # step gives per-head tables; head sizes, groups and block sizes rotate through them
     combos = itertools.product(AOT_GPUS, dtypes, head_dims, ("decode", "mixed"))
     sinks = itertools.product(AOT_GPUS, dtypes, ("prefill", "split decode"))
+    selected = itertools.product(AOT_GPUS, dtypes)
     n = len(head_dims)
     # 8-bit: each target's formats, in both dtypes, a mixed step each, head sizes rotating
     return ([(cc, dt, d, groups[i % 3], (16, 32)[i // 2 % 2], step)
              for i, (cc, dt, d, step) in enumerate(combos)]
             + [(cc, dt, head_dims[i % n], groups[i % 3], 16, step)
                for i, (cc, dt, step) in enumerate(sinks)]
+            + [(cc, dt, head_dims[(i + 3) % n], groups[i % 3], (16, 32)[i % 2], "selected decode")
+               for i, (cc, dt) in enumerate(selected)]
             + [(cc, dt, head_dims[(i + j) % n], groups[i % 3], 16, "mixed", c)
                for i, (cc, c) in enumerate(fp8) for j, dt in enumerate(dtypes)])
 

@@ -1,7 +1,9 @@
 """
 Paged attention for nanopaged: the KV store, a Triton kernel that reads K/V through block
 tables, a plain-torch path for the CPU, a naive contiguous reference to check both, and the
-attention backends the engine picks them by (ATTENTION_BACKENDS).
+attention backends the engine picks them by (ATTENTION_BACKENDS). A block table is a sequence's,
+or, for a read policy (Quest: Tang et al., ICML 2024), one per sequence and KV head that lists
+only the blocks that head reads: every path is still one gather through a table.
 PagedAttention: Kwon et al., "Efficient Memory Management for Large Language Model Serving
 with PagedAttention", SOSP 2023.
 
@@ -91,14 +93,17 @@ def check_mask(mask):
 # tiles of all the others, numbered across sequences as in vLLM's unified attention. A
 # program's keys are its mask's: the sinks before the first key its first row sees, then from
 # there to its last row, numbered one after the other, so a split and a tile never land on a
-# block between them.
+# block between them. A program reads one KV head's table: its sequence's, or, for a read policy
+# (Quest), a table of its own that lists only the blocks that head reads; the binary is the same.
 
 
 # the sequence and split counts, the block tables' width, the mask and the split partials'
-# strides change from step to step or layer to layer: Triton's specialization of integers (== 1,
-# divisible by 16) would recompile
+# strides change from step to step or layer to layer, and the tables' and lengths' head strides
+# are 0 where every KV head shares them: Triton's specialization of integers (== 1, divisible by
+# 16, which 0 is) would recompile, and a read policy's per-head tables would be a binary of their
+# own
 @triton.jit(do_not_specialize=["num_seqs", "num_splits", "window", "chunk", "sink", "stride_lt",
-                               "stride_lh", "stride_bt"])
+                               "stride_lh", "stride_bt", "stride_bh", "stride_ns", "stride_nh"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     block_tables_ptr, seq_lens_ptr, cu_seqlens_q_ptr, num_seqs, num_splits,
@@ -108,7 +113,8 @@ def _paged_attention_kernel(
     stride_cb, stride_cs, stride_ch,
     stride_ot, stride_oh, stride_os,
     stride_lt, stride_lh,
-    stride_bt,
+    stride_bt, stride_bh,
+    stride_ns, stride_nh,
     qk_scale,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -137,7 +143,10 @@ def _paged_attention_kernel(
         q_tile = tl.program_id(0) - tl.load(cu_seqlens_q_ptr + seq) // BLOCK_Q - seq
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    seq_len = tl.load(seq_lens_ptr + seq)
+    # this KV head's context: its sequence's, or, read through a per-head table, the tokens of
+    # the blocks its table lists, numbered as the table's own positions
+    seq_len = tl.load(seq_lens_ptr + seq * stride_ns + kv_head * stride_nh)
+    table_ptr = block_tables_ptr + seq * stride_bt + kv_head * stride_bh
     if (q_len == 1) != DECODE or q_tile * BLOCK_Q >= q_len:  # the other launch's, or past the end
         return
 
@@ -195,8 +204,7 @@ def _paged_attention_kernel(
             pos = j + kv_start
         # the physical slot of each key, so BLOCK_N does not depend on the cache block size;
         # masked lanes never read a padded (-1) table entry or a slot past seq_len
-        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=j_mask,
-                        other=0)
+        block = tl.load(table_ptr + pos // BLOCK_SIZE, mask=j_mask, other=0)
         block = block.to(tl.int64)  # likewise block * stride in a large cache
         offset = pos % BLOCK_SIZE
         kv_mask = j_mask[:, None] & d_mask[None, :]
@@ -364,14 +372,30 @@ def check_launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, num_
         assert t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}"
         assert t.device == q.device, f"{name} is on {t.device}, q on {q.device}"
     assert k_cache.device == v_cache.device == q.device, "q and the caches must share a device"
-    assert block_tables.dim() == 2 and block_tables.shape[0] == num_seqs, \
-        "block_tables is [num_seqs, max_blocks]"
-    assert seq_lens.dim() == 1 and cu_seqlens_q.shape == (num_seqs + 1,), \
-        "cu_seqlens_q is [num_seqs + 1]"
+    check_tables(block_tables, seq_lens, n_kv_head, mask)
+    assert cu_seqlens_q.shape == (num_seqs + 1,), "cu_seqlens_q is [num_seqs + 1]"
     assert q.stride(2) == k_cache.stride(3) == v_cache.stride(3) == 1, "head_dim must be contiguous"
-    assert block_tables.stride(1) == 1 and seq_lens.is_contiguous() and cu_seqlens_q.is_contiguous()
+    assert block_tables.stride(-1) == 1 and cu_seqlens_q.is_contiguous()
     assert num_splits is None or 1 <= num_splits <= MAX_SPLITS, f"num_splits is in 1..{MAX_SPLITS}"
+
+
+def check_tables(block_tables, seq_lens, n_kv_head, mask):
+    """Every path's check of the tables and lengths: a table and a length per sequence, or, for a
+    read policy's selection, per sequence and KV head, and then full attention only (a per-head
+    table numbers its keys as its own positions, which a window or a chunk would misplace)."""
     check_mask(mask)
+    num_seqs = seq_lens.shape[0]
+    assert block_tables.dim() in (2, 3) and block_tables.shape[0] == num_seqs, \
+        "block_tables is [num_seqs, max_blocks], or [num_seqs, n_kv_head, max_blocks]"
+    if block_tables.dim() == 2:
+        assert seq_lens.dim() == 1, "seq_lens is [num_seqs] with a block table per sequence"
+        return
+    assert block_tables.shape[1] == n_kv_head and seq_lens.shape == (num_seqs, n_kv_head), \
+        f"per-head block_tables are [num_seqs, n_kv_head ({n_kv_head}), max_blocks], with " \
+        f"seq_lens [num_seqs, n_kv_head]: got {tuple(block_tables.shape)}, {tuple(seq_lens.shape)}"
+    assert mask in (None, FULL_ATTENTION), \
+        f"per-head block_tables number a head's keys as the table's own positions: they take " \
+        f"full attention, not {mask}"
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale,
@@ -379,7 +403,11 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     """Causal attention of the packed new tokens q over their sequences' paged K/V.
     q [num_tokens, n_head, head_dim]; caches [num_blocks, block_size, n_kv_head, head_dim];
     block_tables int32 [num_seqs, max_blocks] (-1 past the end); seq_lens int32 [num_seqs]
-    (context including the new tokens); cu_seqlens_q int32 [num_seqs + 1].
+    (context including the new tokens); cu_seqlens_q int32 [num_seqs + 1]. Or, for a read
+    policy's selection (full attention only), block_tables [num_seqs, n_kv_head, max_blocks] and
+    seq_lens [num_seqs, n_kv_head]: each KV head reads the blocks its own table lists, in order,
+    as a context of their seq_lens tokens whose last q_len are the new tokens (a decode keeps
+    its last block; a prefill repeats its whole table).
     max_q_len (>= every q_len; if known) saves a device->host sync; num_splits (1..64) forces
     the split-KV of the decoding sequences (default: split_count, on a GPU). An 8-bit cache
     comes with k_scale and v_scale, one-element fp32 tensors on q's device (see quantize).
@@ -392,6 +420,10 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
     num_tokens, n_head, head_dim = q.shape
     block_size, n_kv_head = k_cache.shape[1:3]
     num_seqs = seq_lens.shape[0]
+    # a table and a length per (sequence, KV head): a shared one is a view with head stride 0
+    if block_tables.dim() == 2:
+        block_tables = block_tables[:, None].expand(-1, n_kv_head, -1)           # (S, nkv, W)
+        seq_lens = seq_lens[:, None].expand(-1, n_kv_head)                       # (S, nkv)
     out = torch.empty((num_tokens, n_head, head_dim), device=q.device, dtype=q.dtype)  # (T, nh, D)
     if num_tokens == 0:
         return out
@@ -403,7 +435,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
         return (q, k_cache, v_cache, out, lse, block_tables, seq_lens, cu_seqlens_q,
                 num_seqs, num_splits, *mask.kernel_args, k_scale, v_scale,
                 q.stride(0), q.stride(1), *k_cache.stride()[:3],
-                *out.stride()[:3], *lse.stride()[:2], block_tables.stride(0),
+                *out.stride()[:3], *lse.stride()[:2],
+                *block_tables.stride()[:2], *seq_lens.stride(),
                 scale * 1.4426950408889634)  # log2(e): the kernel uses exp2, cheaper than exp
 
     # decode: one program per sequence x KV head x split; those not decoding exit at once
@@ -411,7 +444,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, s
                            cache_dtype=k_cache.dtype, sinks=mask.sink > 0)
     if num_splits is None:
         resident = _resident_programs(q, args(out[:, :, None], out, 1), decode) if q.is_cuda else 0
-        context = block_tables.shape[1] * block_size  # the longest a decode can see
+        context = block_tables.shape[-1] * block_size  # the longest a decode can read
         num_splits = split_count(num_seqs, n_kv_head, mask.reach(context), resident)
     if num_splits == 1:
         _paged_attention_kernel[(num_seqs, n_kv_head, 1)](*args(out[:, :, None], out, 1), **decode)
@@ -629,16 +662,21 @@ def _buffer(name, shape, like):
     return _buffers[key][:numel].view(shape)
 
 
-def _gather_kv(k_cache, v_cache, slots, shape, scales, dtype):
+def _gather_kv(k_cache, v_cache, slots, shape, scales, dtype, per_head=False):
     """K and V at the physical slots (flattened [B, L] positions of B sequences), each returned
     as a [B, n_kv_head, L, head_dim] view for attention, in dtype (dequantized with scales,
-    (k_scale, v_scale), for an 8-bit cache)."""
+    (k_scale, v_scale), for an 8-bit cache). per_head: slots are flattened [B, n_kv_head, L]
+    rows of the caches' (slot, KV head) pairs, each KV head's own keys (per-head tables)."""
     n_kv_head, head_dim = k_cache.shape[2:]
-    rows = (len(slots), n_kv_head, head_dim)
-    k = torch.index_select(k_cache.flatten(0, 1), 0, slots, out=_buffer("k", rows, k_cache))
-    v = torch.index_select(v_cache.flatten(0, 1), 0, slots, out=_buffer("v", rows, v_cache))
+    rows = (len(slots), head_dim) if per_head else (len(slots), n_kv_head, head_dim)
+    flat = 2 if per_head else 1  # rows of (slot, KV head) pairs, or of slots
+    k = torch.index_select(k_cache.flatten(0, flat), 0, slots, out=_buffer("k", rows, k_cache))
+    v = torch.index_select(v_cache.flatten(0, flat), 0, slots, out=_buffer("v", rows, v_cache))
     k, v = (dequantize(x, s, dtype) for x, s in zip((k, v), scales))
-    shape = (*shape, n_kv_head, head_dim)                                         # (B, L, nkv, D)
+    B, L = shape
+    if per_head:
+        return k.view(B, n_kv_head, L, head_dim), v.view(B, n_kv_head, L, head_dim)
+    shape = (B, L, n_kv_head, head_dim)                                            # (B, L, nkv, D)
     return k.view(shape).transpose(1, 2), v.view(shape).transpose(1, 2)  # (B, nkv, L, D) each
 
 
@@ -663,20 +701,25 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
     first new token sees on, so the blocks between are not read and their table entries may be
     anything. decode_attention: a function (q, k_cache, v_cache, block_tables, seq_lens, scale,
     mask) of the decoding rows alone that replaces their batched call (paged_attention_flex,
-    opt-in). An 8-bit cache comes with k_scale and v_scale: what is gathered is dequantized to
-    q's dtype. plan: a dict that every layer of one step with this mask passes (the backend keeps
-    it in Batch.scratch): the first call fills it with the step's gather indices and masks, the
-    others reuse them (as vLLM builds its attention metadata once per step), so a layer is a few
-    ops: gather, attend, scatter."""
+    opt-in; it takes no per-head tables). Per-head tables (paged_attention's) are gathered per
+    (sequence, KV head): each head reads only the blocks its table lists. An 8-bit cache comes
+    with k_scale and v_scale: what is gathered is dequantized to q's dtype. plan: a dict that
+    every layer of one step with this mask passes (the backend keeps it in Batch.scratch): the
+    first call fills it with the step's gather indices and masks, the others reuse them (as vLLM
+    builds its attention metadata once per step), so a layer is a few ops: gather, attend,
+    scatter."""
     n_head, head_dim = q.shape[1:]
     n_kv_head = k_cache.shape[2]
     assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim
     assert n_head % n_kv_head == 0, "n_head must be a multiple of n_kv_head"
     check_scales(q, k_cache, v_cache, k_scale, v_scale)
-    check_mask(mask)
+    check_tables(block_tables, seq_lens, n_kv_head, mask)
     mask = mask or FULL_ATTENTION
     if decode_attention is not None and k_scale is not None:
         raise ValueError("paged_attention_flex reads the cache in place: it takes no 8-bit cache")
+    if decode_attention is not None and block_tables.dim() == 3:
+        raise ValueError("paged_attention_flex's block mask lists one table's blocks per "
+                         "sequence: it takes no per-head block tables (a read policy's selection)")
     plan = {} if plan is None else plan
     if not plan:  # this step's first layer: the indices every layer reuses
         token_bytes = 2 * n_kv_head * head_dim * q.element_size()  # K and V, as attended
@@ -693,7 +736,8 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
                              scale, mask)                                        # (B, nh, D)
         out.index_copy_(0, rows, o.to(q.dtype))
     for rows, slots, (B, Q, L), seen, kept, written in plan["calls"]:
-        k, v = _gather_kv(k_cache, v_cache, slots, (B, L), (k_scale, v_scale), q.dtype)
+        k, v = _gather_kv(k_cache, v_cache, slots, (B, L), (k_scale, v_scale), q.dtype,
+                          plan["per_head"])
         q_b = q if out is None else q.index_select(0, rows)
         q_b = q_b.view(B, Q, n_kv_head, -1, head_dim).permute(0, 2, 3, 1, 4)
         q_b = q_b.reshape(B, n_kv_head, -1, head_dim)  # (B, nkv, G*Q, D): per K/V head, G x Q
@@ -715,18 +759,64 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
     longest span, L: the keys a sequence's new tokens see, its mask's sinks and then from the
     first key its first new token sees to its end (paged_attention's numbering). The decodes
     (unless decode_attention takes them), those with 2 to SHORT_Q_LEN new tokens when there are
-    several, then each other sequence alone. A batch whose gathered K/V (token_bytes a position)
-    would pass CHUNK_BYTES is cut, shortest spans first, into calls that stay within it: each
-    call pads only to its own longest span, and its copy stays small (results/README.md,
-    Kernel: the sweep of the budget). A call is (rows of q, slots to gather, (B, Q, L), seen
-    (B, 1, G*Q, L) or None, rows of o kept, rows of out written): a padding row repeats its
-    sequence's last and is not written back; keys past a sequence's span re-read its last one,
-    real values that seen hides. Indices are built on the host, which knows the lengths."""
-    cu, lens, dev = cu_seqlens_q.tolist(), seq_lens.tolist(), block_tables.device
+    several, then each other sequence alone (_plan_batches). A batch whose gathered K/V
+    (token_bytes a position) would pass CHUNK_BYTES is cut, shortest spans first, into calls that
+    stay within it: each call pads only to its own longest span, and its copy stays small
+    (results/README.md, Kernel: the sweep of the budget). A call is (rows of q, slots to gather,
+    (B, Q, L), seen (B, H, G*Q, L) or None, rows of o kept, rows of out written): a padding row
+    repeats its sequence's last and is not written back; keys past a sequence's span re-read its
+    last one, real values that seen hides. H is 1, or n_kv_head with per-head tables: each
+    (sequence, KV head) then has its own span, and the slots are rows of the caches' (slot, KV
+    head) pairs (per_head). Indices are built on the host, which knows the lengths."""
+    cu, dev = cu_seqlens_q.tolist(), block_tables.device
+    tables = block_tables if block_tables.dim() == 3 else block_tables[:, None]   # (S, H, W)
+    H = tables.shape[1]
+    lens = seq_lens.view(len(cu) - 1, H).tolist()  # a length per (sequence, table)
     q_lens = [cu[i + 1] - cu[i] for i in range(len(lens))]
-    starts = [mask.first_seen(n - q) for n, q in zip(lens, q_lens)]  # its first new token's
-    sinks = [min(mask.sink, start) for start in starts]
-    spans = [k + n - start for k, n, start in zip(sinks, lens, starts)]
+    # per (sequence, table): the first key its first new token sees, its sinks, its span
+    starts = [[mask.first_seen(n - q) for n in ns] for ns, q in zip(lens, q_lens)]
+    sinks = [[min(mask.sink, start) for start in ss] for ss in starts]
+    spans = [[k + n - s for k, n, s in zip(ks, ns, ss)] for ks, ns, ss in zip(sinks, lens, starts)]
+    longest = [max(ss) for ss in spans]  # what a sequence pads a call to
+    decode = [i for i, n in enumerate(q_lens) if n == 1]
+    chunks = _plan_batches(q_lens, longest, decodes, token_bytes)
+    calls = []
+    for seqs in chunks:
+        B, Q, L = len(seqs), max(q_lens[i] for i in seqs), max(longest[i] for i in seqs)
+        last = [(i, min(j, q_lens[i] - 1)) for i in seqs for j in range(Q)]  # row j, or the last
+        rows = torch.tensor([cu[i] + j for i, j in last], device=dev)             # (B*Q,)
+        span = torch.tensor([spans[i] for i in seqs], device=dev)[:, :, None]     # (B, H, 1)
+        start = torch.tensor([starts[i] for i in seqs], device=dev)[:, :, None]   # (B, H, 1)
+        sink = torch.tensor([sinks[i] for i in seqs], device=dev)[:, :, None]     # (B, H, 1)
+        key = torch.minimum(torch.arange(L, device=dev), span - 1)                # (B, H, L)
+        positions = torch.where(key < sink, key, key - sink + start)              # (B, H, L)
+        blocks = tables[seqs].gather(2, positions // block_size).long()           # (B, H, L)
+        slots = blocks * block_size + positions % block_size                      # (B, H, L)
+        if H > 1:  # KV head h of slot s is row s * H + h of the caches' (slot, head) pairs
+            slots = slots * H + torch.arange(H, device=dev)[:, None]
+        slots = slots.flatten()                                                   # (B*H*L,)
+        seen = None  # decodes of one span: nothing to hide
+        if Q > 1 or any(n < L for i in seqs for n in spans[i]):
+            # new token j of a sequence sits at position len - q_len + j: the mask's rule, and
+            # no key past the span (a padding repeat)
+            q_pos = torch.tensor([[lens[i][h] - q_lens[i] + j for h in range(H)] for i, j in last],
+                                 device=dev).view(B, Q, H).transpose(1, 2)[..., None]  # (B,H,Q,1)
+            seen = mask.visible(q_pos, positions[:, :, None, :])                   # (B, H, Q, L)
+            seen &= torch.arange(L, device=dev) < span[..., None]
+            seen = seen.repeat(1, 1, G, 1)                                         # (B,H,G*Q,L)
+        kept = [b * Q + j for b, i in enumerate(seqs) for j in range(q_lens[i])]
+        kept = None if len(kept) == B * Q else torch.tensor(kept, device=dev)
+        calls.append((rows, slots, (B, Q, L), seen, kept, rows if kept is None else rows[kept]))
+    # one call of every sequence in order, no padding rows: its q is q, its output the output
+    whole = chunks == [list(range(len(lens)))] and calls[0][4] is None
+    return dict(calls=calls, whole=whole, mask=mask, per_head=H > 1,
+                decode=torch.tensor(decode, device=dev) if decode and not decodes else None)
+
+
+def _plan_batches(q_lens, spans, decodes, token_bytes):
+    """Which sequences share a call (_attention_plan's): the decodes (unless decodes is False),
+    those with 2 to SHORT_Q_LEN new tokens when there are several, then each other sequence
+    alone; a batch whose K/V would pass CHUNK_BYTES cut, shortest spans first."""
     decode = [i for i, n in enumerate(q_lens) if n == 1]
     short = [i for i, n in enumerate(q_lens) if 1 < n <= SHORT_Q_LEN]
     short = [short] if len(short) > 1 else [[i] for i in short]
@@ -741,34 +831,7 @@ def _attention_plan(block_tables, seq_lens, cu_seqlens_q, block_size, G, decodes
             if (len(chunks[-1]) + 1) * spans[i] * token_bytes > CHUNK_BYTES:
                 chunks.append([])
             chunks[-1].append(i)
-    calls = []
-    for seqs in chunks:
-        B, Q, L = len(seqs), max(q_lens[i] for i in seqs), max(spans[i] for i in seqs)
-        last = [(i, min(j, q_lens[i] - 1)) for i in seqs for j in range(Q)]  # row j, or the last
-        rows = torch.tensor([cu[i] + j for i, j in last], device=dev)             # (B*Q,)
-        span = torch.tensor([spans[i] for i in seqs], device=dev)[:, None]        # (B, 1)
-        start = torch.tensor([starts[i] for i in seqs], device=dev)[:, None]      # (B, 1)
-        sink = torch.tensor([sinks[i] for i in seqs], device=dev)[:, None]        # (B, 1)
-        key = torch.minimum(torch.arange(L, device=dev)[None], span - 1)          # (B, L)
-        positions = torch.where(key < sink, key, key - sink + start)              # (B, L)
-        blocks = block_tables[seqs].gather(1, positions // block_size).long()     # (B, L)
-        slots = (blocks * block_size + positions % block_size).flatten()          # (B*L,)
-        seen = None  # decodes of one span: nothing to hide
-        if Q > 1 or any(spans[i] < L for i in seqs):
-            # new token j of a sequence sits at position len - q_len + j: the mask's rule, and
-            # no key past the span (a padding repeat)
-            q_pos = torch.tensor([lens[i] - q_lens[i] + j for i, j in last],
-                                 device=dev).view(B, Q)[:, :, None]                # (B, Q, 1)
-            seen = mask.visible(q_pos, positions[:, None, :])                      # (B, Q, L)
-            seen &= torch.arange(L, device=dev) < span[:, :, None]
-            seen = seen[:, None].repeat(1, 1, G, 1)                                # (B,1,G*Q,L)
-        kept = [b * Q + j for b, i in enumerate(seqs) for j in range(q_lens[i])]
-        kept = None if len(kept) == B * Q else torch.tensor(kept, device=dev)
-        calls.append((rows, slots, (B, Q, L), seen, kept, rows if kept is None else rows[kept]))
-    # one call of every sequence in order, no padding rows: its q is q, its output the output
-    whole = chunks == [list(range(len(lens)))] and calls[0][4] is None
-    return dict(calls=calls, whole=whole, mask=mask,
-                decode=torch.tensor(decode, device=dev) if decode and not decodes else None)
+    return chunks
 
 
 _flex = None  # flex_attention compiled by Inductor, made on first use (tens of seconds)
@@ -856,15 +919,18 @@ def _flex_block_mask(block_tables, seq_lens, num_blocks, block_size, mask):
 # Naive reference: contiguous K/V, one sequence at a time, nothing clever
 
 
-def naive_attention(q, k, v, cu_seqlens_q, seq_lens, scale, mask=None):
+def naive_attention(q, k, v, cu_seqlens_q, seq_lens, scale, mask=None, keep=None):
     """q [num_tokens, n_head, D] packed new tokens; k, v [sum(seq_lens), n_kv_head, D] with
     each sequence's whole context concatenated in order. Returns [num_tokens, n_head, D].
     mask: which keys a token sees (paged_attention's), or None for full attention; the K/V
     no new token of a sequence sees are not read (they may be NaN): only its sinks and from
-    the first key its first new token sees on."""
+    the first key its first new token sees on. keep: bool [sum(seq_lens), n_kv_head], the keys
+    each (sequence, KV head) reads (a read policy's selection), or None for all; K/V it does
+    not keep are not read either. A token sees a kept key at or before its own position."""
     mask = mask or FULL_ATTENTION
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     n_head, n_kv_head = q.shape[1], k.shape[1]
+    G = n_head // n_kv_head
     out = torch.empty_like(q)
     kv_start = 0
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -872,17 +938,18 @@ def naive_attention(q, k, v, cu_seqlens_q, seq_lens, scale, mask=None):
         q_len = q_end - q_start
         first = mask.first_seen(seq_len - q_len)  # what the first new token sees, and later ones
         k_pos = torch.cat((torch.arange(min(mask.sink, first)), torch.arange(first, seq_len)))
-        qs = q[q_start:q_end].to(acc)                                             # (q_len, nh, D)
-        ks = k[kv_start + k_pos.to(k.device)].to(acc)                             # (L, nkv, D)
-        vs = v[kv_start + k_pos.to(v.device)].to(acc)
-        ks = ks.repeat_interleave(n_head // n_kv_head, dim=1)                     # (L, nh, D)
-        vs = vs.repeat_interleave(n_head // n_kv_head, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale                     # (nh, q_len, L)
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
-        seen = mask.visible(q_pos, k_pos[None, :])                                # (q_len, L)
-        scores = scores.masked_fill(~seen.to(scores.device), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, vs).to(q.dtype)
+        for h in range(n_kv_head):  # KV head h and its group of query heads
+            read = k_pos if keep is None else k_pos[keep[kv_start + k_pos, h].cpu()]   # (L,)
+            heads = slice(h * G, (h + 1) * G)
+            qs = q[q_start:q_end, heads].to(acc)                                  # (q_len, G, D)
+            ks = k[kv_start + read.to(k.device), h].to(acc)                       # (L, D)
+            vs = v[kv_start + read.to(v.device), h].to(acc)
+            scores = torch.einsum("qgd,kd->gqk", qs, ks) * scale                  # (G, q_len, L)
+            seen = mask.visible(q_pos, read[None, :])                             # (q_len, L)
+            scores = scores.masked_fill(~seen.to(scores.device), float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            out[q_start:q_end, heads] = torch.einsum("gqk,kd->qgd", probs, vs).to(q.dtype)
         kv_start += seq_len
     return out
 
@@ -907,6 +974,10 @@ class AttentionBackend:
     # (mask) -> why this backend cannot honour a layer's Mask, or None (the engine asks only
     # when its attend() takes a mask)
     unsupported_mask: Callable = lambda mask: None
+    # whether attend() reads per-head block tables (meta.block_tables [S, n_kv_head, W] and
+    # seq_lens [S, n_kv_head]: a read policy's selection); a backend written for one table per
+    # sequence does not, and gets none
+    per_head_tables: bool = False
 
 
 def _triton_attend(q, k_cache, v_cache, meta, scale, mask=None, **scales):
@@ -938,10 +1009,11 @@ def _flex_attend(q, k_cache, v_cache, meta, scale, mask=None):
 
 
 ATTENTION_BACKENDS = {
-    "triton": AttentionBackend(store_kv, _triton_attend, _triton_unsupported),
-    "torch": AttentionBackend(store_kv_torch, _torch_attend),
+    "triton": AttentionBackend(store_kv, _triton_attend, _triton_unsupported,
+                               per_head_tables=True),
+    "torch": AttentionBackend(store_kv_torch, _torch_attend, per_head_tables=True),
     # decodes read the cache in place with flex_attention (compiled on first use), the rest
-    # as the torch path does
+    # as the torch path does; its block mask takes one table per sequence
     "flex": AttentionBackend(store_kv_torch, _flex_attend, lambda dtype, head_dim, kv: (
         "flex attention reads the cache in place: it takes no 8-bit cache"
         if kv in FP8_DTYPES else None)),

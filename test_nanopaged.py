@@ -547,7 +547,7 @@ def scales(b):
 
 def reference(b):
     return naive_attention(b["q"], b["k"], b["v"], b["cu_seqlens_q"], b["seq_lens"], b["scale"],
-                           mask=b["mask"])
+                           mask=b["mask"], keep=b.get("keep"))  # keep: selected_batches
 
 
 def assert_close(out, ref):
@@ -846,6 +846,164 @@ def test_triton_never_reads_a_block_outside_the_mask(b, num_splits):
     assert reads.dots == 2 * n_kv_head * tiles  # q k^T and p v, per tile
 
 
+@st.composite
+def selected_batches(draw, every_block=False, **kwargs):
+    """A batch of full attention (paged_batches' kwargs) read through per-head block tables, as
+    a read policy gives them: each (sequence, KV head) keeps a random subset of its blocks, in
+    order, always with every block that holds a new token (a decode's last, partly filled one),
+    or all of them (every_block: each head repeats its sequence's table). Adds "tables"
+    [S, n_kv_head, W] (-1 past each head's blocks), "lens" [S, n_kv_head] (its blocks' tokens)
+    and "keep" [sum(seq_lens), n_kv_head] for naive_attention; the K/V of a (block, KV head)
+    that no table lists are NaN in the cache, and those a head does not keep in the contiguous
+    copy, so reading one spoils the output."""
+    b = draw(paged_batches(**kwargs))
+    num_blocks, bs, n_kv_head = b["k_cache"].shape[:3]
+    lens, cu, tables = b["seq_lens"].tolist(), b["cu_seqlens_q"].tolist(), b["block_tables"]
+    rows, row_lens, keep = [], [], []
+    listed = torch.zeros(num_blocks, n_kv_head, dtype=torch.bool)  # by some head's table
+    for i, n in enumerate(lens):
+        first_new = (n - (cu[i + 1] - cu[i])) // bs  # the first block with a new token
+        kept = torch.zeros(n, n_kv_head, dtype=torch.bool)                    # (n, nkv)
+        for h in range(n_kv_head):
+            chosen = [j for j in range(-(-n // bs))
+                      if every_block or j >= first_new or draw(st.booleans())]
+            blocks = tables[i, chosen].cpu()
+            rows.append(blocks.tolist())
+            row_lens.append(sum(min(bs, n - j * bs) for j in chosen))
+            listed[blocks.long(), h] = True
+            for j in chosen:
+                kept[j * bs:(j + 1) * bs, h] = True
+        keep.append(kept)
+    width = max(map(len, rows)) + 1  # a -1 column of padding
+    per_head = [r + [-1] * (width - len(r)) for r in rows]
+    keep = torch.cat(keep).to(DEVICE)                                         # (sum(n), nkv)
+    unlisted = ~listed.to(DEVICE)[:, None, :, None]                           # (nb, 1, nkv, 1)
+    return dict(
+        b, tables=torch.tensor(per_head, dtype=torch.int32, device=DEVICE).view(
+            len(lens), n_kv_head, width),
+        lens=torch.tensor(row_lens, dtype=torch.int32, device=DEVICE).view(len(lens), n_kv_head),
+        keep=keep, k_cache=poisoned(b["k_cache"], unlisted),
+        v_cache=poisoned(b["v_cache"], unlisted),
+        k=poisoned(b["k"], ~keep[..., None]), v=poisoned(b["v"], ~keep[..., None]))
+
+
+def poisoned(x, where):
+    """x with NaN where `where` holds (broadcast); for an 8-bit cache, which masked_fill does not
+    take, fp8's NaN byte (0x7f in e4m3fn and e5m2 alike)."""
+    if x.dtype in FP8:
+        return x.view(torch.uint8).masked_fill(where, 0x7F).view(x.dtype)
+    return x.masked_fill(where, float("nan"))
+
+
+SELECTED_BLOCKS = (1, 3, 4, 5, 8)  # blocks smaller than a context, so that a head has some to skip
+
+
+def selected_args(b):
+    """paged_attention's arguments with a selected batch's per-head tables and lengths."""
+    return (b["q"], b["k_cache"], b["v_cache"], b["tables"], b["lens"], b["cu_seqlens_q"],
+            b["scale"])
+
+
+@pytest.mark.kernel
+@settings(max_examples=examples(12), deadline=None)
+@given(selected_batches(every_block=True, dtypes=[torch.float32, torch.float16], max_seqs=3,
+                        max_seq_len=100, head_dims=(16, 32), groups=(1, 4)),
+       st.sampled_from([1, 2, 3, 7]))
+def test_per_head_tables_that_repeat_the_shared_one_give_the_same_output(b, num_splits):
+    # a table per KV head, each its sequence's own, is the shared table read once per head: the
+    # same numbers, bit for bit, on the Triton launches (decode, split, prefill) and the torch path
+    for attend, kwargs in ((paged_attention, dict(num_splits=num_splits)),
+                           (paged_attention_torch, {})):
+        shared = attend(*paged_args(b), **kwargs)
+        assert torch.equal(attend(*selected_args(b), **kwargs), shared), attend.__name__
+
+
+@pytest.mark.kernel
+@settings(max_examples=examples(40), deadline=None)
+@given(selected_batches(dtypes=[torch.float32, torch.float16, torch.bfloat16], max_seqs=4,
+                        max_seq_len=120, head_dims=(16, 64, 80), block_sizes=SELECTED_BLOCKS,
+                        cache_dtypes=(None, None, *FP8)),
+       st.sampled_from([None, 1, 2, 3, 9]))
+def test_triton_reads_a_selection_as_naive_attention_over_its_keys(b, num_splits):
+    # decodes read their heads' selections; prefills and chunks their new tokens' blocks and a
+    # selection of the blocks before: each head attends to its kept keys alone (8-bit caches too)
+    out = paged_attention(*selected_args(b), num_splits=num_splits, **scales(b))
+    assert_close(out, reference(b))
+
+
+@pytest.mark.kernel
+@settings(max_examples=examples(60), deadline=None)
+@given(selected_batches(dtypes=[torch.float64, torch.float32, torch.bfloat16],
+                        block_sizes=SELECTED_BLOCKS, cache_dtypes=(None, None, *FP8)),
+       st.sampled_from([kernel.CHUNK_BYTES, 0, 1 << 12]))
+def test_torch_path_reads_a_selection_as_naive_attention_over_its_keys(b, chunk_bytes):
+    default, kernel.CHUNK_BYTES = kernel.CHUNK_BYTES, chunk_bytes
+    try:
+        assert_close(paged_attention_torch(*selected_args(b), **scales(b)), reference(b))
+    finally:
+        kernel.CHUNK_BYTES = default
+
+
+@pytest.mark.kernel
+@pytest.mark.skipif(not kernel.INTERPRETED, reason="reads are recorded in Triton's interpreter")
+@settings(max_examples=examples(30), deadline=None)
+@given(selected_batches(dtypes=[torch.float16], max_seqs=3, max_seq_len=200, head_dims=(16,),
+                        groups=(1, 4), block_sizes=SELECTED_BLOCKS),
+       st.sampled_from([1, 2, 3]))
+def test_triton_never_reads_a_block_its_heads_table_leaves_out(b, num_splits):
+    # a KV head reads the K/V of the blocks its own table lists and no other (not another
+    # head's), only the table entries of those blocks, and visits only the tiles of their keys
+    with interpreter_reads() as reads:
+        out = paged_attention(*selected_args(b), num_splits=num_splits)
+    assert_close(out, reference(b))
+    bs, n_kv_head = b["k_cache"].shape[1:3]
+    tables, lens, cu = b["tables"].tolist(), b["lens"].tolist(), b["cu_seqlens_q"].tolist()
+    kept = {(block * bs + o) * n_kv_head + h  # rows of the caches' (slot, KV head) pairs
+            for i, heads in enumerate(tables) for h, table in enumerate(heads)
+            for j, block in enumerate(table[:-(-lens[i][h] // bs)])
+            for o in range(min(bs, lens[i][h] - j * bs))}
+    addresses = np.concatenate(reads.addresses)
+    for cache in (b["k_cache"], b["v_cache"]):
+        assert read_slots(addresses, cache.view(-1, 1, cache.shape[3])) <= kept
+    width = b["tables"].shape[2]
+    entries = read_slots(addresses, b["tables"].view(-1, 1, 1))  # (row * nkv + head) * W + col
+    assert all(e % width < -(-lens[e // width // n_kv_head][e // width % n_kv_head] // bs)
+               for e in entries)
+    group = b["q"].shape[1] // n_kv_head
+    tiles = 0
+    for i, heads in enumerate(lens):
+        q_len = cu[i + 1] - cu[i]
+        config = kernel.kernel_config(torch.float16, 16, group, bs, decode=q_len == 1)
+        for n in heads:
+            for first in range(0, q_len, config["BLOCK_Q"]):
+                end = n - q_len + min(first + config["BLOCK_Q"], q_len)
+                tiles += -(-end // config["BLOCK_N"])
+    assert reads.dots == 2 * tiles  # q k^T and p v, per tile of each head's own keys
+
+
+@pytest.mark.kernel
+def test_per_head_tables_take_full_attention_their_own_lengths_and_no_flex():
+    q, k_cache, v_cache, tables, lens, cu, scale = small_batch()
+    per_head = tables[:, None].repeat(1, 2, 1)                                # (S, nkv, W)
+    per_head_lens = lens[:, None].repeat(1, 2)                                # (S, nkv)
+    for attend in (paged_attention, paged_attention_torch):
+        with pytest.raises(AssertionError, match="they take full attention"):
+            attend(q, k_cache, v_cache, per_head, per_head_lens, cu, scale,
+                   mask=kernel.Mask(window=4))
+        with pytest.raises(AssertionError, match="with seq_lens"):
+            attend(q, k_cache, v_cache, per_head, lens, cu, scale)
+        with pytest.raises(AssertionError, match=r"n_kv_head \(2\)"):
+            attend(q, k_cache, v_cache, per_head[:, :1], per_head_lens[:, :1], cu, scale)
+        with pytest.raises(AssertionError, match="seq_lens is \\[num_seqs\\]"):
+            attend(q, k_cache, v_cache, tables, per_head_lens, cu, scale)
+        attend(q, k_cache, v_cache, per_head, per_head_lens, cu, scale, mask=kernel.Mask())
+    with pytest.raises(ValueError, match="no per-head block tables"):
+        paged_attention_torch(q, k_cache, v_cache, per_head, per_head_lens, cu, scale,
+                              decode_attention=kernel.paged_attention_flex)
+    backends = kernel.ATTENTION_BACKENDS
+    assert [name for name in backends if backends[name].per_head_tables] == ["triton", "torch"]
+
+
 def small_batch(head_dim=64, dtype=torch.float32):
     q = torch.randn(3, 4, head_dim, device=DEVICE, dtype=dtype)
     k_cache = torch.randn(4, 4, 2, head_dim, device=DEVICE, dtype=dtype)
@@ -965,15 +1123,15 @@ def test_kernel_compiles_for_a_gpu():
     # launcher's real arguments for engine-shaped steps, lets Triton's JIT specialize them as a
     # launch would and compile them for sm_80, sm_86 and sm_90, and reads the binaries: here a
     # subset that still takes every target, dtype, head size, group, block size and launch (a
-    # prefill with sinks, a binary of its own, at one head size each), and every 8-bit cache
-    # each target supports
+    # prefill with sinks, a binary of its own, at one head size each; a decode through per-head
+    # tables, the same binaries), and every 8-bit cache each target supports
     import json
     code = "import json, bench; print(json.dumps(bench.aot_rows(bench.aot_matrix(full=False), 2)))"
     if FAST:  # one head size with every target, dtype and launch; sm_90's two 8-bit caches
         code = ("import json, bench, torch; print(json.dumps(bench.aot_rows([c for c in "
                 "bench.aot_matrix(full=False) if (c[2] == 64 or c[5] in ('prefill', "
-                "'split decode') if len(c) == 6 else c[0] == 90 and c[1] == torch.float16)], "
-                "2)))")
+                "'split decode', 'selected decode') if len(c) == 6 else c[0] == 90 and "
+                "c[1] == torch.float16)], 2)))")
     rows = json.loads(run_without_interpreter(code))
     launches = Counter((r["sm"], r["dtype"], r["head_dim"], r["launch"]) for r in rows
                        if r["cache"] == r["dtype"])
@@ -983,6 +1141,9 @@ def test_kernel_compiles_for_a_gpu():
                      for dtype in ("float16", "bfloat16")
                      for launch in ("decode", "split decode", "prefill")}
     launches = Counter(k for k in launches if "sinks" not in k[3])
+    selected = {(r["sm"], r["dtype"], r["launch"]) for r in rows if r["step"] == "selected decode"}
+    assert selected == {(sm, dtype, launch) for sm in (80, 86, 90) for dtype in ("float16",
+                        "bfloat16") for launch in ("split decode", "merge")}, selected
     if FAST:
         assert {k for k in launches if k[2] == 64} == {
             (sm, dtype, 64, launch) for sm in (80, 86, 90) for dtype in ("float16", "bfloat16")
@@ -1015,7 +1176,7 @@ def jit_keys_of_steps(seed=0, steps=40):
     """The JIT cache keys (sm_90) of the launches of random engine steps of one model: many
     sequences or few, short or long tables, decode, split decode, prefill and mixed, in layers
     of every kind of mask: full attention, windows, chunks and sinks (1, a multiple of 16 or
-    not)."""
+    not), and of full attention read through per-head tables (a read policy's selection)."""
     import bench
     rng, keys = random.Random(seed), {}
     for _ in range(steps):
@@ -1027,6 +1188,8 @@ def jit_keys_of_steps(seed=0, steps=40):
         size = rng.choice([None, 1, 16, 100, 4096])
         mask = rng.choice([None, kernel.Mask(window=size), kernel.Mask(chunk=size),
                            kernel.Mask(window=size, sink=rng.choice([1, 4, 32]))])
+        if mask is None and rng.random() < 0.5:  # each decode's heads read 1 to 32 blocks
+            args = bench.select_blocks(args, rng.choice([1, 2, 16, 32]), seed=rng.randrange(99))
         launches = bench.capture_launches(args, max_q_len=max(q_lens), num_splits=num_splits,
                                           mask=mask)
         for fn, _, a, k in launches:
@@ -1040,7 +1203,7 @@ def test_kernel_compiles_once_per_launch_kind_not_per_step():
     # Triton specializes integers on == 1 and divisibility by 16: a block-table width or a
     # sequence count that does it mid-serving would recompile (seconds) in the middle of a step,
     # and a mask that did would compile per attention kind: a prefill with sinks alone has a
-    # binary of its own
+    # binary of its own. Per-head tables (head strides not 0) are the shared tables' binary
     import json
     counts = json.loads(run_without_interpreter(
         "import json, test_nanopaged as t; print(json.dumps(t.jit_keys_of_steps()))"))
