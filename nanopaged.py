@@ -1886,6 +1886,11 @@ def apply_rope(x, cos, sin):
 # table.
 
 
+def read_all():
+    """No policy: every block is read, exactly, and no key bounds are kept (the default)."""
+    return None
+
+
 def quest(**settings):
     """Quest's query-aware selection (quest.py, the layer above: imported only when asked for)."""
     import quest as quest_py
@@ -1899,7 +1904,7 @@ def quest(**settings):
 # layer) or keep, bool (S, nkv, W): the blocks each decoding sequence's KV heads read, of its
 # one new token's query q. Only full-attention layers ask. A fork adds its own (README: Making
 # it yours)
-READ_POLICIES = {"all": lambda: None, "quest": quest}
+READ_POLICIES = {"all": read_all, "quest": quest}
 
 
 def update_key_bounds(key_bounds, k_cache, slot_mapping, k_scale=None):
