@@ -7996,6 +7996,18 @@ def test_demo_takes_the_policies_and_priorities_from_the_command_line(capsys):
 
 
 @pytest.mark.demo
+@pytest.mark.read_policy
+def test_demo_takes_the_read_policy_and_its_settings_from_the_command_line(capsys):
+    with per_head_backend() as backend:
+        report = demo.main(["--prompt", "def ", "--max-tokens", "4", "--temperature", "0",
+                            "--read-policy", "quest", "--read-policy-config",
+                            '{"token_budget": 32}', "--attention-backend", backend])
+    policy = report["engine"].model_runner.read_policy
+    assert (type(policy).__name__, policy.token_budget, policy.dense_layers) == ("Quest", 32, 2)
+    assert len(report["outputs"][0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.demo
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_demo_takes_text_prompts_through_a_model_folders_tokenizer(hf_folder, tmp_path, capsys,
                                                                    name):
@@ -8072,6 +8084,9 @@ def test_the_demo_streams_one_request_after_another_as_tokens_arrive(capsys):
     (["--speculative-model", "ngram", "--beam-width", "2", "--prompt", "x"],
      "beam search does not run with speculative decoding"),
     (["--kv-cache-dtype", "int8"], "argument --kv-cache-dtype: invalid choice: 'int8'"),
+    (["--read-policy", "sparse"], r"read_policy must be one of \['all', 'quest'\], got 'sparse'"),
+    (["--read-policy", "quest", "--read-policy-config", '{"token_budget": 0}'],
+     "Quest's token_budget must be an int >= 1, got 0"),
 ], 4))
 def test_demo_bad_flags_end_with_one_clear_line(flags, message):
     run = subprocess.run([sys.executable, "nanopaged.py", *flags], capture_output=True, text=True,
