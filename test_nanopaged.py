@@ -3657,6 +3657,12 @@ def tp_scenarios(model, names=None):
                              reloads=s["num_reloaded_blocks"])
     if names:
         return results
+    with per_head_backend() as backend:  # Quest: each rank keeps its own K/V heads' key bounds
+        engine = quest_engine(model, token_budget=8, dense_layers=1, block_size=4, num_blocks=16,
+                              preemption_mode="swap", attention_backend=backend)
+        outs = engine.generate(prompts[:4] * 2, mixed * 2)
+    results["quest"] = [[c.token_ids for c in o.outputs] for o in outs]
+    results["quest_bounds"] = engine.model_runner.key_bounds
     torch.manual_seed(1 + nanopaged.tp.rank)  # unseeded: each rank draws its own seeds
     engine = Engine(model, block_size=4, num_blocks=64)
     unseeded = engine.generate(prompts, SamplingParams(max_tokens=10))
@@ -3736,6 +3742,10 @@ def test_two_ranks_serve_every_feature_like_one_process(hf_folder, tmp_path):
     assert single["prefix"]["hits"] == 8
     assert single["tier"]["reloads"] > 0
     assert rank0["scenarios"]["unseeded"] == rank1["scenarios"]["unseeded"]
+    assert rank0["scenarios"]["quest"] == rank1["scenarios"]["quest"] == single["quest"]
+    for r, rank in enumerate((rank0, rank1)):  # (2, n_layer, num_blocks, nkv, hs): its heads'
+        torch.testing.assert_close(rank["scenarios"]["quest_bounds"],
+                                   single["quest_bounds"][:, :, :, r:r + 1], rtol=0, atol=1e-12)
     for name in TP_CHECKPOINTS:
         assert rank0[name] == rank1[name] == single[name], name
     assert rank0["demo"] == rank1["demo"] == \
