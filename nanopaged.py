@@ -1901,9 +1901,9 @@ def quest(**settings):
 # (no policy: read every block) or a policy: an object with needs_key_bounds (whether the model
 # runner keeps them), and select(layer, q (S, nh, hs), key_bounds (2, num_blocks, nkv, hs) or
 # None, block_tables (S, W), seq_lens (S,), block_size) -> None (read every block at this
-# layer) or keep, bool (S, nkv, W): the blocks each decoding sequence's KV heads read, of its
-# one new token's query q. Only full-attention layers ask. A fork adds its own (README: Making
-# it yours)
+# layer) or keep, bool (S, nkv, W), or (S, 1, W) for all heads alike: the blocks each decoding
+# sequence's KV heads read, given its one new token's query q. Only full-attention layers ask.
+# A fork adds its own (README: Making it yours)
 READ_POLICIES = {"all": read_all, "quest": quest}
 
 
@@ -2047,9 +2047,10 @@ class CausalSelfAttention(nn.Module):
         block_tables = group.block_tables[split.decodes]                        # (S, W)
         seq_lens = group.seq_lens[split.decodes]                                # (S,)
         keep = batch.read_policy.select(self.layer, q[split.rows], key_bounds, block_tables,
-                                        seq_lens, block_size)              # (S, nkv, W) or None
+                                        seq_lens, block_size)    # (S, nkv or 1, W) or None
         if keep is None:
             return attend(q, k_cache, v_cache, group, self.scale, **scales)
+        keep = keep.expand(-1, self.n_kv_head, -1)                              # (S, nkv, W)
         tables, lens = selected_tables(keep, block_tables, seq_lens, block_size)
         if torch.equal(lens, seq_lens[:, None].expand_as(lens)):  # every block kept
             return attend(q, k_cache, v_cache, group, self.scale, **scales)

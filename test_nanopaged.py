@@ -7650,6 +7650,55 @@ def test_bad_read_policy_settings_are_clear_errors(kwargs, message):
             Engine(MODEL, block_size=4, num_blocks=8, **{"attention_backend": backend, **kwargs})
 
 
+class FirstAndRecentBlocks:
+    """A fork's read policy, no key bounds needed: StreamingLLM's attention sinks and recent
+    window (Xiao et al., ICLR 2024) by the block, the first blocks and the last ones, the same
+    for every KV head."""
+    needs_key_bounds = False
+
+    def __init__(self, first=1, recent=1):
+        self.first, self.recent = first, recent
+
+    def select(self, layer, q, key_bounds, block_tables, seq_lens, block_size):
+        num_blocks = (seq_lens.long() + block_size - 1) // block_size                  # (S,)
+        pos = torch.arange(block_tables.shape[1], device=q.device)                     # (W,)
+        keep = (pos < self.first) | (pos >= num_blocks[:, None] - self.recent)       # (S, W)
+        return keep[:, None]                                                        # (S, 1, W)
+
+
+@pytest.mark.read_policy
+def test_a_forks_read_policy_runs_and_each_decode_reads_only_the_blocks_it_chose(monkeypatch):
+    """Registered by name with its settings, with no edit to nanopaged.py: the backend is given,
+    for each decoding sequence and KV head, the table of exactly its first and recent blocks,
+    and the engine serves every request to its end."""
+    monkeypatch.setitem(nanopaged.READ_POLICIES, "first_and_recent", FirstAndRecentBlocks)
+    thinned = []
+
+    def attend(q, k_cache, v_cache, meta, scale, **kwargs):
+        if meta.block_tables.dim() == 3:  # the policy's tables: check them against the tables
+            tables = {tuple(seq.block_tables[0].tolist()) for r in engine.scheduler.running
+                      for seq in r.seqs}
+            for row in meta.block_tables.flatten(0, 1).tolist():
+                read = [b for b in row if b >= 0]
+                ids = next(t for t in tables if t[-1] == read[-1])  # whose last block it reads
+                assert read == sorted(set(ids[:2]) | set(ids[-3:]), key=ids.index)
+                thinned.append(read)
+        return real.attend(q, k_cache, v_cache, meta, scale, **kwargs)
+
+    with per_head_backend() as backend:
+        real = kernel.ATTENTION_BACKENDS[backend]
+        monkeypatch.setitem(kernel.ATTENTION_BACKENDS, "recording",
+                            SimpleNamespace(**{**vars(real), "attend": attend}))
+        engine = Engine(LLAMA, block_size=2, num_blocks=64, enable_prefix_caching=False,
+                        read_policy="first_and_recent", attention_backend="recording",
+                        read_policy_config=dict(first=2, recent=3))
+        outs = engine.generate([[(3 * i + j) % 32 for j in range(5 + 4 * i)] for i in range(3)],
+                               SamplingParams(max_tokens=12, temperature=0))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12] * 3
+    assert thinned and max(map(len, thinned)) == 5
+    assert_all_blocks_free(engine)
+
+
 # -----------------------------------------------------------------------------
 # detokenizer.py: text as it is generated, and stop strings with a real tokenizer  (-m detokenizer)
 
