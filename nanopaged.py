@@ -1879,9 +1879,8 @@ def apply_rope(x, cos, sin):
 # without read policies (the default). A policy that reads fewer may rank a block by its key
 # bounds, kept beside its K/V: the elementwise min and max of its keys per KV head (Quest's
 # page metadata), which each layer updates as it stores K and the model runner moves with the
-# block (section 8). They bound the keys the block holds; a key written past a sequence's end
-# and dropped (a rejected speculative guess, a failed step) may widen them until the block is
-# handed out again, which keeps every bound. A policy's selection reaches the backend as a
+# block (section 8). They bound the keys the block holds; a key written and then dropped (by a
+# failed step) may widen them until the block is handed out again, which keeps every bound. A policy's selection reaches the backend as a
 # shorter block table per (sequence, KV head), so every decode is still one gather through a
 # table.
 
@@ -3125,7 +3124,7 @@ class Engine:
         # dtype: the KV cache's (kv_cache_dtype "fp8": half the bytes)
         bytes_per_block = math.prod(kv_block_shape(self.config, block_size)) * dtype.itemsize
         bytes_per_block += proposer.bytes_per_block(block_size, dtype) if proposer else 0  # draft
-        reads = make_read_policy(read_policy, read_policy_config, backend)  # None: every block
+        reads = make_read_policy(read_policy, read_policy_config, backend, proposer)
         if reads is not None and reads.needs_key_bounds:  # in the model's dtype
             model_dtype = next(model.parameters()).dtype
             bytes_per_block += math.prod(key_bounds_shape(self.config)) * model_dtype.itemsize
@@ -3403,10 +3402,12 @@ def check_engine_settings(model, device, attention_backend, preemption_mode,
     return device, backend, cache_dtype
 
 
-def make_read_policy(name, config, backend):
-    """Engine(read_policy=name, read_policy_config=config): READ_POLICIES[name](**config), or
-    a ValueError naming what cannot work. A policy that thins what decodes read needs a backend
-    that reads per-head block tables (kernel.AttentionBackend.per_head_tables)."""
+def make_read_policy(name, config, backend, proposer=None):
+    """Engine(read_policy=name, read_policy_config=config): READ_POLICIES[name](**config) (None
+    for "all": every block), or a ValueError naming what cannot work. A policy that thins what
+    decodes read needs a backend that reads per-head block tables
+    (kernel.AttentionBackend.per_head_tables), and no speculative decoding: its verification
+    reads every block where a decode would read a selection, which would change the output."""
     if config is not None and not isinstance(config, dict):
         raise ValueError(f"Engine: read_policy_config must be a dict of read_policy "
                          f"{name!r}'s settings, or None, got {config!r}")
@@ -3418,6 +3419,10 @@ def make_read_policy(name, config, backend):
     if policy is not None and not getattr(backend, "per_head_tables", False):
         raise ValueError(f"Engine: read_policy={name!r} reads a selection of blocks per KV head, "
                          f"which this attention_backend does not take (per-head block tables)")
+    if policy is not None and proposer is not None:
+        raise ValueError(f"Engine: read_policy={name!r} does not run with speculative_config: "
+                         f"verifying proposals reads every block, where a decode would read a "
+                         f"selection, so speculation would change the output")
     return policy
 
 

@@ -7643,6 +7643,8 @@ def test_the_pools_count_the_key_bounds_bytes(kv_cache_dtype):
     (dict(read_policy="quest", attention_backend="flex"),
      "read_policy='quest' reads a selection of blocks per KV head, which this "
      "attention_backend does not take"),
+    (dict(read_policy="quest", speculative_config=dict(method="ngram", num_speculative_tokens=2)),
+     "read_policy='quest' does not run with speculative_config"),
 ])
 def test_bad_read_policy_settings_are_clear_errors(kwargs, message):
     with per_head_backend() as backend:
