@@ -1880,9 +1880,9 @@ def apply_rope(x, cos, sin):
 # bounds, kept beside its K/V: the elementwise min and max of its keys per KV head (Quest's
 # page metadata), which each layer updates as it stores K and the model runner moves with the
 # block (section 8). They bound the keys the block holds; a key written and then dropped (by a
-# failed step) may widen them until the block is handed out again, which keeps every bound. A policy's selection reaches the backend as a
-# shorter block table per (sequence, KV head), so every decode is still one gather through a
-# table.
+# failed step) may widen them until the block is handed out again, which keeps every bound. A
+# policy's selection reaches the backend as a shorter block table per (sequence, KV head), so
+# every decode is still one gather through a table.
 
 
 def read_all():
