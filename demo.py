@@ -308,11 +308,9 @@ def add_engine_flags(p):
                    "nanopaged.EVICTION_POLICIES (default: --eviction-policy's)")
     p.add_argument("--read-policy", default="all",
                    help="which blocks a decode reads: a name in nanopaged.READ_POLICIES "
-                   f"({', '.join(nanopaged.READ_POLICIES)}; default all, exact); quest reads the "
-                   "blocks whose keys can score highest, within a token budget")
+                   f"({', '.join(nanopaged.READ_POLICIES)}; default all, exact)")
     p.add_argument("--read-policy-config", type=json.loads, metavar="JSON",
-                   help="the read policy's settings, e.g. '{\"token_budget\": 512, "
-                   "\"dense_layers\": 2}' for quest (default: its own)")
+                   help='its settings, e.g. \'{"token_budget": 512, "dense_layers": 2}\' (quest)')
     p.add_argument("--attention-backend",
                    help=f"a name in kernel.ATTENTION_BACKENDS ({', '.join(ATTENTION_BACKENDS)};"
                    " default triton on a GPU, torch on a CPU)")

@@ -2201,6 +2201,18 @@ def key_bounds_shape(config):
     return (2, layers, config.n_kv_head // tp.world_size, config.head_dim)
 
 
+def block_bytes(model, block_size, dtype, proposer=None, read_policy=None):
+    """What one block of the pool costs in bytes: its K/V in the cache's dtype (kv_cache_dtype
+    "fp8": half of 16 bits), a draft model's K/V (speculative decoding), and its key bounds in
+    the model's dtype if the read policy keeps them."""
+    num_bytes = math.prod(kv_block_shape(model.config, block_size)) * dtype.itemsize
+    num_bytes += proposer.bytes_per_block(block_size, dtype) if proposer else 0
+    if read_policy is not None and read_policy.needs_key_bounds:
+        model_dtype = next(model.parameters()).dtype
+        num_bytes += math.prod(key_bounds_shape(model.config)) * model_dtype.itemsize
+    return num_bytes
+
+
 def pool_sizes(device, block_size, bytes_per_block, num_blocks, kv_cache_bytes, most_blocks,
                num_cpu_blocks, swap_space, cpu_cache_bytes=0):
     """The blocks of the device pool and of the CPU pool. The device pool is sized like vLLM's:
@@ -3121,13 +3133,8 @@ class Engine:
         if speculative_config is not None:  # the layer above, imported only when asked for
             import speculative
             proposer = speculative.make_proposer(speculative_config, model, device)
-        # dtype: the KV cache's (kv_cache_dtype "fp8": half the bytes)
-        bytes_per_block = math.prod(kv_block_shape(self.config, block_size)) * dtype.itemsize
-        bytes_per_block += proposer.bytes_per_block(block_size, dtype) if proposer else 0  # draft
-        reads = make_read_policy(read_policy, read_policy_config, backend, proposer)
-        if reads is not None and reads.needs_key_bounds:  # in the model's dtype
-            model_dtype = next(model.parameters()).dtype
-            bytes_per_block += math.prod(key_bounds_shape(self.config)) * model_dtype.itemsize
+        reads = make_read_policy(read_policy, read_policy_config, backend, proposer)  # None: all
+        bytes_per_block = block_bytes(model, block_size, dtype, proposer, reads)
         kinds = [group.kind for group in self.config.kv_cache_groups]
         most_blocks = max_num_seqs * sum(kind.max_blocks(
             self.config.max_seq_len, max_num_batched_tokens, block_size) for kind in kinds)
