@@ -32,10 +32,11 @@ from nanopaged import as_int, integer
 def page_scores(q, key_bounds, block_tables):
     """Quest's criticality of each block of each sequence for its query, per KV head: the upper
     bound on q.k over the block's keys. Grouped-query attention: a KV head's score is the largest
-    of its query heads' (a sum would not bound each head's q.k; the largest does, for every query
-    head of the group, so no head loses a block whose keys it would weigh most). q (S, nh, hs);
-    key_bounds (2, num_blocks, nkv, hs); block_tables (S, W) -> (S, nkv, W), in fp32 (fp64 for
-    fp64); entries of -1 score as block 0 (select masks them)."""
+    of its query heads' bounds, which bounds q.k for every query head of the group, so no head
+    loses a block whose keys it would weigh most. (A sum of the heads' bounds bounds the sum of
+    their scores, not each; SGLang's Quest scores the group's mean query, a bound on the mean.)
+    q (S, nh, hs); key_bounds (2, num_blocks, nkv, hs); block_tables (S, W) -> (S, nkv, W), in
+    fp32 (fp64 for fp64); entries of -1 score as block 0 (select masks them)."""
     S, n_head, head_dim = q.shape
     n_kv_head = key_bounds.shape[2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
