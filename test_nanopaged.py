@@ -7462,9 +7462,14 @@ def test_a_selection_becomes_per_head_tables_of_the_kept_blocks_and_their_tokens
 
 def assert_key_bounds_are_the_keys(engine):
     """Every block a live sequence holds, on the device or swapped out to the CPU, keeps the
-    min and max of the keys of its computed tokens, recomputed from K where the block is.
-    Returns how many blocks it checked."""
+    min and max of the keys of its computed tokens, recomputed from K where the block is (as
+    attention reads it: an 8-bit cache's dequantized with its layer's scale; one KV cache
+    group). Returns how many blocks it checked."""
     r, s, bs = engine.model_runner, engine.scheduler, engine.block_size
+
+    def read(keys):  # (L, n, nkv, hs) as stored -> as attended
+        return torch.stack([kernel.dequantize(k, scales.get("k_scale"), r.key_bounds.dtype)
+                            for k, scales in zip(keys, r.kv_scales)])
     places = [(s.running, lambda b: r.kv_cache[0, :, b], lambda b: r.key_bounds[:, :, b]),
               (s.swapped, lambda b: r.cpu_kv_cache[b, 0], lambda b: r.cpu_key_bounds[b])]
     checked = 0
@@ -7473,7 +7478,7 @@ def assert_key_bounds_are_the_keys(engine):
             for seq in request.seqs:
                 n = seq.num_computed_tokens
                 for j, b in enumerate(seq.block_tables[0].tolist()[:nanopaged.cdiv(n, bs)]):
-                    keys = keys_at(b)[:, :min(bs, n - j * bs)]             # (L, n, nkv, hs)
+                    keys = read(keys_at(b)[:, :min(bs, n - j * bs)])       # (L, n, nkv, hs)
                     assert torch.equal(bounds_at(b)[0], keys.amin(1)), (seq.seq_id, j, b)
                     assert torch.equal(bounds_at(b)[1], keys.amax(1)), (seq.seq_id, j, b)
                     checked += 1
@@ -7482,13 +7487,16 @@ def assert_key_bounds_are_the_keys(engine):
 
 @pytest.mark.read_policy
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_key_bounds_follow_their_blocks_through_copy_on_write_swap_and_preemption(mode):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_key_bounds_follow_their_blocks_through_copy_on_write_swap_and_preemption(
+        mode, kv_cache_dtype):
     """Beams and parallel samples (copy-on-write), in a pool too small for them all (preemption:
     recompute, or swap out and in): after every step, every block a sequence holds, wherever
     it is, keeps the bounds of its keys."""
     with per_head_backend() as backend:
         engine = quest_engine(block_size=2, num_blocks=27, preemption_mode=mode,
-                              max_num_batched_tokens=8, attention_backend=backend)
+                              max_num_batched_tokens=8, attention_backend=backend,
+                              kv_cache_dtype=kv_cache_dtype)
         runner, moved = engine.model_runner, Counter()
         real_copy_blocks = runner.copy_blocks
 
