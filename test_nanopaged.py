@@ -7566,6 +7566,29 @@ def test_all_is_todays_path_and_quest_within_its_budget_reads_the_same(prompts, 
 
 
 @pytest.mark.read_policy
+@pytest.mark.parametrize("token_budget", [4, 64])
+def test_a_hybrid_models_window_layers_read_as_their_kind_says_under_quest(token_budget):
+    """A full-attention layer beside a sliding window (two KV cache groups): Quest selects for
+    the full layer alone, the window reads its own; within the budget the tokens are the same as
+    without it, and under a small one every held block of the full group keeps its bounds."""
+    params = SamplingParams(max_tokens=10, temperature=0)
+    prompts = [[(3 * i + j) % 32 for j in range(7 + 5 * i)] for i in range(3)]
+    plain = Engine(HYBRID, block_size=2, num_blocks=64).generate(prompts, params)
+    with per_head_backend() as backend:
+        engine = quest_engine(HYBRID, token_budget=token_budget, dense_layers=0, block_size=2,
+                              num_blocks=64, attention_backend=backend)
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        checked, outs = 0, {}
+        for step in stepped(engine, 200):
+            checked += assert_key_bounds_are_the_keys(engine)
+            outs.update((o.request_id, o.outputs[0].token_ids) for o in step if o.finished)
+    assert checked and len(outs) == 3
+    if token_budget == 64:
+        assert [outs[i] for i in range(3)] == [o.outputs[0].token_ids for o in plain]
+
+
+@pytest.mark.read_policy
 @pytest.mark.parametrize("token_budget", [1, 2, 4, 6, 64])
 def test_decodes_attend_to_the_blocks_quest_selects_and_the_rest_to_all(token_budget):
     """One layer's attention over a step of two decodes and a prefill chunk: each decode's query
