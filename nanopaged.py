@@ -2034,8 +2034,9 @@ class CausalSelfAttention(nn.Module):
 
     def attend_selected(self, q, kv_cache, batch):
         """Full attention under a read policy: each decoding sequence's KV heads read the blocks
-        the policy selects for them, through per-head tables (the kernel contract in kernel.py);
-        every other sequence reads all its blocks. Where the policy reads every block (a dense
+        the policy selects for them, through per-head tables (issue 54's kernel contract: a
+        backend whose per_head_tables says it reads them; the engine refuses a policy without
+        one); every other sequence reads all its blocks. Where the policy reads every block (a dense
         layer, a step without decodes, or contexts within its budget) this is the exact call
         "all" makes, so those tokens are the same bit for bit."""
         k_cache, v_cache, group, scales, key_bounds = kv_cache
