@@ -1879,8 +1879,9 @@ def apply_rope(x, cos, sin):
 # without read policies (the default). A policy that reads fewer may rank a block by its key
 # bounds, kept beside its K/V: the elementwise min and max of its keys per KV head (Quest's
 # page metadata), which each layer updates as it stores K and the model runner moves with the
-# block (section 8). They bound the keys the block holds; a key written and then dropped (by a
-# failed step) may widen them until the block is handed out again, which keeps every bound. A
+# block (section 8). They bound the keys the block holds: a failed step's keys, past what is
+# computed, may widen them until its retry writes the same keys (or the block is handed out
+# again), which keeps every bound. A
 # policy's selection reaches the backend as a shorter block table per (sequence, KV head), so
 # every decode is still one gather through a table.
 
