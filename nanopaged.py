@@ -1881,9 +1881,8 @@ def apply_rope(x, cos, sin):
 # page metadata), which each layer updates as it stores K and the model runner moves with the
 # block (section 8). They bound the keys the block holds: a failed step's keys, past what is
 # computed, may widen them until its retry writes the same keys (or the block is handed out
-# again), which keeps every bound. A
-# policy's selection reaches the backend as a shorter block table per (sequence, KV head), so
-# every decode is still one gather through a table.
+# again), which keeps every bound. A policy's selection reaches the backend as a shorter block
+# table per (sequence, KV head), so every decode is still one gather through a table.
 
 
 def read_all():
