@@ -63,6 +63,8 @@ def top_blocks(scores, num_blocks, pages):
 
 @dataclass
 class Quest:
+    """The read policy: its settings are Engine's read_policy_config. A budget below one block
+    reads the block being written alone."""
     token_budget: int = 1024  # tokens a decode reads per layer and KV head (the paper: 256-4096)
     dense_layers: int = 2  # the first layers read every block (the paper's two)
     needs_key_bounds = True  # a class attribute, not a setting: the model runner keeps them
