@@ -10,6 +10,7 @@ prompts instead and streams their text as it is generated; --model serves a Hugg
 """
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -305,6 +306,11 @@ def add_engine_flags(p):
     p.add_argument("--cpu-eviction-policy",
                    help="which cached block the CPU tier gives up first: a name in "
                    "nanopaged.EVICTION_POLICIES (default: --eviction-policy's)")
+    p.add_argument("--read-policy", default="all",
+                   help="which blocks a decode reads: a name in nanopaged.READ_POLICIES "
+                   f"({', '.join(nanopaged.READ_POLICIES)}; default all, exact)")
+    p.add_argument("--read-policy-config", type=json.loads, metavar="JSON",
+                   help='its settings, e.g. \'{"token_budget": 512, "dense_layers": 2}\' (quest)')
     p.add_argument("--attention-backend",
                    help=f"a name in kernel.ATTENTION_BACKENDS ({', '.join(ATTENTION_BACKENDS)};"
                    " default triton on a GPU, torch on a CPU)")
@@ -420,7 +426,8 @@ def load(args):
                     eviction_policy=args.eviction_policy, kv_cache_dtype=args.kv_cache_dtype,
                     cpu_cache_bytes=int(args.cpu_cache_gib * 2**30),
                     cpu_eviction_policy=args.cpu_eviction_policy,
-                    attention_backend=args.attention_backend,
+                    attention_backend=args.attention_backend, read_policy=args.read_policy,
+                    read_policy_config=args.read_policy_config,
                     speculative_config=speculative_config(args), tokenizer=tokenizer,
                     observer=pagetrace.Trace() if traced else None)
     if traced:  # the pool's shape opens the trace: the page draws it

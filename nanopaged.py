@@ -1873,6 +1873,114 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+# Which blocks a decode query reads is a read policy (READ_POLICIES), apart from the attention
+# kind: a kind is the model's exact semantics, a read policy an approximation chosen when
+# serving. "all" is no policy: every block the kind keeps is read, exactly, by the same call as
+# without read policies (the default). A policy that reads fewer may rank a block by its key
+# bounds, kept beside its K/V: the elementwise min and max of its keys per KV head (Quest's
+# page metadata), which each layer updates as it stores K and the model runner moves with the
+# block (section 8). They bound the keys the block holds: a failed step's keys, past what is
+# computed, may widen them until its retry writes the same keys (or the block is handed out
+# again), which keeps every bound. A policy's selection reaches the backend as a shorter block
+# table per (sequence, KV head), so every decode is still one gather through a table.
+
+
+def read_all():
+    """No policy: every block is read, exactly, and no key bounds are kept (the default)."""
+    return None
+
+
+def quest(**settings):
+    """Quest's query-aware selection (quest.py, the layer above: imported only when asked for)."""
+    import quest as quest_py
+    return quest_py.Quest(**settings)
+
+
+# name -> a callable of the policy's settings (Engine's read_policy_config) that returns None
+# (no policy: read every block) or a policy: an object with needs_key_bounds (whether the model
+# runner keeps them), and select(layer, q (S, nh, hs), key_bounds (2, num_blocks, nkv, hs) or
+# None, block_tables (S, W), seq_lens (S,), block_size) -> None (read every block at this
+# layer) or keep, bool (S, nkv, W), or (S, 1, W) for all heads alike: the blocks each decoding
+# sequence's KV heads read, given its one new token's query q. Only full-attention layers ask.
+# A fork adds its own (README: Making it yours)
+READ_POLICIES = {"all": read_all, "quest": quest}
+
+
+def update_key_bounds(key_bounds, k_cache, slot_mapping, k_scale=None):
+    """After a layer stores the step's keys: a block whose first slot the step writes starts
+    over (it is new, or handed out again), then every block takes the min and max of the keys
+    written into it. The keys are read back from the cache in the bounds' dtype (the model's),
+    as attention reads them (an 8-bit cache's dequantized: the bound holds for what is
+    attended). No host sync: a skipped slot (-1) and a block not starting over take +-inf where
+    a reduction ignores it.
+    key_bounds (2, num_blocks, nkv, hs): [0] the min, [1] the max; k_cache (num_blocks,
+    block_size, nkv, hs); slot_mapping (T,)."""
+    block_size = k_cache.shape[1]
+    written = slot_mapping >= 0                                                      # (T,)
+    slots = slot_mapping.clamp(min=0)                                                # (T,)
+    k = torch.index_select(k_cache.flatten(0, 1), 0, slots)                   # (T, nkv, hs)
+    k = kernel.dequantize(k, k_scale, key_bounds.dtype)
+    starts = (written & (slots % block_size == 0))[:, None, None].expand_as(k)  # (T, nkv, hs)
+    blocks = (slots // block_size)[:, None, None].expand_as(k)                  # (T, nkv, hs)
+    inf = torch.full_like(k, float("inf"))
+    lo, hi = key_bounds
+    # starting over: the min goes to +inf, the max to -inf, so the first key replaces them
+    lo.scatter_reduce_(0, blocks, torch.where(starts, inf, -inf), "amax")
+    hi.scatter_reduce_(0, blocks, torch.where(starts, -inf, inf), "amin")
+    ok = written[:, None, None]
+    lo.scatter_reduce_(0, blocks, torch.where(ok, k, inf), "amin")
+    hi.scatter_reduce_(0, blocks, torch.where(ok, k, -inf), "amax")
+
+
+def selected_tables(keep, block_tables, seq_lens, block_size):
+    """A read policy's selection as the kernel reads it: per (sequence, KV head) a table of the
+    blocks it reads, in order, -1 after them, and their tokens. The last block, the one being
+    written, is always read (whatever the policy says: the new token sees itself), last in its
+    table, so the count is the other blocks' full ones and the last's. keep (S, nkv, W) bool;
+    block_tables (S, W) int32; seq_lens (S,) int32 -> tables (S, nkv, W') int32, lens (S, nkv)
+    int32, W' the most blocks a head reads."""
+    S, nkv, W = keep.shape
+    num_blocks = (seq_lens.long() + block_size - 1) // block_size                    # (S,)
+    pos = torch.arange(W, device=keep.device)                                        # (W,)
+    held = (pos < num_blocks[:, None])[:, None]                                      # (S, 1, W)
+    last = (pos == num_blocks[:, None] - 1)[:, None]                                 # (S, 1, W)
+    keep = (keep & held) | last                                                   # (S, nkv, W)
+    count = keep.sum(-1)                                                            # (S, nkv)
+    # the kept blocks first, in their order (a stable sort of "not kept")
+    order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices    # (S, nkv, W)
+    width = int(count.max())
+    tables = block_tables[:, None].expand(S, nkv, W).gather(-1, order[..., :width])
+    tables = torch.where(pos[:width] < count[..., None], tables, NO_BLOCK)     # (S, nkv, W')
+    last_len = seq_lens.long() - (num_blocks - 1) * block_size                       # (S,)
+    lens = (count - 1) * block_size + last_len[:, None]                             # (S, nkv)
+    return tables.to(torch.int32), lens.to(torch.int32)
+
+
+def decode_split(group):
+    """A step's sequences as a read policy sees them, worked out by its first layer and kept in
+    the group's scratch: those with one new token (decodes, whose reads a policy may thin) and
+    their rows of q, and a GroupBatch of the others (prefill chunks, speculative verification),
+    which read every block. None: the step has no decode."""
+    if "decodes" in group.scratch:
+        return group.scratch["decodes"]
+    cu = group.cu_seqlens_q.long()
+    q_lens = cu[1:] - cu[:-1]                                                        # (S,)
+    one = q_lens == 1
+    split = None
+    if one.any():
+        owner = torch.repeat_interleave(torch.arange(len(q_lens), device=cu.device), q_lens)
+        others = (~one).nonzero().flatten()                                          # (S',)
+        other_rows = (~one[owner]).nonzero().flatten()                               # (T',)
+        rest = None if not len(others) else GroupBatch(
+            block_tables=group.block_tables[others], slot_mapping=group.slot_mapping[other_rows],
+            seq_lens=group.seq_lens[others], max_q_len=group.max_q_len,
+            cu_seqlens_q=F.pad(q_lens[others].cumsum(0), (1, 0)).to(torch.int32))
+        split = SimpleNamespace(decodes=one.nonzero().flatten(), rows=cu[:-1][one],
+                                others=rest, other_rows=other_rows)
+    group.scratch["decodes"] = split
+    return split
+
+
 class CausalSelfAttention(nn.Module):
 
     def __init__(self, config, layer):
@@ -1881,6 +1989,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head // tp.world_size
         self.n_kv_head = config.n_kv_head // tp.world_size
         self.head_dim, self.scale = config.head_dim, config.attn_scale
+        self.layer = layer  # a read policy may read every block of the first layers (Quest)
         self.mask = config.attention_kinds[layer].mask  # which keys its queries see (kernel.Mask)
         qkv_dim = (self.n_head + 2 * self.n_kv_head) * self.head_dim  # q, k, v: one matmul
         self.c_attn = nn.Linear(config.n_embd, qkv_dim, bias=config.qkv_bias)
@@ -1909,13 +2018,52 @@ class CausalSelfAttention(nn.Module):
         # through the block table, by the attention backend the engine chose
         # (kernel.ATTENTION_BACKENDS; only layers other than full attention pass a mask, so a
         # backend without masks still serves every model of full attention)
-        # its KV cache group's view of the step: its block tables and slots
-        k_cache, v_cache, group, scales = kv_cache            # (num_blocks, block_size, nkv, hs)
+        # its KV cache group's view of the step: its block tables and slots; and the key bounds
+        # of its blocks (2, num_blocks, nkv, hs), if the read policy ranks blocks by them
+        k_cache, v_cache, group, scales, key_bounds = kv_cache  # (num_blocks, block_size, nkv, hs)
         batch.backend.store(k, v, k_cache, v_cache, group.slot_mapping, **scales)
-        mask = {} if self.mask == kernel.FULL_ATTENTION else {"mask": self.mask}
-        y = batch.backend.attend(q, k_cache, v_cache, group, self.scale, **mask,
-                                 **scales)                                          # (T, nh, hs)
+        if key_bounds is not None:
+            update_key_bounds(key_bounds, k_cache, group.slot_mapping, scales.get("k_scale"))
+        if batch.read_policy is not None and self.mask == kernel.FULL_ATTENTION:
+            y = self.attend_selected(q, kv_cache, batch)  # a window or a chunk reads its kind's
+        else:
+            mask = {} if self.mask == kernel.FULL_ATTENTION else {"mask": self.mask}
+            y = batch.backend.attend(q, k_cache, v_cache, group, self.scale, **mask,
+                                     **scales)                                      # (T, nh, hs)
         return all_reduce(self.c_proj(y.flatten(1)))
+
+    def attend_selected(self, q, kv_cache, batch):
+        """Full attention under a read policy: each decoding sequence's KV heads read the blocks
+        the policy selects for them, through per-head tables (issue 54's kernel contract: a
+        backend whose per_head_tables says it reads them; the engine refuses a policy without
+        one); every other sequence reads all its blocks. Where the policy reads every block (a dense
+        layer, a step without decodes, or contexts within its budget) this is the exact call
+        "all" makes, so those tokens are the same bit for bit."""
+        k_cache, v_cache, group, scales, key_bounds = kv_cache
+        attend, block_size = batch.backend.attend, k_cache.shape[1]
+        split = decode_split(group)
+        if split is None:
+            return attend(q, k_cache, v_cache, group, self.scale, **scales)
+        block_tables = group.block_tables[split.decodes]                        # (S, W)
+        seq_lens = group.seq_lens[split.decodes]                                # (S,)
+        keep = batch.read_policy.select(self.layer, q[split.rows], key_bounds, block_tables,
+                                        seq_lens, block_size)    # (S, nkv or 1, W) or None
+        if keep is None:
+            return attend(q, k_cache, v_cache, group, self.scale, **scales)
+        keep = keep.expand(-1, self.n_kv_head, -1)                              # (S, nkv, W)
+        tables, lens = selected_tables(keep, block_tables, seq_lens, block_size)
+        if torch.equal(lens, seq_lens[:, None].expand_as(lens)):  # every block kept
+            return attend(q, k_cache, v_cache, group, self.scale, **scales)
+        thinned = GroupBatch(block_tables=tables, slot_mapping=group.slot_mapping[split.rows],
+                             seq_lens=lens, max_q_len=1,
+                             cu_seqlens_q=torch.arange(len(lens) + 1, dtype=torch.int32,
+                                                       device=q.device))
+        y = torch.empty_like(q)                                                  # (T, nh, hs)
+        y[split.rows] = attend(q[split.rows], k_cache, v_cache, thinned, self.scale, **scales)
+        if split.others is not None:
+            rows = split.other_rows
+            y[rows] = attend(q[rows], k_cache, v_cache, split.others, self.scale, **scales)
+        return y
 
 
 class MLP(nn.Module):
@@ -2001,10 +2149,13 @@ class GPT(nn.Module):
                     self.config, torch.arange(self.config.max_seq_len, device=x.device), x.dtype)
             rope = [t[pos] for t in self.rope_table[key]]
         for i, block in enumerate(self.transformer.h):
-            kv = None  # or this layer's K and V caches, its KV cache group's view, its scales
+            kv = None  # or this layer's K and V caches, its KV cache group's view, its scales,
+            # its key bounds
             if batch is not None:
                 g, slot = self.kv_cache_slots[i]
-                kv = (kv_cache[0, slot], kv_cache[1, slot], batch.groups[g], batch.kv_scales[i])
+                bounds = None if batch.key_bounds is None else batch.key_bounds[:, slot]
+                kv = (kv_cache[0, slot], kv_cache[1, slot], batch.groups[g], batch.kv_scales[i],
+                      bounds)
             x = block(x, batch, kv, rope)
         if batch is not None:
             x = x[batch.logits_indices]  # the LM head is the widest matmul: only where we sample
@@ -2041,6 +2192,26 @@ def kv_block_shape(config, block_size):
     parallelism above)."""
     layers = len(config.kv_cache_groups[0].layers)
     return (2, layers, block_size, config.n_kv_head // tp.world_size, config.head_dim)
+
+
+def key_bounds_shape(config):
+    """One block's key bounds on this rank (a read policy's that needs them, section 7): the
+    elementwise min and max of its keys, for each layer of a KV cache group and each of this
+    rank's K/V heads, in the model's dtype: 2 / block_size of the block's K/V in that dtype."""
+    layers = len(config.kv_cache_groups[0].layers)
+    return (2, layers, config.n_kv_head // tp.world_size, config.head_dim)
+
+
+def block_bytes(model, block_size, dtype, proposer=None, read_policy=None):
+    """What one block of the pool costs in bytes: its K/V in the cache's dtype (kv_cache_dtype
+    "fp8": half of 16 bits), a draft model's K/V (speculative decoding), and its key bounds in
+    the model's dtype if the read policy keeps them."""
+    num_bytes = math.prod(kv_block_shape(model.config, block_size)) * dtype.itemsize
+    num_bytes += proposer.bytes_per_block(block_size, dtype) if proposer else 0
+    if read_policy is not None and read_policy.needs_key_bounds:
+        model_dtype = next(model.parameters()).dtype
+        num_bytes += math.prod(key_bounds_shape(model.config)) * model_dtype.itemsize
+    return num_bytes
 
 
 def pool_sizes(device, block_size, bytes_per_block, num_blocks, kv_cache_bytes, most_blocks,
@@ -2088,6 +2259,10 @@ class Batch:
     groups: list                  # per KV cache group: a GroupBatch (one, for most models)
     backend: kernel.AttentionBackend  # how every layer stores and reads K/V
     kv_scales: list               # per layer: {} or an 8-bit cache's {k_scale, v_scale} (kernel.py)
+    # the blocks' key bounds (2, layers per KV cache group, num_blocks, nkv, hs), None if the
+    # read policy needs none; the read policy (section 7), None for "all"
+    key_bounds: torch.Tensor | None = None
+    read_policy: object = None
 
 
 class Chunk(NamedTuple):
@@ -2101,9 +2276,11 @@ class Chunk(NamedTuple):
 
 class ModelRunner:
 
-    def __init__(self, model, num_blocks, num_cpu_blocks, block_size, backend, device, dtype):
+    def __init__(self, model, num_blocks, num_cpu_blocks, block_size, backend, device, dtype,
+                 read_policy=None):
         self.model, self.block_size, self.device = model, block_size, device
         self.backend = backend  # a kernel.AttentionBackend
+        self.read_policy = read_policy  # which blocks a decode reads (section 7); None: all
         shape = kv_block_shape(model.config, block_size)  # (2, n_layer, block_size, nkv, hs)
         # The KV cache is one tensor, so a block copy (copy-on-write, swap) is one indexing op
         # for all layers.
@@ -2115,6 +2292,17 @@ class ModelRunner:
                                         pin_memory=device.type == "cuda")
         # per layer, an 8-bit cache's scales, fixed here once (kernel.py says how and why)
         self.kv_scales = calibrate_kv_scales(model, shape, dtype)  # [{k_scale, v_scale}]
+        # Each block's key bounds, if the read policy ranks blocks by them, in the model's dtype
+        # (what attention dequantizes an 8-bit cache to), laid out as the K/V (block dim 2 on
+        # the device, block-major on the CPU): a block copy moves them in the same indexing op
+        self.key_bounds = self.cpu_key_bounds = None
+        if read_policy is not None and read_policy.needs_key_bounds:
+            bounds = key_bounds_shape(model.config)                  # (2, n_layer, nkv, hs)
+            model_dtype = next(model.parameters()).dtype
+            self.key_bounds = torch.zeros(*bounds[:2], num_blocks, *bounds[2:],
+                                          dtype=model_dtype, device=device)
+            self.cpu_key_bounds = torch.zeros(num_cpu_blocks, *bounds, dtype=model_dtype,
+                                              pin_memory=device.type == "cuda")
         self.table_rows = []  # per KV cache group, the batch's block table rows: batch_table
 
     def execute(self, plan, proposals):
@@ -2133,25 +2321,11 @@ class ModelRunner:
             return self.model(batch.input_ids, batch, self.kv_cache)  # (R, V)
 
     def copy_blocks(self, plan):
-        """The plan's block copies, each kind in one indexing op, in an order where each reads
-        what it should: the copies to CPU memory (swap-out, offload) read their device blocks
-        before anything writes them, the copies from it (swap-in, reload) read their CPU blocks
-        before the copies to it land, and copy-on-write, last, may copy a block just swapped in.
-        They run on the step's stream, before the forward."""
-        to_cpu = plan.blocks_to_swap_out + plan.blocks_to_offload
-        from_cpu = plan.blocks_to_swap_in + plan.blocks_to_reload
-        if to_cpu:
-            staged = self.kv_cache[:, :, [b for b, _ in to_cpu]].movedim(2, 0).contiguous()
-        if from_cpu:  # (n, 2, L, ...), each block by one direct non_blocking copy (DMA)
-            staged_in = torch.stack([self.cpu_kv_cache[b].to(self.device, non_blocking=True)
-                                     for b, _ in from_cpu])
-            self.kv_cache[:, :, [b for _, b in from_cpu]] = staged_in.movedim(0, 2)
-        if to_cpu:
-            for block, (_, cpu_block) in zip(staged, to_cpu):
-                self.cpu_kv_cache[cpu_block].copy_(block, non_blocking=True)
-        if plan.blocks_to_copy:  # copy-on-write, every block of the step in one batched copy
-            src, dst = zip(*plan.blocks_to_copy)
-            self.kv_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)]
+        """The plan's block copies, of the K/V and of whatever is kept beside them per block (key
+        bounds): a block's data moves wherever the block does."""
+        copy_blocks(plan, self.kv_cache, self.cpu_kv_cache, self.device)
+        if self.key_bounds is not None:
+            copy_blocks(plan, self.key_bounds, self.cpu_key_bounds, self.device)
 
     def batch_table(self, g, seq_tables):
         """KV cache group g's block tables as the batch's (S, max_blocks) int32 rows, each ending
@@ -2208,7 +2382,31 @@ class ModelRunner:
                   for tables, slots in zip(block_tables, slot_mappings)]
         return Batch(input_ids=tensor([t for c in chunks for t in c.tokens]),
                      positions=tensor(positions), logits_indices=tensor(logits_indices),
-                     groups=groups, backend=self.backend, kv_scales=self.kv_scales)
+                     groups=groups, backend=self.backend, kv_scales=self.kv_scales,
+                     key_bounds=self.key_bounds, read_policy=self.read_policy)
+
+
+def copy_blocks(plan, cache, cpu_cache, device):
+    """The plan's block copies of one paged tensor, cache (a, b, num_blocks, ...) on the device
+    and cpu_cache (num_cpu_blocks, a, b, ...), each kind in one indexing op, in an order where
+    each reads what it should: the copies to CPU memory (swap-out, offload) read their device
+    blocks before anything writes them, the copies from it (swap-in, reload) read their CPU
+    blocks before the copies to it land, and copy-on-write, last, may copy a block just swapped
+    in. They run on the step's stream, before the forward."""
+    to_cpu = plan.blocks_to_swap_out + plan.blocks_to_offload
+    from_cpu = plan.blocks_to_swap_in + plan.blocks_to_reload
+    if to_cpu:
+        staged = cache[:, :, [b for b, _ in to_cpu]].movedim(2, 0).contiguous()
+    if from_cpu:  # (n, a, b, ...), each block by one direct non_blocking copy (DMA)
+        staged_in = torch.stack([cpu_cache[b].to(device, non_blocking=True)
+                                 for b, _ in from_cpu])
+        cache[:, :, [b for _, b in from_cpu]] = staged_in.movedim(0, 2)
+    if to_cpu:
+        for block, (_, cpu_block) in zip(staged, to_cpu):
+            cpu_cache[cpu_block].copy_(block, non_blocking=True)
+    if plan.blocks_to_copy:  # copy-on-write, every block of the step in one batched copy
+        src, dst = zip(*plan.blocks_to_copy)
+        cache[:, :, list(dst)] = cache[:, :, list(src)]
 
 
 def logits_rows(chunks, prompt_logprobs=True):
@@ -2917,7 +3115,8 @@ class Engine:
                  swap_space: float = 4, allocator_cls=None, scheduler_cls=None,
                  scheduling_policy="fcfs", eviction_policy="lru", kv_cache_dtype="auto",
                  speculative_config=None, tokenizer=None, observer=None, prefix_cache_cls=None,
-                 cpu_cache_bytes: int = 0, cpu_eviction_policy=None):
+                 cpu_cache_bytes: int = 0, cpu_eviction_policy=None, read_policy="all",
+                 read_policy_config=None):
         # the annotated settings: an int held as numpy's or torch's is taken as that int
         (block_size, num_blocks, kv_cache_bytes, num_cpu_blocks, max_num_seqs,
          max_num_batched_tokens, swap_space, cpu_cache_bytes) = map(as_int, (
@@ -2925,7 +3124,7 @@ class Engine:
             max_num_batched_tokens, swap_space, cpu_cache_bytes))
         device, backend, dtype = check_engine_settings(
             model, device, attention_backend, preemption_mode, enable_prefix_caching, swap_space,
-            kv_cache_dtype, scheduling_policy, eviction_policy, cpu_eviction_policy,
+            kv_cache_dtype, scheduling_policy, eviction_policy, cpu_eviction_policy, read_policy,
             block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             num_cpu_blocks=num_cpu_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, cpu_cache_bytes=cpu_cache_bytes)
@@ -2935,9 +3134,8 @@ class Engine:
         if speculative_config is not None:  # the layer above, imported only when asked for
             import speculative
             proposer = speculative.make_proposer(speculative_config, model, device)
-        # dtype: the KV cache's (kv_cache_dtype "fp8": half the bytes)
-        bytes_per_block = math.prod(kv_block_shape(self.config, block_size)) * dtype.itemsize
-        bytes_per_block += proposer.bytes_per_block(block_size, dtype) if proposer else 0  # draft
+        reads = make_read_policy(read_policy, read_policy_config, backend, proposer)  # None: all
+        bytes_per_block = block_bytes(model, block_size, dtype, proposer, reads)
         kinds = [group.kind for group in self.config.kv_cache_groups]
         most_blocks = max_num_seqs * sum(kind.max_blocks(
             self.config.max_seq_len, max_num_batched_tokens, block_size) for kind in kinds)
@@ -2955,7 +3153,7 @@ class Engine:
             scheduling_policy=scheduling_policy,
             num_lookahead_slots=proposer.num_speculative_tokens if proposer else 0)
         self.model_runner = ModelRunner(self.model, num_blocks, num_cpu_blocks, block_size,
-                                        backend, device, dtype)
+                                        backend, device, dtype, reads)
         self.proposer = proposer and proposer.allocate_cache(num_blocks, num_cpu_blocks,
                                                              block_size, self.model_runner)
         self.kv_cache = self.model_runner.kv_cache  # (2, n_layer, num_blocks, block_size, nkv, hs)
@@ -3153,7 +3351,7 @@ class Engine:
 
 def check_engine_settings(model, device, attention_backend, preemption_mode,
                           enable_prefix_caching, swap_space, kv_cache_dtype, scheduling_policy,
-                          eviction_policy, cpu_eviction_policy, **counts):
+                          eviction_policy, cpu_eviction_policy, read_policy="all", **counts):
     """Engine's settings, or a ValueError naming the one that cannot work and its range. Returns
     the torch.device, the kernel.AttentionBackend and the KV cache's dtype, defaults filled in."""
     try:
@@ -3187,7 +3385,8 @@ def check_engine_settings(model, device, attention_backend, preemption_mode,
                                  ("cpu_eviction_policy", cpu_eviction_policy or eviction_policy,
                                   EVICTION_POLICIES),
                                  ("attention_backend", attention_backend,
-                                  kernel.ATTENTION_BACKENDS)]:
+                                  kernel.ATTENTION_BACKENDS),
+                                 ("read_policy", read_policy, READ_POLICIES)]:
         if not isinstance(value, str) or value not in allowed:
             raise ValueError(f"Engine: {name} must be one of {sorted(allowed)}, got {value!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -3209,6 +3408,30 @@ def check_engine_settings(model, device, attention_backend, preemption_mode,
         raise ValueError(f"Engine: attention_backend={attention_backend!r} cannot run this "
                          f"model: {why} (attention_backend='torch' takes any)")
     return device, backend, cache_dtype
+
+
+def make_read_policy(name, config, backend, proposer=None):
+    """Engine(read_policy=name, read_policy_config=config): READ_POLICIES[name](**config) (None
+    for "all": every block), or a ValueError naming what cannot work. A policy that thins what
+    decodes read needs a backend that reads per-head block tables
+    (kernel.AttentionBackend.per_head_tables), and no speculative decoding: its verification
+    reads every block where a decode would read a selection, which would change the output."""
+    if config is not None and not isinstance(config, dict):
+        raise ValueError(f"Engine: read_policy_config must be a dict of read_policy "
+                         f"{name!r}'s settings, or None, got {config!r}")
+    try:
+        policy = READ_POLICIES[name](**(config or {}))
+    except TypeError as e:  # a setting the policy does not take
+        raise ValueError(f"Engine: read_policy_config {config!r} does not fit read_policy "
+                         f"{name!r}: {e}") from None
+    if policy is not None and not getattr(backend, "per_head_tables", False):
+        raise ValueError(f"Engine: read_policy={name!r} reads a selection of blocks per KV head, "
+                         f"which this attention_backend does not take (per-head block tables)")
+    if policy is not None and proposer is not None:
+        raise ValueError(f"Engine: read_policy={name!r} does not run with speculative_config: "
+                         f"verifying proposals reads every block, where a decode would read a "
+                         f"selection, so speculation would change the output")
+    return policy
 
 
 def check_request(prompt, params, priority, config, scheduler, has_tokenizer=False):

@@ -3181,6 +3181,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         runner.device = torch.device("cpu")
         runner.kv_cache = torch.full((1, 1, a.num_blocks, block_size, 1, 1), -1)
         runner.cpu_kv_cache = torch.full((num_cpu_blocks, 1, 1, block_size, 1, 1), -1)
+        runner.key_bounds = None  # no read policy: nothing else kept per block
         # Accounting: what num_blocks_to_allocate / num_blocks_to_append promise is what is taken,
         # for a request's decodes as one (their copies on write counted together)
         real_allocate, real_slots, real_append_slots = a.allocate, a.allocate_slots, s._append_slots
@@ -3820,6 +3821,12 @@ def tp_scenarios(model, names=None):
                              reloads=s["num_reloaded_blocks"])
     if names:
         return results
+    with per_head_backend() as backend:  # Quest: each rank keeps its own K/V heads' key bounds
+        engine = quest_engine(model, token_budget=8, dense_layers=1, block_size=4, num_blocks=16,
+                              preemption_mode="swap", attention_backend=backend)
+        outs = engine.generate(prompts[:4] * 2, mixed * 2)
+    results["quest"] = [[c.token_ids for c in o.outputs] for o in outs]
+    results["quest_bounds"] = engine.model_runner.key_bounds
     torch.manual_seed(1 + nanopaged.tp.rank)  # unseeded: each rank draws its own seeds
     engine = Engine(model, block_size=4, num_blocks=64)
     unseeded = engine.generate(prompts, SamplingParams(max_tokens=10))
@@ -3899,6 +3906,10 @@ def test_two_ranks_serve_every_feature_like_one_process(hf_folder, tmp_path):
     assert single["prefix"]["hits"] == 8
     assert single["tier"]["reloads"] > 0
     assert rank0["scenarios"]["unseeded"] == rank1["scenarios"]["unseeded"]
+    assert rank0["scenarios"]["quest"] == rank1["scenarios"]["quest"] == single["quest"]
+    for r, rank in enumerate((rank0, rank1)):  # (2, n_layer, num_blocks, nkv, hs): its heads'
+        torch.testing.assert_close(rank["scenarios"]["quest_bounds"],
+                                   single["quest_bounds"][:, :, :, r:r + 1], rtol=0, atol=1e-12)
     for name in TP_CHECKPOINTS:
         assert rank0[name] == rank1[name] == single[name], name
     assert rank0["demo"] == rank1["demo"] == \
@@ -7416,6 +7427,522 @@ def test_speculation_with_the_cache_off_keeps_the_blocks_its_guesses_filled():
 
 
 # -----------------------------------------------------------------------------
+# Read policies (nanopaged: key bounds, per-head tables) and quest.py's selection  (-m read_policy)
+
+
+def per_head_reference_attend(q, k_cache, v_cache, meta, scale, mask=None, k_scale=None,
+                              v_scale=None):
+    """kernel.py's contract for per-head block tables (a read policy's selection), naively: each
+    decoding sequence's KV head attends to the keys of the blocks its own table lists, in order,
+    seq_lens[s, h] of them; shared tables go to the torch path."""
+    scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
+    if meta.block_tables.dim() == 2:
+        masked = {} if mask is None else {"mask": mask}
+        return kernel.ATTENTION_BACKENDS["torch"].attend(q, k_cache, v_cache, meta, scale,
+                                                         **masked, **scales)
+    assert mask is None and torch.equal(meta.cu_seqlens_q, torch.arange(len(q) + 1).int())
+    block_size, n_kv_head = k_cache.shape[1:3]
+    G = q.shape[1] // n_kv_head
+    out = torch.empty_like(q)
+    for s in range(len(q)):
+        for h in range(n_kv_head):
+            pos = torch.arange(int(meta.seq_lens[s, h]))
+            blocks = meta.block_tables[s, h, pos // block_size].long()
+            slots = blocks * block_size + pos % block_size
+            assert bool((slots >= 0).all())
+            k, v = (kernel.dequantize(c.flatten(0, 1).index_select(0, slots)[:, h], sc, q.dtype)
+                    for c, sc in ((k_cache, k_scale), (v_cache, v_scale)))           # (n, hs)
+            heads = slice(h * G, (h + 1) * G)
+            p = torch.softmax(q[s, heads] @ k.T * scale, dim=-1)                     # (G, n)
+            out[s, heads] = p @ v
+    return out
+
+
+@contextlib.contextmanager
+def per_head_backend():
+    """The name of a backend that reads per-head block tables: the torch path once kernel.py's
+    paths take them (branch quest-kernel, issue 54), else a test-local reference of that
+    contract, registered for the test's duration."""
+    if getattr(kernel.ATTENTION_BACKENDS["torch"], "per_head_tables", False):
+        yield "torch"
+        return
+    kernel.ATTENTION_BACKENDS["per_head_reference"] = SimpleNamespace(
+        store=kernel.store_kv_torch, attend=per_head_reference_attend,
+        unsupported=lambda dtype, head_dim, kv_cache_dtype: None,
+        unsupported_mask=lambda mask: None, per_head_tables=True)
+    try:
+        yield "per_head_reference"
+    finally:
+        del kernel.ATTENTION_BACKENDS["per_head_reference"]
+
+
+def quest_engine(model=LLAMA, token_budget=4, dense_layers=1, **settings):
+    """An engine that reads by Quest (entered inside per_head_backend())."""
+    return Engine(model, read_policy="quest",
+                  read_policy_config=dict(token_budget=token_budget, dense_layers=dense_layers),
+                  **settings)
+
+
+@st.composite
+def written_keys(draw):
+    """A cache's blocks written in chunks, as steps write them: (block_size, num_blocks, n_kv_head,
+    group size, head_dim, cache dtype, chunks of slots, seed)."""
+    block_size, num_blocks = draw(st.integers(1, 5)), draw(st.integers(1, 5))
+    slots = list(range(draw(st.integers(1, block_size * num_blocks))))
+    chunks, i = [], 0
+    while i < len(slots):
+        n = draw(st.integers(1, len(slots) - i))
+        chunk = slots[i:i + n]
+        if draw(st.booleans()):  # a token that is not written (slot -1)
+            chunk.insert(draw(st.integers(0, len(chunk))), -1)
+        chunks.append(chunk)
+        i += n
+    return (block_size, num_blocks, draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3])),
+            draw(st.sampled_from([2, 8])), draw(st.sampled_from(["auto", "fp8", "fp8_e5m2"])),
+            chunks, draw(st.integers(0, 2**16)))
+
+
+@pytest.mark.read_policy
+@settings(max_examples=examples(100), deadline=None)
+@given(written_keys())
+def test_key_bounds_are_the_stored_keys_min_and_max_and_quests_score_bounds_every_key(case):
+    """Keys stored chunk by chunk into blocks that held other keys before: each block's bounds
+    are the min and max of what it holds, as attention reads it (dequantized, for an 8-bit
+    cache); and a block's Quest score bounds q.k of each of its keys, for every query head of
+    the KV head's group (the group's score is the largest)."""
+    import quest
+    block_size, num_blocks, n_kv_head, G, head_dim, cache_dtype, chunks, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    dtype = torch.float32
+    cache = dtype if cache_dtype == "auto" else kernel.KV_CACHE_DTYPES[cache_dtype]
+    shape = (num_blocks, block_size, n_kv_head, head_dim)
+    k_cache, v_cache = torch.zeros(shape, dtype=cache), torch.zeros(shape, dtype=cache)
+    scale = {} if cache == dtype else {"k_scale": torch.tensor(0.05), "v_scale": torch.tensor(1.)}
+    bounds = torch.randn(2, num_blocks, n_kv_head, head_dim, generator=gen)  # what was there
+    for chunk in chunks:
+        k = 4 * torch.randn(len(chunk), n_kv_head, head_dim, generator=gen)
+        slots = torch.tensor(chunk)
+        kernel.store_kv_torch(k, k, k_cache, v_cache, slots, **scale)
+        nanopaged.update_key_bounds(bounds, k_cache, slots, scale.get("k_scale"))
+    n = max(s for chunk in chunks for s in chunk) + 1  # slots written: [0, n)
+    keys = kernel.dequantize(k_cache.flatten(0, 1)[:n], scale.get("k_scale"), dtype)
+    for b in range(nanopaged.cdiv(n, block_size)):
+        held = keys[b * block_size:(b + 1) * block_size]
+        assert torch.equal(bounds[0, b], held.amin(0)) and torch.equal(bounds[1, b], held.amax(0))
+    q = torch.randn(1, n_kv_head * G, head_dim, generator=gen, dtype=torch.float64)
+    q[0, :, 0] = 0  # a zero channel takes either bound
+    table = torch.arange(num_blocks)[None]
+    score = quest.page_scores(q, bounds.double(), table)[0]                      # (nkv, W)
+    qk = torch.einsum("hd,khd->hk", q[0], keys.double().repeat_interleave(G, dim=1))  # (nh, n)
+    for t in range(n):
+        for h in range(n_kv_head * G):
+            bound = score[h // G, t // block_size]
+            assert qk[h, t] <= bound + 1e-12 * (1 + bound.abs())  # summed in another order
+
+
+def naive_quest(q, lo, hi, tables, seq_lens, block_size, token_budget):
+    """Quest's selection with Python lists: each block's score, the largest over a KV head's
+    query heads of sum_i max(q_i lo_i, q_i hi_i); per (sequence, KV head) the last block and the
+    top (pages - 1) of the others by score, the earlier of equal ones first."""
+    n_kv_head = lo.shape[1]
+    G = q.shape[1] // n_kv_head
+    pages = max(1, token_budget // block_size)
+    kept = []
+    for s, seq_len in enumerate(seq_lens):
+        n = nanopaged.cdiv(seq_len, block_size)
+        kept.append([])
+        for h in range(n_kv_head):
+            def score(j):
+                b = tables[s][j]
+                return max(sum(max(x * a, x * c) for x, a, c in zip(q[s, g].tolist(),
+                                                                   lo[b, h].tolist(),
+                                                                   hi[b, h].tolist()))
+                           for g in range(h * G, (h + 1) * G))
+            ranked = sorted(range(n - 1), key=lambda j: (-score(j), j))
+            kept[s].append(sorted(ranked[:pages - 1] + [n - 1]))
+    return kept
+
+
+@pytest.mark.read_policy
+@settings(max_examples=examples(200), deadline=None)
+@given(data=st.data(), block_size=st.integers(1, 4), n_kv_head=st.sampled_from([1, 2]),
+       G=st.sampled_from([1, 2]), token_budget=st.integers(1, 20), layer=st.integers(0, 3),
+       dense_layers=st.integers(0, 2))
+def test_quest_selects_the_naive_top_k_by_bound_ties_to_the_earlier_block(
+        data, block_size, n_kv_head, G, token_budget, layer, dense_layers):
+    """Small integer queries and bounds, so equal scores are common: Quest keeps what the naive
+    ranking keeps, and reads every block of a dense layer."""
+    import quest
+    num_blocks, head_dim = 12, 3
+    seq_lens = data.draw(st.lists(st.integers(1, 6 * block_size), min_size=1, max_size=3))
+    width = max(nanopaged.cdiv(n, block_size) for n in seq_lens)
+    tables = [data.draw(st.permutations(range(num_blocks)))[:width] for _ in seq_lens]
+    ints = st.integers(-2, 2)
+    q = torch.tensor(data.draw(st.lists(ints, min_size=len(seq_lens) * n_kv_head * G * head_dim,
+                                        max_size=len(seq_lens) * n_kv_head * G * head_dim)),
+                     dtype=torch.float64).view(len(seq_lens), n_kv_head * G, head_dim)
+    a, b = (torch.tensor(data.draw(st.lists(ints, min_size=num_blocks * n_kv_head * head_dim,
+                                            max_size=num_blocks * n_kv_head * head_dim)),
+                         dtype=torch.float64).view(num_blocks, n_kv_head, head_dim)
+            for _ in range(2))
+    lo, hi = torch.minimum(a, b), torch.maximum(a, b)
+    policy = quest.Quest(token_budget=token_budget, dense_layers=dense_layers)
+    keep = policy.select(layer, q, torch.stack([lo, hi]), torch.tensor(tables, dtype=torch.int32),
+                         torch.tensor(seq_lens, dtype=torch.int32), block_size)
+    if layer < dense_layers:
+        assert keep is None
+        return
+    got = [[keep[s, h].nonzero().flatten().tolist() for h in range(n_kv_head)]
+           for s in range(len(seq_lens))]
+    assert got == naive_quest(q, lo, hi, tables, seq_lens, block_size, token_budget)
+
+
+@pytest.mark.read_policy
+@settings(max_examples=examples(200), deadline=None)
+@given(data=st.data(), block_size=st.integers(1, 4), n_kv_head=st.sampled_from([1, 3]))
+def test_a_selection_becomes_per_head_tables_of_the_kept_blocks_and_their_tokens(
+        data, block_size, n_kv_head):
+    """Whatever a policy keeps: each head's table lists its kept blocks in order, the last
+    (being written) always, then -1s; its length counts their tokens, the last block's own."""
+    seq_lens = data.draw(st.lists(st.integers(1, 5 * block_size), min_size=1, max_size=3))
+    width = max(nanopaged.cdiv(n, block_size) for n in seq_lens)
+    width += data.draw(st.integers(0, 2))  # padding past every sequence's blocks
+    tables = torch.tensor([data.draw(st.permutations(range(20)))[:width] for _ in seq_lens],
+                          dtype=torch.int32)
+    keep = torch.tensor(data.draw(st.lists(st.booleans(), min_size=len(seq_lens) * n_kv_head *
+                                           width, max_size=len(seq_lens) * n_kv_head * width)))
+    keep = keep.view(len(seq_lens), n_kv_head, width)
+    got, lens = nanopaged.selected_tables(keep, tables, torch.tensor(seq_lens, dtype=torch.int32),
+                                          block_size)
+    for s, seq_len in enumerate(seq_lens):
+        n = nanopaged.cdiv(seq_len, block_size)
+        for h in range(n_kv_head):
+            read = [j for j in range(n - 1) if keep[s, h, j]] + [n - 1]
+            row = got[s, h].tolist()
+            assert row == [int(tables[s, j]) for j in read] + [-1] * (got.shape[2] - len(read))
+            assert lens[s, h] == (len(read) - 1) * block_size + seq_len - (n - 1) * block_size
+
+
+def assert_key_bounds_are_the_keys(engine, exact=True):
+    """Every block a live sequence holds, on the device or swapped out to the CPU, keeps the
+    min and max of the keys of its computed tokens, recomputed from K where the block is (as
+    attention reads it: an 8-bit cache's dequantized with its layer's scale; one KV cache
+    group); or, not exact, bounds them. Returns how many blocks it checked."""
+    r, s, bs = engine.model_runner, engine.scheduler, engine.block_size
+
+    def read(keys):  # (L, n, nkv, hs) as stored -> as attended
+        return torch.stack([kernel.dequantize(k, scales.get("k_scale"), r.key_bounds.dtype)
+                            for k, scales in zip(keys, r.kv_scales)])
+    places = [(s.running, lambda b: r.kv_cache[0, :, b], lambda b: r.key_bounds[:, :, b]),
+              (s.swapped, lambda b: r.cpu_kv_cache[b, 0], lambda b: r.cpu_key_bounds[b])]
+    checked = 0
+    for queue, keys_at, bounds_at in places:
+        for request in queue:
+            for seq in request.seqs:
+                n = seq.num_computed_tokens
+                for j, b in enumerate(seq.block_tables[0].tolist()[:nanopaged.cdiv(n, bs)]):
+                    keys = read(keys_at(b)[:, :min(bs, n - j * bs)])       # (L, n, nkv, hs)
+                    lo, hi = bounds_at(b)
+                    if exact:
+                        assert torch.equal(lo, keys.amin(1)), (seq.seq_id, j, b)
+                        assert torch.equal(hi, keys.amax(1)), (seq.seq_id, j, b)
+                    assert bool((lo <= keys.amin(1)).all() & (hi >= keys.amax(1)).all())
+                    checked += 1
+    return checked
+
+
+@pytest.mark.read_policy
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_key_bounds_follow_their_blocks_through_copy_on_write_swap_and_preemption(
+        mode, kv_cache_dtype):
+    """Beams and parallel samples (copy-on-write), in a pool too small for them all (preemption:
+    recompute, or swap out and in): after every step, every block a sequence holds, wherever
+    it is, keeps the bounds of its keys."""
+    with per_head_backend() as backend:
+        engine = quest_engine(block_size=2, num_blocks=27, preemption_mode=mode,
+                              max_num_batched_tokens=8, attention_backend=backend,
+                              kv_cache_dtype=kv_cache_dtype)
+        runner, moved = engine.model_runner, Counter()
+        real_copy_blocks = runner.copy_blocks
+
+        def copy_blocks(plan):
+            moved.update(name for name in ("blocks_to_swap_out", "blocks_to_swap_in",
+                                           "blocks_to_copy") if getattr(plan, name))
+            real_copy_blocks(plan)
+
+        runner.copy_blocks = copy_blocks
+        prompts = [[(5 * i + j) % 32 for j in range(6 + i)] for i in range(4)]
+        for prompt, params in zip(prompts, [
+                SamplingParams(max_tokens=10, beam_width=3),
+                SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=7),
+                SamplingParams(max_tokens=10, temperature=0),
+                SamplingParams(max_tokens=10, beam_width=2)]):
+            engine.add_request(prompt, params)
+        checked = sum(assert_key_bounds_are_the_keys(engine) for _ in stepped(engine, 500))
+    assert checked and moved["blocks_to_copy"], moved
+    assert engine.stats()["num_preemptions"] and (
+        mode == "recompute" or moved["blocks_to_swap_out"] and moved["blocks_to_swap_in"]), moved
+    assert_all_blocks_free(engine)
+
+
+@pytest.mark.read_policy
+@pytest.mark.parametrize("fail_at", [2, 5, 9, 14])
+def test_a_failed_step_leaves_bounds_that_bound_and_its_retry_the_exact_ones(fail_at,
+                                                                            monkeypatch):
+    """A layer raises mid-step, after earlier layers stored K and updated bounds: the step is
+    undone, its blocks' bounds still bound their computed keys, the next steps make them exact
+    again, and every request ends as in a run without the failure."""
+    prompts = [[(5 * i + j) % 32 for j in range(4 + 3 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0)
+    real_forward, calls = nanopaged.MLP.forward, [0]
+
+    def forward(self, x):
+        calls[0] += 1
+        if calls[0] == fail_at:
+            raise RuntimeError("injected")
+        return real_forward(self, x)
+
+    def run(engine):
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        outs, failed = {}, 0
+        for _ in range(200):
+            if not engine.requests:
+                break
+            try:
+                outs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step())
+                exact = True  # a retry writes the same keys where the undone step wrote
+            except RuntimeError as e:
+                assert "injected" in str(e)
+                failed += 1
+                exact = False  # the undone step's keys stay in its blocks' bounds till then
+            assert_key_bounds_are_the_keys(engine, exact)
+        return outs, failed
+
+    with per_head_backend() as backend:
+        settings_ = dict(block_size=2, num_blocks=16, max_num_batched_tokens=6,
+                         attention_backend=backend)
+        expected, _ = run(quest_engine(**settings_))
+        monkeypatch.setattr(nanopaged.MLP, "forward", forward)
+        outs, failed = run(quest_engine(**settings_))
+    assert failed == 1 and outs == expected
+
+
+@pytest.mark.read_policy
+@pytest.mark.tier
+def test_key_bounds_go_to_the_cpu_tier_and_come_back_with_their_blocks():
+    """The returning conversation with the CPU tier, read by Quest: its blocks come back from
+    the tier, and every cached block on either tier keeps the bounds of its keys."""
+    with per_head_backend() as backend:
+        engine = quest_engine(MODEL, block_size=4, num_blocks=12, cpu_cache_bytes=64 * 4096,
+                              attention_backend=backend)
+        out, _ = returning_conversation(engine)
+    assert out.num_cached_tokens == 12 and engine.stats()["num_reloaded_blocks"] == 3
+    r, a = engine.model_runner, engine.allocator
+    held = [(r.kv_cache[0, :, b.block_id], r.key_bounds[:, :, b.block_id])
+            for b in a.blocks if b.hash is not None]
+    held += [(r.cpu_kv_cache[b.block_id, 0], r.cpu_key_bounds[b.block_id])
+             for b in a.swap_pool.blocks if b.hash is not None]
+    assert len(held) >= 6
+    for keys, bounds in held:  # a cached block is full: every slot a key    (L, bs, nkv, hs)
+        assert torch.equal(bounds[0], keys.amin(1)) and torch.equal(bounds[1], keys.amax(1))
+
+
+@pytest.mark.read_policy
+@settings(max_examples=examples(20), deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(0, 31), min_size=1, max_size=12), min_size=1,
+                        max_size=3),
+       max_tokens=st.integers(1, 8), block_size=st.sampled_from([1, 2, 4]))
+def test_all_is_todays_path_and_quest_within_its_budget_reads_the_same(prompts, max_tokens,
+                                                                         block_size):
+    """read_policy="all" keeps nothing and changes nothing: the same tokens, logprobs and K/V as
+    an engine without the setting; Quest with a budget of the whole context (every layer
+    selecting) gives the same tokens and logprobs, bit for bit."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, logprobs=2)
+    plain = Engine(LLAMA, block_size=block_size, num_blocks=64)
+    named = Engine(LLAMA, block_size=block_size, num_blocks=64, read_policy="all")
+    assert named.model_runner.key_bounds is None and named.model_runner.read_policy is None
+    with per_head_backend() as backend:
+        ample = quest_engine(token_budget=LLAMA.config.max_seq_len, dense_layers=0,
+                             block_size=block_size, num_blocks=64, attention_backend=backend)
+        outs = [[o.outputs[0] for o in e.generate(prompts, params)]
+                for e in (plain, named, ample)]
+    for other in outs[1:]:
+        assert [o.token_ids for o in other] == [o.token_ids for o in outs[0]]
+        assert [o.logprobs for o in other] == [o.logprobs for o in outs[0]]
+    assert torch.equal(plain.kv_cache, named.kv_cache)
+
+
+@pytest.mark.read_policy
+@pytest.mark.parametrize("token_budget", [4, 64])
+def test_a_hybrid_models_window_layers_read_as_their_kind_says_under_quest(token_budget):
+    """A full-attention layer beside a sliding window (two KV cache groups): Quest selects for
+    the full layer alone, the window reads its own; within the budget the tokens are the same as
+    without it, and under a small one every held block of the full group keeps its bounds."""
+    params = SamplingParams(max_tokens=10, temperature=0)
+    prompts = [[(3 * i + j) % 32 for j in range(7 + 5 * i)] for i in range(3)]
+    plain = Engine(HYBRID, block_size=2, num_blocks=64).generate(prompts, params)
+    with per_head_backend() as backend:
+        engine = quest_engine(HYBRID, token_budget=token_budget, dense_layers=0, block_size=2,
+                              num_blocks=64, attention_backend=backend)
+        for prompt in prompts:
+            engine.add_request(prompt, params)
+        checked, outs = 0, {}
+        for step in stepped(engine, 200):
+            checked += assert_key_bounds_are_the_keys(engine)
+            outs.update((o.request_id, o.outputs[0].token_ids) for o in step if o.finished)
+    assert checked and len(outs) == 3
+    if token_budget == 64:
+        assert [outs[i] for i in range(3)] == [o.outputs[0].token_ids for o in plain]
+
+
+@pytest.mark.read_policy
+@pytest.mark.parametrize("token_budget", [1, 2, 4, 6, 64])
+def test_decodes_attend_to_the_blocks_quest_selects_and_the_rest_to_all(token_budget):
+    """One layer's attention over a step of two decodes and a prefill chunk: each decode's query
+    heads attend to the keys of the blocks naive Quest keeps for their KV head (the last one
+    partly filled), the chunk to its whole context."""
+    import quest
+    torch.manual_seed(0)
+    config = LLAMA.config  # 4 query heads on 2 KV heads, head_dim 8
+    layer = nanopaged.CausalSelfAttention(config, 1).double()
+    bs, nkv, hs = 2, config.n_kv_head, config.head_dim
+    seq_lens, q_lens = [9, 4, 11], [1, 3, 1]
+    tables = [[7, 2, 12, 0, 5, -1], [1, 3, -1, -1, -1, -1], [4, 6, 8, 9, 10, 11]]
+    k_cache, v_cache = torch.randn(2, 13, bs, nkv, hs, dtype=torch.float64)
+    slots = torch.tensor([t[p // bs] * bs + p % bs for t, n in zip(tables, seq_lens)
+                          for p in range(n)])
+    bounds = torch.zeros(2, 13, nkv, hs, dtype=torch.float64)
+    nanopaged.update_key_bounds(bounds, k_cache, slots)
+    q = torch.randn(sum(q_lens), config.n_head, hs, dtype=torch.float64)
+    cu = torch.tensor([0, 1, 4, 5], dtype=torch.int32)
+    group = nanopaged.GroupBatch(block_tables=torch.tensor(tables, dtype=torch.int32),
+                                 slot_mapping=slots[:5], seq_lens=torch.tensor(seq_lens).int(),
+                                 cu_seqlens_q=cu, max_q_len=3)
+    with per_head_backend() as backend:
+        batch = SimpleNamespace(backend=kernel.ATTENTION_BACKENDS[backend],
+                                read_policy=quest.Quest(token_budget=token_budget, dense_layers=0))
+        y = layer.attend_selected(q, (k_cache, v_cache, group, {}, bounds), batch)
+    keys = [(k_cache.flatten(0, 1)[slots[sum(seq_lens[:s]):sum(seq_lens[:s + 1])]],
+             v_cache.flatten(0, 1)[slots[sum(seq_lens[:s]):sum(seq_lens[:s + 1])]])
+            for s in range(3)]                                                 # (n, nkv, hs)
+    ks, vs = keys[1]
+    want = naive_attention(q[1:4], ks, vs, torch.tensor([0, 3]).int(), torch.tensor([4]).int(),
+                           layer.scale)
+    torch.testing.assert_close(y[1:4], want, rtol=1e-12, atol=1e-12)
+    decodes = [0, 2]
+    kept = naive_quest(q[[0, 4]], bounds[0], bounds[1], [tables[s] for s in decodes],
+                       [seq_lens[s] for s in decodes], bs, token_budget)
+    for row, s, blocks in zip([0, 4], decodes, kept):
+        for h, read in enumerate(blocks):
+            pos = [p for j in read for p in range(j * bs, min((j + 1) * bs, seq_lens[s]))]
+            k, v = keys[s][0][pos, h], keys[s][1][pos, h]                      # (n, hs)
+            heads = slice(2 * h, 2 * h + 2)
+            want = torch.softmax(q[row, heads] @ k.T * layer.scale, dim=-1) @ v
+            torch.testing.assert_close(y[row, heads], want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.read_policy
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_the_pools_count_the_key_bounds_bytes(kv_cache_dtype):
+    """A byte budget buys fewer blocks when each keeps its key bounds (in the model's dtype,
+    whatever the cache's), on the device and in the CPU pool alike."""
+    with per_head_backend() as backend:
+        engine = quest_engine(block_size=4, num_blocks=None, kv_cache_bytes=100_000,
+                              preemption_mode="swap", swap_space=2**-10,
+                              cpu_cache_bytes=50_000, kv_cache_dtype=kv_cache_dtype,
+                              attention_backend=backend)
+    r, c = engine.model_runner, LLAMA.config
+    kv = r.kv_cache[:, :, 0].numel() * r.kv_cache.itemsize
+    bounds = 2 * c.n_layer * c.n_kv_head * c.head_dim * 8  # min and max, float64 like the model
+    assert r.key_bounds[:, :, 0].numel() * r.key_bounds.itemsize == bounds
+    num_blocks = 100_000 // (kv + bounds)
+    assert engine.stats()["num_blocks"] == num_blocks == r.key_bounds.shape[2]
+    num_cpu_blocks = min(num_blocks, 2**20 // (kv + bounds)) + 50_000 // (kv + bounds)
+    assert r.cpu_key_bounds.shape[0] == r.cpu_kv_cache.shape[0] == num_cpu_blocks
+
+
+@pytest.mark.read_policy
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(read_policy="streaming"),
+     "Engine: read_policy must be one of ['all', 'quest'], got 'streaming'"),
+    (dict(read_policy=None), "Engine: read_policy must be one of ['all', 'quest'], got None"),
+    (dict(read_policy="quest", read_policy_config=[64]), "read_policy_config must be a dict"),
+    (dict(read_policy="quest", read_policy_config=dict(token_budget=0)),
+     "Quest's token_budget must be an int >= 1, got 0"),
+    (dict(read_policy="quest", read_policy_config=dict(token_budget=1.5)),
+     "Quest's token_budget must be an int >= 1, got 1.5"),
+    (dict(read_policy="quest", read_policy_config=dict(token_budget=True)),
+     "Quest's token_budget must be an int >= 1, got True"),
+    (dict(read_policy="quest", read_policy_config=dict(dense_layers=-1)),
+     "Quest's dense_layers must be an int >= 0, got -1"),
+    (dict(read_policy="quest", read_policy_config=dict(budget=64)),
+     "read_policy_config {'budget': 64} does not fit read_policy 'quest'"),
+    (dict(read_policy="all", read_policy_config=dict(token_budget=64)),
+     "read_policy_config {'token_budget': 64} does not fit read_policy 'all'"),
+    (dict(read_policy="quest", attention_backend="flex"),
+     "read_policy='quest' reads a selection of blocks per KV head, which this "
+     "attention_backend does not take"),
+    (dict(read_policy="quest", speculative_config=dict(method="ngram", num_speculative_tokens=2)),
+     "read_policy='quest' does not run with speculative_config"),
+])
+def test_bad_read_policy_settings_are_clear_errors(kwargs, message):
+    with per_head_backend() as backend:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            Engine(MODEL, block_size=4, num_blocks=8, **{"attention_backend": backend, **kwargs})
+
+
+class FirstAndRecentBlocks:
+    """A fork's read policy, no key bounds needed: StreamingLLM's attention sinks and recent
+    window (Xiao et al., ICLR 2024) by the block, the first blocks and the last ones, the same
+    for every KV head."""
+    needs_key_bounds = False
+
+    def __init__(self, first=1, recent=1):
+        self.first, self.recent = first, recent
+
+    def select(self, layer, q, key_bounds, block_tables, seq_lens, block_size):
+        num_blocks = (seq_lens.long() + block_size - 1) // block_size                  # (S,)
+        pos = torch.arange(block_tables.shape[1], device=q.device)                     # (W,)
+        keep = (pos < self.first) | (pos >= num_blocks[:, None] - self.recent)       # (S, W)
+        return keep[:, None]                                                        # (S, 1, W)
+
+
+@pytest.mark.read_policy
+def test_a_forks_read_policy_runs_and_each_decode_reads_only_the_blocks_it_chose(monkeypatch):
+    """Registered by name with its settings, with no edit to nanopaged.py: the backend is given,
+    for each decoding sequence and KV head, the table of exactly its first and recent blocks,
+    and the engine serves every request to its end."""
+    monkeypatch.setitem(nanopaged.READ_POLICIES, "first_and_recent", FirstAndRecentBlocks)
+    thinned = []
+
+    def attend(q, k_cache, v_cache, meta, scale, **kwargs):
+        if meta.block_tables.dim() == 3:  # the policy's tables: check them against the tables
+            tables = {tuple(seq.block_tables[0].tolist()) for r in engine.scheduler.running
+                      for seq in r.seqs}
+            for row in meta.block_tables.flatten(0, 1).tolist():
+                read = [b for b in row if b >= 0]
+                ids = next(t for t in tables if t[-1] == read[-1])  # whose last block it reads
+                assert read == sorted(set(ids[:2]) | set(ids[-3:]), key=ids.index)
+                thinned.append(read)
+        return real.attend(q, k_cache, v_cache, meta, scale, **kwargs)
+
+    with per_head_backend() as backend:
+        real = kernel.ATTENTION_BACKENDS[backend]
+        monkeypatch.setitem(kernel.ATTENTION_BACKENDS, "recording",
+                            SimpleNamespace(**{**vars(real), "attend": attend}))
+        engine = Engine(LLAMA, block_size=2, num_blocks=64, enable_prefix_caching=False,
+                        read_policy="first_and_recent", attention_backend="recording",
+                        read_policy_config=dict(first=2, recent=3))
+        outs = engine.generate([[(3 * i + j) % 32 for j in range(5 + 4 * i)] for i in range(3)],
+                               SamplingParams(max_tokens=12, temperature=0))
+    assert [len(o.outputs[0].token_ids) for o in outs] == [12] * 3
+    assert thinned and max(map(len, thinned)) == 5
+    assert_all_blocks_free(engine)
+
+
+# -----------------------------------------------------------------------------
 # detokenizer.py: text as it is generated, and stop strings with a real tokenizer  (-m detokenizer)
 
 
@@ -7771,6 +8298,18 @@ def test_demo_takes_the_policies_and_priorities_from_the_command_line(capsys):
 
 
 @pytest.mark.demo
+@pytest.mark.read_policy
+def test_demo_takes_the_read_policy_and_its_settings_from_the_command_line(capsys):
+    with per_head_backend() as backend:
+        report = demo.main(["--prompt", "def ", "--max-tokens", "4", "--temperature", "0",
+                            "--read-policy", "quest", "--read-policy-config",
+                            '{"token_budget": 32}', "--attention-backend", backend])
+    policy = report["engine"].model_runner.read_policy
+    assert (type(policy).__name__, policy.token_budget, policy.dense_layers) == ("Quest", 32, 2)
+    assert len(report["outputs"][0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.demo
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_demo_takes_text_prompts_through_a_model_folders_tokenizer(hf_folder, tmp_path, capsys,
                                                                    name):
@@ -7847,6 +8386,9 @@ def test_the_demo_streams_one_request_after_another_as_tokens_arrive(capsys):
     (["--speculative-model", "ngram", "--beam-width", "2", "--prompt", "x"],
      "beam search does not run with speculative decoding"),
     (["--kv-cache-dtype", "int8"], "argument --kv-cache-dtype: invalid choice: 'int8'"),
+    (["--read-policy", "sparse"], r"read_policy must be one of \['all', 'quest'\], got 'sparse'"),
+    (["--read-policy", "quest", "--read-policy-config", '{"token_budget": 0}'],
+     "Quest's token_budget must be an int >= 1, got 0"),
 ], 4))
 def test_demo_bad_flags_end_with_one_clear_line(flags, message):
     run = subprocess.run([sys.executable, "nanopaged.py", *flags], capture_output=True, text=True,
