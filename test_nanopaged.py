@@ -3821,10 +3821,11 @@ def tp_scenarios(model, names=None):
                              reloads=s["num_reloaded_blocks"])
     if names:
         return results
-    with per_head_backend() as backend:  # Quest: each rank keeps its own K/V heads' key bounds
-        engine = quest_engine(model, token_budget=8, dense_layers=1, block_size=4, num_blocks=16,
-                              preemption_mode="swap", attention_backend=backend)
-        outs = engine.generate(prompts[:4] * 2, mixed * 2)
+    # Quest, on a backend that reads per-head tables: each rank keeps its K/V heads' key bounds
+    backend = "torch"
+    engine = quest_engine(model, token_budget=8, dense_layers=1, block_size=4, num_blocks=16,
+                          preemption_mode="swap", attention_backend=backend)
+    outs = engine.generate(prompts[:4] * 2, mixed * 2)
     results["quest"] = [[c.token_ids for c in o.outputs] for o in outs]
     results["quest_bounds"] = engine.model_runner.key_bounds
     torch.manual_seed(1 + nanopaged.tp.rank)  # unseeded: each rank draws its own seeds
@@ -7430,54 +7431,8 @@ def test_speculation_with_the_cache_off_keeps_the_blocks_its_guesses_filled():
 # Read policies (nanopaged: key bounds, per-head tables) and quest.py's selection  (-m read_policy)
 
 
-def per_head_reference_attend(q, k_cache, v_cache, meta, scale, mask=None, k_scale=None,
-                              v_scale=None):
-    """kernel.py's contract for per-head block tables (a read policy's selection), naively: each
-    decoding sequence's KV head attends to the keys of the blocks its own table lists, in order,
-    seq_lens[s, h] of them; shared tables go to the torch path."""
-    scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
-    if meta.block_tables.dim() == 2:
-        masked = {} if mask is None else {"mask": mask}
-        return kernel.ATTENTION_BACKENDS["torch"].attend(q, k_cache, v_cache, meta, scale,
-                                                         **masked, **scales)
-    assert mask is None and torch.equal(meta.cu_seqlens_q, torch.arange(len(q) + 1).int())
-    block_size, n_kv_head = k_cache.shape[1:3]
-    G = q.shape[1] // n_kv_head
-    out = torch.empty_like(q)
-    for s in range(len(q)):
-        for h in range(n_kv_head):
-            pos = torch.arange(int(meta.seq_lens[s, h]))
-            blocks = meta.block_tables[s, h, pos // block_size].long()
-            slots = blocks * block_size + pos % block_size
-            assert bool((slots >= 0).all())
-            k, v = (kernel.dequantize(c.flatten(0, 1).index_select(0, slots)[:, h], sc, q.dtype)
-                    for c, sc in ((k_cache, k_scale), (v_cache, v_scale)))           # (n, hs)
-            heads = slice(h * G, (h + 1) * G)
-            p = torch.softmax(q[s, heads] @ k.T * scale, dim=-1)                     # (G, n)
-            out[s, heads] = p @ v
-    return out
-
-
-@contextlib.contextmanager
-def per_head_backend():
-    """The name of a backend that reads per-head block tables: the torch path once kernel.py's
-    paths take them (branch quest-kernel, issue 54), else a test-local reference of that
-    contract, registered for the test's duration."""
-    if getattr(kernel.ATTENTION_BACKENDS["torch"], "per_head_tables", False):
-        yield "torch"
-        return
-    kernel.ATTENTION_BACKENDS["per_head_reference"] = SimpleNamespace(
-        store=kernel.store_kv_torch, attend=per_head_reference_attend,
-        unsupported=lambda dtype, head_dim, kv_cache_dtype: None,
-        unsupported_mask=lambda mask: None, per_head_tables=True)
-    try:
-        yield "per_head_reference"
-    finally:
-        del kernel.ATTENTION_BACKENDS["per_head_reference"]
-
-
 def quest_engine(model=LLAMA, token_budget=4, dense_layers=1, **settings):
-    """An engine that reads by Quest (entered inside per_head_backend())."""
+    """An engine that reads by Quest."""
     return Engine(model, read_policy="quest",
                   read_policy_config=dict(token_budget=token_budget, dense_layers=dense_layers),
                   **settings)
@@ -7659,27 +7614,27 @@ def test_key_bounds_follow_their_blocks_through_copy_on_write_swap_and_preemptio
     """Beams and parallel samples (copy-on-write), in a pool too small for them all (preemption:
     recompute, or swap out and in): after every step, every block a sequence holds, wherever
     it is, keeps the bounds of its keys."""
-    with per_head_backend() as backend:
-        engine = quest_engine(block_size=2, num_blocks=27, preemption_mode=mode,
-                              max_num_batched_tokens=8, attention_backend=backend,
-                              kv_cache_dtype=kv_cache_dtype)
-        runner, moved = engine.model_runner, Counter()
-        real_copy_blocks = runner.copy_blocks
+    backend = "torch"  # a backend that reads per-head tables
+    engine = quest_engine(block_size=2, num_blocks=27, preemption_mode=mode,
+                          max_num_batched_tokens=8, attention_backend=backend,
+                          kv_cache_dtype=kv_cache_dtype)
+    runner, moved = engine.model_runner, Counter()
+    real_copy_blocks = runner.copy_blocks
 
-        def copy_blocks(plan):
-            moved.update(name for name in ("blocks_to_swap_out", "blocks_to_swap_in",
-                                           "blocks_to_copy") if getattr(plan, name))
-            real_copy_blocks(plan)
+    def copy_blocks(plan):
+        moved.update(name for name in ("blocks_to_swap_out", "blocks_to_swap_in",
+                                       "blocks_to_copy") if getattr(plan, name))
+        real_copy_blocks(plan)
 
-        runner.copy_blocks = copy_blocks
-        prompts = [[(5 * i + j) % 32 for j in range(6 + i)] for i in range(4)]
-        for prompt, params in zip(prompts, [
-                SamplingParams(max_tokens=10, beam_width=3),
-                SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=7),
-                SamplingParams(max_tokens=10, temperature=0),
-                SamplingParams(max_tokens=10, beam_width=2)]):
-            engine.add_request(prompt, params)
-        checked = sum(assert_key_bounds_are_the_keys(engine) for _ in stepped(engine, 500))
+    runner.copy_blocks = copy_blocks
+    prompts = [[(5 * i + j) % 32 for j in range(6 + i)] for i in range(4)]
+    for prompt, params in zip(prompts, [
+            SamplingParams(max_tokens=10, beam_width=3),
+            SamplingParams(max_tokens=10, n=3, temperature=1.0, seed=7),
+            SamplingParams(max_tokens=10, temperature=0),
+            SamplingParams(max_tokens=10, beam_width=2)]):
+        engine.add_request(prompt, params)
+    checked = sum(assert_key_bounds_are_the_keys(engine) for _ in stepped(engine, 500))
     assert checked and moved["blocks_to_copy"], moved
     assert engine.stats()["num_preemptions"] and (
         mode == "recompute" or moved["blocks_to_swap_out"] and moved["blocks_to_swap_in"]), moved
@@ -7720,12 +7675,12 @@ def test_a_failed_step_leaves_bounds_that_bound_and_its_retry_the_exact_ones(fai
             assert_key_bounds_are_the_keys(engine, exact)
         return outs, failed
 
-    with per_head_backend() as backend:
-        settings_ = dict(block_size=2, num_blocks=16, max_num_batched_tokens=6,
-                         attention_backend=backend)
-        expected, _ = run(quest_engine(**settings_))
-        monkeypatch.setattr(nanopaged.MLP, "forward", forward)
-        outs, failed = run(quest_engine(**settings_))
+    backend = "torch"  # a backend that reads per-head tables
+    settings_ = dict(block_size=2, num_blocks=16, max_num_batched_tokens=6,
+                     attention_backend=backend)
+    expected, _ = run(quest_engine(**settings_))
+    monkeypatch.setattr(nanopaged.MLP, "forward", forward)
+    outs, failed = run(quest_engine(**settings_))
     assert failed == 1 and outs == expected
 
 
@@ -7734,10 +7689,10 @@ def test_a_failed_step_leaves_bounds_that_bound_and_its_retry_the_exact_ones(fai
 def test_key_bounds_go_to_the_cpu_tier_and_come_back_with_their_blocks():
     """The returning conversation with the CPU tier, read by Quest: its blocks come back from
     the tier, and every cached block on either tier keeps the bounds of its keys."""
-    with per_head_backend() as backend:
-        engine = quest_engine(MODEL, block_size=4, num_blocks=12, cpu_cache_bytes=64 * 4096,
-                              attention_backend=backend)
-        out, _ = returning_conversation(engine)
+    backend = "torch"  # a backend that reads per-head tables
+    engine = quest_engine(MODEL, block_size=4, num_blocks=12, cpu_cache_bytes=64 * 4096,
+                          attention_backend=backend)
+    out, _ = returning_conversation(engine)
     assert out.num_cached_tokens == 12 and engine.stats()["num_reloaded_blocks"] == 3
     r, a = engine.model_runner, engine.allocator
     held = [(r.kv_cache[0, :, b.block_id], r.key_bounds[:, :, b.block_id])
@@ -7763,11 +7718,11 @@ def test_all_is_todays_path_and_quest_within_its_budget_reads_the_same(prompts, 
     plain = Engine(LLAMA, block_size=block_size, num_blocks=64)
     named = Engine(LLAMA, block_size=block_size, num_blocks=64, read_policy="all")
     assert named.model_runner.key_bounds is None and named.model_runner.read_policy is None
-    with per_head_backend() as backend:
-        ample = quest_engine(token_budget=LLAMA.config.max_seq_len, dense_layers=0,
-                             block_size=block_size, num_blocks=64, attention_backend=backend)
-        outs = [[o.outputs[0] for o in e.generate(prompts, params)]
-                for e in (plain, named, ample)]
+    backend = "torch"  # a backend that reads per-head tables
+    ample = quest_engine(token_budget=LLAMA.config.max_seq_len, dense_layers=0,
+                         block_size=block_size, num_blocks=64, attention_backend=backend)
+    outs = [[o.outputs[0] for o in e.generate(prompts, params)]
+            for e in (plain, named, ample)]
     for other in outs[1:]:
         assert [o.token_ids for o in other] == [o.token_ids for o in outs[0]]
         assert [o.logprobs for o in other] == [o.logprobs for o in outs[0]]
@@ -7783,15 +7738,15 @@ def test_a_hybrid_models_window_layers_read_as_their_kind_says_under_quest(token
     params = SamplingParams(max_tokens=10, temperature=0)
     prompts = [[(3 * i + j) % 32 for j in range(7 + 5 * i)] for i in range(3)]
     plain = Engine(HYBRID, block_size=2, num_blocks=64).generate(prompts, params)
-    with per_head_backend() as backend:
-        engine = quest_engine(HYBRID, token_budget=token_budget, dense_layers=0, block_size=2,
-                              num_blocks=64, attention_backend=backend)
-        for prompt in prompts:
-            engine.add_request(prompt, params)
-        checked, outs = 0, {}
-        for step in stepped(engine, 200):
-            checked += assert_key_bounds_are_the_keys(engine)
-            outs.update((o.request_id, o.outputs[0].token_ids) for o in step if o.finished)
+    backend = "torch"  # a backend that reads per-head tables
+    engine = quest_engine(HYBRID, token_budget=token_budget, dense_layers=0, block_size=2,
+                          num_blocks=64, attention_backend=backend)
+    for prompt in prompts:
+        engine.add_request(prompt, params)
+    checked, outs = 0, {}
+    for step in stepped(engine, 200):
+        checked += assert_key_bounds_are_the_keys(engine)
+        outs.update((o.request_id, o.outputs[0].token_ids) for o in step if o.finished)
     assert checked and len(outs) == 3
     if token_budget == 64:
         assert [outs[i] for i in range(3)] == [o.outputs[0].token_ids for o in plain]
@@ -7820,10 +7775,10 @@ def test_decodes_attend_to_the_blocks_quest_selects_and_the_rest_to_all(token_bu
     group = nanopaged.GroupBatch(block_tables=torch.tensor(tables, dtype=torch.int32),
                                  slot_mapping=slots[:5], seq_lens=torch.tensor(seq_lens).int(),
                                  cu_seqlens_q=cu, max_q_len=3)
-    with per_head_backend() as backend:
-        batch = SimpleNamespace(backend=kernel.ATTENTION_BACKENDS[backend],
-                                read_policy=quest.Quest(token_budget=token_budget, dense_layers=0))
-        y = layer.attend_selected(q, (k_cache, v_cache, group, {}, bounds), batch)
+    backend = "torch"  # a backend that reads per-head tables
+    batch = SimpleNamespace(backend=kernel.ATTENTION_BACKENDS[backend],
+                            read_policy=quest.Quest(token_budget=token_budget, dense_layers=0))
+    y = layer.attend_selected(q, (k_cache, v_cache, group, {}, bounds), batch)
     keys = [(k_cache.flatten(0, 1)[slots[sum(seq_lens[:s]):sum(seq_lens[:s + 1])]],
              v_cache.flatten(0, 1)[slots[sum(seq_lens[:s]):sum(seq_lens[:s + 1])]])
             for s in range(3)]                                                 # (n, nkv, hs)
@@ -7848,11 +7803,11 @@ def test_decodes_attend_to_the_blocks_quest_selects_and_the_rest_to_all(token_bu
 def test_the_pools_count_the_key_bounds_bytes(kv_cache_dtype):
     """A byte budget buys fewer blocks when each keeps its key bounds (in the model's dtype,
     whatever the cache's), on the device and in the CPU pool alike."""
-    with per_head_backend() as backend:
-        engine = quest_engine(block_size=4, num_blocks=None, kv_cache_bytes=100_000,
-                              preemption_mode="swap", swap_space=2**-10,
-                              cpu_cache_bytes=50_000, kv_cache_dtype=kv_cache_dtype,
-                              attention_backend=backend)
+    backend = "torch"  # a backend that reads per-head tables
+    engine = quest_engine(block_size=4, num_blocks=None, kv_cache_bytes=100_000,
+                          preemption_mode="swap", swap_space=2**-10,
+                          cpu_cache_bytes=50_000, kv_cache_dtype=kv_cache_dtype,
+                          attention_backend=backend)
     r, c = engine.model_runner, LLAMA.config
     kv = r.kv_cache[:, :, 0].numel() * r.kv_cache.itemsize
     bounds = 2 * c.n_layer * c.n_kv_head * c.head_dim * 8  # min and max, float64 like the model
@@ -7888,9 +7843,9 @@ def test_the_pools_count_the_key_bounds_bytes(kv_cache_dtype):
      "read_policy='quest' does not run with speculative_config"),
 ])
 def test_bad_read_policy_settings_are_clear_errors(kwargs, message):
-    with per_head_backend() as backend:
-        with pytest.raises(ValueError, match=re.escape(message)):
-            Engine(MODEL, block_size=4, num_blocks=8, **{"attention_backend": backend, **kwargs})
+    backend = "torch"  # a backend that reads per-head tables
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Engine(MODEL, block_size=4, num_blocks=8, **{"attention_backend": backend, **kwargs})
 
 
 class FirstAndRecentBlocks:
@@ -7928,15 +7883,15 @@ def test_a_forks_read_policy_runs_and_each_decode_reads_only_the_blocks_it_chose
                 thinned.append(read)
         return real.attend(q, k_cache, v_cache, meta, scale, **kwargs)
 
-    with per_head_backend() as backend:
-        real = kernel.ATTENTION_BACKENDS[backend]
-        monkeypatch.setitem(kernel.ATTENTION_BACKENDS, "recording",
-                            SimpleNamespace(**{**vars(real), "attend": attend}))
-        engine = Engine(LLAMA, block_size=2, num_blocks=64, enable_prefix_caching=False,
-                        read_policy="first_and_recent", attention_backend="recording",
-                        read_policy_config=dict(first=2, recent=3))
-        outs = engine.generate([[(3 * i + j) % 32 for j in range(5 + 4 * i)] for i in range(3)],
-                               SamplingParams(max_tokens=12, temperature=0))
+    backend = "torch"  # a backend that reads per-head tables
+    real = kernel.ATTENTION_BACKENDS[backend]
+    monkeypatch.setitem(kernel.ATTENTION_BACKENDS, "recording",
+                        SimpleNamespace(**{**vars(real), "attend": attend}))
+    engine = Engine(LLAMA, block_size=2, num_blocks=64, enable_prefix_caching=False,
+                    read_policy="first_and_recent", attention_backend="recording",
+                    read_policy_config=dict(first=2, recent=3))
+    outs = engine.generate([[(3 * i + j) % 32 for j in range(5 + 4 * i)] for i in range(3)],
+                           SamplingParams(max_tokens=12, temperature=0))
     assert [len(o.outputs[0].token_ids) for o in outs] == [12] * 3
     assert thinned and max(map(len, thinned)) == 5
     assert_all_blocks_free(engine)
@@ -8300,10 +8255,10 @@ def test_demo_takes_the_policies_and_priorities_from_the_command_line(capsys):
 @pytest.mark.demo
 @pytest.mark.read_policy
 def test_demo_takes_the_read_policy_and_its_settings_from_the_command_line(capsys):
-    with per_head_backend() as backend:
-        report = demo.main(["--prompt", "def ", "--max-tokens", "4", "--temperature", "0",
-                            "--read-policy", "quest", "--read-policy-config",
-                            '{"token_budget": 32}', "--attention-backend", backend])
+    backend = "torch"  # a backend that reads per-head tables
+    report = demo.main(["--prompt", "def ", "--max-tokens", "4", "--temperature", "0",
+                        "--read-policy", "quest", "--read-policy-config",
+                        '{"token_budget": 32}', "--attention-backend", backend])
     policy = report["engine"].model_runner.read_policy
     assert (type(policy).__name__, policy.token_budget, policy.dense_layers) == ("Quest", 32, 2)
     assert len(report["outputs"][0].outputs[0].token_ids) == 4
