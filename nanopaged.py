@@ -1175,6 +1175,10 @@ class PrefixCache:
 # sequence's full blocks are cached there too, as they move. A lookup walks the device's cache,
 # then this one; a block found here is copied back into a fresh device block (reload), in the
 # step that admits its request, before the forward. The copies are the plan's, made in the run.
+# The tier's order follows use, as the device's does: a copy is used when it is written, when
+# it is copied back, and when the device gives up a block it already holds a copy of (the
+# device used that block since; vLLM's CPU offloading touches it), and each use frees it anew,
+# for the tier's policy to score (so under "lru" the prefix the device gave up last goes last).
 
 
 class SwapPool(BlockPool):
@@ -1192,11 +1196,16 @@ class SwapPool(BlockPool):
 
     def offload(self, block):
         """Before the device gives up cached block: copy its K/V to a CPU block, cached under
-        its key, if the pool has room and holds no copy yet (so each block is written to the
-        tier at most once while it stays)."""
+        its key, if the pool has room; if it holds a copy already, that copy is used instead
+        (so each block is written to the tier at most once while it stays)."""
         cache = self.prefix_cache
-        if (not cache.enabled or not self.num_free_blocks
-                or cache.find_block(block.hash, block.token_ids, block.logical_index) is not None):
+        if not cache.enabled:
+            return
+        cpu_block = cache.find_block(block.hash, block.token_ids, block.logical_index)
+        if cpu_block is not None:
+            self.use(cpu_block)  # the device used the block since its copy was last used
+            return
+        if not self.num_free_blocks:
             return
         cpu_block = self.take()  # may evict the tier's own least valuable block
         cache.insert(cpu_block, block.hash, block.token_ids, block.logical_index)
@@ -1212,11 +1221,17 @@ class SwapPool(BlockPool):
         a = self.allocator
         block_id = a.take()
         a.reloads.append((cpu_block, block_id))
-        self.share(cpu_block)  # a use: its eviction order starts again
-        self.release(cpu_block)
+        self.use(cpu_block)
         self.journal.set(self, "num_reloaded_blocks", self.num_reloaded_blocks + 1)
         notify(self, "reload", cpu_block=cpu_block, block=block_id, **group_field(group))
         return block_id
+
+    def use(self, cpu_block):
+        """A use of a cached CPU block: it is freed again, as if just now, so the tier's policy
+        scores it anew (under "lru", it goes last). Held by a swapped-out sequence, it is not
+        free: its turn comes when that sequence lets it go."""
+        self.share(cpu_block)
+        self.release(cpu_block)
 
     def can_swap_out(self, seqs):
         return len(blocks_held(seqs)) <= self.num_free_blocks
