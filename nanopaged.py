@@ -735,15 +735,15 @@ class BlockAllocator(BlockPool):
             table.journal = self.journal
         return seq.block_tables
 
-    def lookup(self, seq):
+    def lookup(self, seq, tier=True):
         """seq's prefix-cache hit: the most leading full blocks of which every KV cache group can
         serve the blocks its kind needs (hit_blocks: vLLM's hybrid rule), and per group a (block,
-        its cache) for each of them, the device's or the CPU tier's to copy back, or None where
-        no token to come sees it."""
-        tier, bs = self.swap_pool, self.block_size
+        its cache) for each of them, the device's or the CPU tier's to copy back (tier: whether
+        to look there), or None where no token to come sees it."""
+        lower, bs = self.swap_pool.prefix_cache if tier else None, self.block_size
         # a group whose kind never skips a block needs every block of a hit: its list ends at
         # its first miss; another's runs on, None where it misses
-        found = [self.prefix_cache.lookup(seq, g, tier.prefix_cache, tier.taken,
+        found = [self.prefix_cache.lookup(seq, g, lower, self.swap_pool.taken,
                                           full=not kind.skipped_blocks(len(seq), bs))
                  for g, kind in enumerate(self.kinds)]
         length = min(map(len, found))
@@ -788,6 +788,13 @@ class BlockAllocator(BlockPool):
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {num_taken} blocks, "
                                    f"{self.num_free_blocks} are free")
         (length, found), tables = self.lookup(seq), self.tables(seq)
+        reloaded = sorted(i for hits in found for i, hit in enumerate(hits)
+                          if hit is not None and hit[1] is not self.prefix_cache)
+        # The device's share of the hit is the hit it serves alone (vLLM: the local cache's hit,
+        # before its connector's): looked up before a block is taken, as a block taken to copy
+        # into may evict one. It ends at or before the first block copied back, in any group
+        # (at it, under full attention alone); the CPU tier serves the rest of the hit.
+        own = self.lookup(seq, tier=False)[0] if reloaded else length
         held = [block for hits in found for block, cache in filter(None, hits)
                 if cache is self.prefix_cache]
         for block_id in held:  # share before taking, so take() cannot evict a hit
@@ -805,10 +812,8 @@ class BlockAllocator(BlockPool):
         self.journal.set(seq, "num_computed_tokens", length * self.block_size)
         # the device's leading hits are cached; the blocks copied back are published with the
         # blocks seq computes, as it is scheduled (cache_full_blocks)
-        reloaded = sorted(i for hits in found for i, hit in enumerate(hits)
-                          if hit is not None and hit[1] is not self.prefix_cache)
         self.journal.set(seq, "num_cached_blocks", (reloaded or [length])[0])
-        self.prefix_cache.count(seq, length, held, len(set(reloaded)))
+        self.prefix_cache.count(seq, length, held, own)
 
     def allocate_together(self, seqs):
         """allocate() each of a request's sequences (samples or beams recomputed together), their
@@ -1012,7 +1017,7 @@ EVICTION_POLICIES = {"lru": lambda block: 0,  # all tie: least recently used fir
 class HitCounts:  # the hit rate is hit_tokens / queried_tokens
     queried_tokens: int = 0  # prompt tokens of sequences allocated with caching on
     hit_tokens: int = 0  # of those, the tokens found in the cache (in either tier)
-    cpu_hit_tokens: int = 0  # of those, the tokens the CPU tier held (copied back)
+    cpu_hit_tokens: int = 0  # of those, the tokens past the hit the device serves alone
 
 
 class PrefixCache:
@@ -1079,18 +1084,20 @@ class PrefixCache:
             found.append((block_id, cache))
         return found
 
-    def count(self, seq, num_blocks, hits, num_lower=0):
+    def count(self, seq, num_blocks, hits, num_own=None):
         """A sequence was allocated on a hit of its num_blocks leading blocks: hits, the blocks
-        of this cache it shares, and num_lower of its blocks copied back from the lower tier.
-        Count them for the hit rate and the policy."""
+        of this cache it shares, and num_own of its leading blocks the hit this cache alone
+        serves (all of them by default); the lower tier served the rest. Count them for the hit
+        rates and the policy."""
         if not self.enabled:
             return
         for block_id in hits:
             self.blocks[block_id].num_hits += 1
         c, bs = self.counts, self.block_size
+        num_own = num_blocks if num_own is None else num_own
         self.journal.set(c, "queried_tokens", c.queried_tokens + len(seq))
         self.journal.set(c, "hit_tokens", c.hit_tokens + num_blocks * bs)
-        self.journal.set(c, "cpu_hit_tokens", c.cpu_hit_tokens + num_lower * bs)
+        self.journal.set(c, "cpu_hit_tokens", c.cpu_hit_tokens + (num_blocks - num_own) * bs)
 
     def find(self, key, seq, i):
         """The cached block that holds seq's block i under key, or None: the first published of

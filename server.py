@@ -972,8 +972,9 @@ def metrics_text(s, model):
          "since the start.", hits / queried if queried else 0.0),
         ("nanopaged:cpu_cache_blocks", "gauge", "CPU blocks that hold a cached prefix (the "
          "prefix cache's second tier).", s["num_cpu_cached_blocks"]),
-        ("nanopaged:cpu_prefix_cache_hits_total", "counter", "Prefix cache hits served from "
-         "the CPU tier (copied back), in terms of number of cached tokens.",
+        ("nanopaged:cpu_prefix_cache_hits_total", "counter", "Prefix cache hits served through "
+         "the CPU tier: the hit tokens past those the device alone holds, in terms of number "
+         "of cached tokens (hits_total minus this: the device's).",
          s["prefix_cache_cpu_hit_tokens"]),
         ("nanopaged:offloaded_blocks_total", "counter", "Cached blocks copied to the CPU tier "
          "before their eviction.", s["num_offloaded_blocks"]),
