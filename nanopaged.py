@@ -1185,7 +1185,7 @@ class PrefixCache:
 # The tier's order follows use, as the device's does: a copy is used when it is written, when
 # it is copied back, and when the device gives up a block it already holds a copy of (the
 # device used that block since; vLLM's CPU offloading touches it), and each use frees it anew,
-# for the tier's policy to score (so under "lru" the prefix the device gave up last goes last).
+# for the tier's policy to score (so under "lru" the copy used last is evicted last).
 
 
 class SwapPool(BlockPool):
