@@ -741,15 +741,15 @@ class BlockAllocator(BlockPool):
             table.journal = self.journal
         return seq.block_tables
 
-    def lookup(self, seq):
+    def lookup(self, seq, tier=True):
         """seq's prefix-cache hit: the most leading full blocks of which every KV cache group can
         serve the blocks its kind needs (hit_blocks: vLLM's hybrid rule), and per group a (block,
-        its cache) for each of them, the device's or the CPU tier's to copy back, or None where
-        no token to come sees it."""
-        tier, bs = self.swap_pool, self.block_size
+        its cache) for each of them, the device's or the CPU tier's to copy back (tier: whether
+        to look there), or None where no token to come sees it."""
+        lower, bs = self.swap_pool.prefix_cache if tier else None, self.block_size
         # a group whose kind never skips a block needs every block of a hit: its list ends at
         # its first miss; another's runs on, None where it misses
-        found = [self.prefix_cache.lookup(seq, g, tier.prefix_cache, tier.taken,
+        found = [self.prefix_cache.lookup(seq, g, lower, self.swap_pool.taken,
                                           full=not kind.skipped_blocks(len(seq), bs))
                  for g, kind in enumerate(self.kinds)]
         length = min(map(len, found))
@@ -794,6 +794,13 @@ class BlockAllocator(BlockPool):
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {num_taken} blocks, "
                                    f"{self.num_free_blocks} are free")
         (length, found), tables = self.lookup(seq), self.journaled_tables(seq)
+        reloaded = sorted(i for hits in found for i, hit in enumerate(hits)
+                          if hit is not None and hit[1] is not self.prefix_cache)
+        # The device's share of the hit is the hit it serves alone (vLLM: the local cache's hit,
+        # before its connector's): looked up before a block is taken, as a block taken to copy
+        # into may evict one. It ends at or before the first block copied back, in any group
+        # (at it, under full attention alone); the CPU tier serves the rest of the hit.
+        own = self.lookup(seq, tier=False)[0] if reloaded else length
         held = [block for hits in found for block, cache in filter(None, hits)
                 if cache is self.prefix_cache]
         for block_id in held:  # share before taking, so take() cannot evict a hit
@@ -811,10 +818,8 @@ class BlockAllocator(BlockPool):
         self.journal.set(seq, "num_computed_tokens", length * self.block_size)
         # the device's leading hits are cached; the blocks copied back are published with the
         # blocks seq computes, as it is scheduled (cache_full_blocks)
-        reloaded = sorted(i for hits in found for i, hit in enumerate(hits)
-                          if hit is not None and hit[1] is not self.prefix_cache)
         self.journal.set(seq, "num_cached_blocks", (reloaded or [length])[0])
-        self.prefix_cache.count(seq, length, held, len(set(reloaded)))
+        self.prefix_cache.count(seq, length, held, own)
 
     def allocate_together(self, seqs):
         """allocate() each of a request's sequences (samples or beams recomputed together), their
@@ -1024,7 +1029,7 @@ EVICTION_POLICIES = {"lru": lambda block: 0,  # all tie: least recently used fir
 class HitCounts:  # the hit rate is hit_tokens / queried_tokens
     queried_tokens: int = 0  # prompt tokens of sequences allocated with caching on
     hit_tokens: int = 0  # of those, the tokens found in the cache (in either tier)
-    cpu_hit_tokens: int = 0  # of those, the tokens the CPU tier held (copied back)
+    cpu_hit_tokens: int = 0  # of those, the tokens past the hit the device serves alone
 
 
 class PrefixCache:
@@ -1093,18 +1098,20 @@ class PrefixCache:
             found.append((block_id, cache))
         return found
 
-    def count(self, seq, num_blocks, hits, num_lower=0):
+    def count(self, seq, num_blocks, hits, num_own=None):
         """A sequence was allocated on a hit of its num_blocks leading blocks: hits, the blocks
-        of this cache it shares, and num_lower of its blocks copied back from the lower tier.
-        Count them for the hit rate and the policy."""
+        of this cache it shares, and num_own of its leading blocks the hit this cache alone
+        serves (all of them by default); the lower tier served the rest. Count them for the hit
+        rates and the policy."""
         if not self.enabled:
             return
         for block_id in hits:
             self.blocks[block_id].num_hits += 1
         c, bs = self.counts, self.block_size
+        num_own = num_blocks if num_own is None else num_own
         self.journal.set(c, "queried_tokens", c.queried_tokens + len(seq))
         self.journal.set(c, "hit_tokens", c.hit_tokens + num_blocks * bs)
-        self.journal.set(c, "cpu_hit_tokens", c.cpu_hit_tokens + num_lower * bs)
+        self.journal.set(c, "cpu_hit_tokens", c.cpu_hit_tokens + (num_blocks - num_own) * bs)
 
     def find(self, key, seq, i):
         """The cached block that holds seq's block i under key, or None: the first published of
@@ -1190,6 +1197,10 @@ class PrefixCache:
 # sequence's full blocks are cached there too, as they move. A lookup walks the device's cache,
 # then this one; a block found here is copied back into a fresh device block (reload), in the
 # step that admits its request, before the forward. The copies are the plan's, made in the run.
+# The tier's order follows use, as the device's does: a copy is used when it is written, when
+# it is copied back, and when the device gives up a block it already holds a copy of (the
+# device used that block since; vLLM's CPU offloading touches it), and each use frees it anew,
+# for the tier's policy to score (so under "lru" the copy used last is evicted last).
 
 
 class SwapPool(BlockPool):
@@ -1207,11 +1218,16 @@ class SwapPool(BlockPool):
 
     def offload(self, block):
         """Before the device gives up cached block: copy its K/V to a CPU block, cached under
-        its key, if the pool has room and holds no copy yet (so each block is written to the
-        tier at most once while it stays)."""
+        its key, if the pool has room; if it holds a copy already, that copy is used instead
+        (so each block is written to the tier at most once while it stays)."""
         cache = self.prefix_cache
-        if (not cache.enabled or not self.num_free_blocks
-                or cache.find_block(block.hash, block.token_ids, block.logical_index) is not None):
+        if not cache.enabled:
+            return
+        cpu_block = cache.find_block(block.hash, block.token_ids, block.logical_index)
+        if cpu_block is not None:
+            self.use(cpu_block)  # the device used the block since its copy was last used
+            return
+        if not self.num_free_blocks:
             return
         cpu_block = self.take()  # may evict the tier's own least valuable block
         cache.insert(cpu_block, block.hash, block.token_ids, block.logical_index)
@@ -1227,11 +1243,17 @@ class SwapPool(BlockPool):
         a = self.allocator
         block_id = a.take()
         a.reloads.append((cpu_block, block_id))
-        self.share(cpu_block)  # a use: its eviction order starts again
-        self.release(cpu_block)
+        self.use(cpu_block)
         self.journal.set(self, "num_reloaded_blocks", self.num_reloaded_blocks + 1)
         notify(self, "reload", cpu_block=cpu_block, block=block_id, **group_field(group))
         return block_id
+
+    def use(self, cpu_block):
+        """A use of a cached CPU block: it is freed again, as if just now, so the tier's policy
+        scores it anew (under "lru", it goes last). Held by a swapped-out sequence, it is not
+        free: its turn comes when that sequence lets it go."""
+        self.share(cpu_block)
+        self.release(cpu_block)
 
     def can_swap_out(self, seqs):
         return len(blocks_held(seqs)) <= self.num_free_blocks

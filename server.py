@@ -725,8 +725,9 @@ class ServerMetrics:
              "since the start.", hits / queried if queried else 0.0),
             (gauge, "nanopaged:cpu_cache_blocks", "CPU blocks that hold a cached prefix (the "
              "prefix cache's second tier).", s["num_cpu_cached_blocks"]),
-            (counter, "nanopaged:cpu_prefix_cache_hits_total", "Prefix cache hits served from "
-             "the CPU tier (copied back), in terms of number of cached tokens.",
+            (counter, "nanopaged:cpu_prefix_cache_hits_total", "Prefix cache hits served "
+             "through the CPU tier: the hit tokens past those the device alone holds, in terms "
+             "of number of cached tokens (hits_total minus this: the device's).",
              s["prefix_cache_cpu_hit_tokens"]),
             (counter, "nanopaged:offloaded_blocks_total", "Cached blocks copied to the CPU tier "
              "before their eviction.", s["num_offloaded_blocks"]),
