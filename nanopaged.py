@@ -700,6 +700,21 @@ ATTENTION_KINDS = {kind.name: kind for kind in (FullAttention, SlidingWindow,
                                                  ChunkedLocalAttention)}
 
 
+class CachedBlock(NamedTuple):  # a leading block of a sequence, found in a prefix cache
+    block_id: int
+    cache: "PrefixCache"  # the device's, or the CPU tier's (copied back into a fresh block)
+
+
+class PrefixHit(NamedTuple):
+    """A sequence's prefix-cache hit: its first num_blocks blocks, and per KV cache group a
+    CachedBlock for each of them, or None where no token to come sees it (a window's)."""
+    num_blocks: int
+    blocks: list
+
+    def cached_blocks(self):  # every CachedBlock of every group
+        return [block for hits in self.blocks for block in hits if block is not None]
+
+
 class BlockAllocator(BlockPool):
     """The device pool, and the block tables that point into it: a sequence is given its prefix
     cache hit when admitted, then blocks chunk by chunk as its tokens are scheduled (a write into
@@ -742,10 +757,10 @@ class BlockAllocator(BlockPool):
         return seq.block_tables
 
     def lookup(self, seq, tier=True):
-        """seq's prefix-cache hit: the most leading full blocks of which every KV cache group can
-        serve the blocks its kind needs (hit_blocks: vLLM's hybrid rule), and per group a (block,
-        its cache) for each of them, the device's or the CPU tier's to copy back (tier: whether
-        to look there), or None where no token to come sees it."""
+        """seq's PrefixHit: the most leading full blocks of which every KV cache group can serve
+        the blocks its kind needs (hit_blocks: vLLM's hybrid rule), and per group a CachedBlock
+        for each of them, the device's or the CPU tier's to copy back (tier: whether to look
+        there), or None where no token to come sees it."""
         lower, bs = self.swap_pool.prefix_cache if tier else None, self.block_size
         # a group whose kind never skips a block needs every block of a hit: its list ends at
         # its first miss; another's runs on, None where it misses
@@ -753,34 +768,40 @@ class BlockAllocator(BlockPool):
                                           full=not kind.skipped_blocks(len(seq), bs))
                  for g, kind in enumerate(self.kinds)]
         length = min(map(len, found))
-        needed = [kind.hit_blocks(length, bs) for kind in self.kinds]
-        while length and not all(found[g][i] for g, need in enumerate(needed) for i in need):
+        def served(length):  # every group finds the blocks its kind needs of the first length
+            for g, kind in enumerate(self.kinds):
+                if not all(found[g][i] for i in kind.hit_blocks(length, bs)):
+                    return False
+            return True
+        while length and not served(length):
             length -= 1  # a group misses a block its kind needs: a shorter hit
-            needed = [kind.hit_blocks(length, bs) for kind in self.kinds]
-        hits = []
-        for g, need in enumerate(needed):
-            need = set(need)
-            hits.append([found[g][i] if i in need else None for i in range(length)])
-        return length, hits
+        blocks = []
+        for g, kind in enumerate(self.kinds):
+            need = set(kind.hit_blocks(length, bs))
+            blocks.append([found[g][i] if i in need else None for i in range(length)])
+        return PrefixHit(length, blocks)
 
     def num_blocks_to_allocate(self, seq):
         """Free blocks allocate(seq) takes: the device's hits that are free now, and a fresh
         block for each of the CPU tier's (copied back)."""
-        _, found = self.lookup(seq)
-        return sum(cache is not self.prefix_cache or self.blocks[block].ref_count == 0
-                   for hits in found for block, cache in filter(None, hits))
+        num_taken = 0
+        for hit in self.lookup(seq).cached_blocks():
+            copied_back = hit.cache is not self.prefix_cache
+            num_taken += copied_back or self.blocks[hit.block_id].ref_count == 0
+        return num_taken
 
     def num_blocks_to_admit(self, seq, chunk):
         """The most free blocks seq holds at once from its admission to the end of its prefill,
         computed in chunks of at most `chunk` tokens: in each KV cache group its kind's bound,
         less the hits other sequences hold that no chunk gives back (a window gives back its
         old hits, and takes blocks in their stead)."""
-        _, found = self.lookup(seq)
         need = 0
-        for kind, hits in zip(self.kinds, found):
+        for kind, hits in zip(self.kinds, self.lookup(seq).blocks):
             skipped = kind.skipped_blocks(len(seq) - 1, self.block_size)  # by the last chunk
-            kept = sum(1 for i, hit in enumerate(hits) if hit and i not in skipped
-                       and hit[1] is self.prefix_cache and self.blocks[hit[0]].ref_count > 0)
+            kept = 0  # the device's hits that others hold and no chunk of seq gives back
+            for i, hit in enumerate(hits):
+                if hit and i not in skipped and hit.cache is self.prefix_cache:
+                    kept += self.blocks[hit.block_id].ref_count > 0
             need += kind.max_blocks(len(seq), chunk, self.block_size) - kept
         return need
 
@@ -793,26 +814,28 @@ class BlockAllocator(BlockPool):
         if num_taken > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {num_taken} blocks, "
                                    f"{self.num_free_blocks} are free")
-        (length, found), tables = self.lookup(seq), self.journaled_tables(seq)
-        reloaded = sorted(i for hits in found for i, hit in enumerate(hits)
-                          if hit is not None and hit[1] is not self.prefix_cache)
+        hit, tables = self.lookup(seq), self.journaled_tables(seq)
+        length = hit.num_blocks
+        reloaded = set()  # the indices of the blocks the CPU tier serves, in any group
+        for hits in hit.blocks:
+            reloaded |= {i for i, h in enumerate(hits) if h and h.cache is not self.prefix_cache}
+        reloaded = sorted(reloaded)
         # The device's share of the hit is the hit it serves alone (vLLM: the local cache's hit,
         # before its connector's): looked up before a block is taken, as a block taken to copy
         # into may evict one. It ends at or before the first block copied back, in any group
         # (at it, under full attention alone); the CPU tier serves the rest of the hit.
-        own = self.lookup(seq, tier=False)[0] if reloaded else length
-        held = [block for hits in found for block, cache in filter(None, hits)
-                if cache is self.prefix_cache]
+        own = self.lookup(seq, tier=False).num_blocks if reloaded else length
+        held = [h.block_id for h in hit.cached_blocks() if h.cache is self.prefix_cache]
         for block_id in held:  # share before taking, so take() cannot evict a hit
             self.share(block_id)
-        for g, (table, hits) in enumerate(zip(tables, found)):
-            for i, hit in enumerate(hits):
-                if hit is None:
+        for g, (table, hits) in enumerate(zip(tables, hit.blocks)):
+            for i, h in enumerate(hits):
+                if h is None:
                     table.append(NO_BLOCK)  # no token to come sees it
-                elif hit[1] is self.prefix_cache:
-                    table.append(hit[0])
+                elif h.cache is self.prefix_cache:
+                    table.append(h.block_id)
                 else:  # the CPU tier's: copied back into a fresh block
-                    table.append(self.swap_pool.reload(seq, i, hit[0], g))
+                    table.append(self.swap_pool.reload(seq, i, h.block_id, g))
             notify(self, "allocate", seq=seq.seq_id, request=seq.request_id,
                    table=table.tolist(), hits=length, **group_field(g))
         self.journal.set(seq, "num_computed_tokens", length * self.block_size)
@@ -826,9 +849,10 @@ class BlockAllocator(BlockPool):
         prefix hits held first: a block one of them takes could otherwise evict a hit that
         another's count relied on. So the request takes at most the sum of their
         num_blocks_to_allocate."""
-        hits = [(self if cache is self.prefix_cache else self.swap_pool, block)
-                for seq in seqs for found in self.lookup(seq)[1]
-                for block, cache in filter(None, found)]
+        hits = []  # (the pool, its block) of each sequence's hit
+        for seq in seqs:
+            for h in self.lookup(seq).cached_blocks():
+                hits.append((self if h.cache is self.prefix_cache else self.swap_pool, h.block_id))
         for pool, block in hits:
             pool.share(block)
         for seq in seqs:
@@ -1072,11 +1096,11 @@ class PrefixCache:
         return key if group == 0 else hashlib.sha256(bytes([group]) + key).digest()
 
     def lookup(self, seq, group=0, lower=None, unreadable=(), full=True):
-        """For each of seq's full leading blocks (of a KV cache group), the block that holds it,
-        as (block, the cache that holds it): this cache's, or where it lacks one, the lower
-        tier's (the CPU's, but for its blocks in unreadable); None where neither has it. full:
-        stop at the first miss (a full-attention group needs every block before its hit's end;
-        another kind, those its tokens to come see)."""
+        """For each of seq's full leading blocks (of a KV cache group), the CachedBlock that
+        holds it: this cache's, or where it lacks one, the lower tier's (the CPU's, but for its
+        blocks in unreadable); None where neither has it. full: stop at the first miss (a
+        full-attention group needs every block before its hit's end; another kind, those its
+        tokens to come see)."""
         found = []
         # A cached block has no logits: a sequence still owed prompt logprobs computes its whole
         # prompt (as vLLM does), and publishes its blocks for others as usual.
@@ -1095,7 +1119,7 @@ class PrefixCache:
                     break
                 found.append(None)
                 continue
-            found.append((block_id, cache))
+            found.append(CachedBlock(block_id, cache))
         return found
 
     def count(self, seq, num_blocks, hits, num_own=None):
@@ -1331,7 +1355,8 @@ class SwapPool(BlockPool):
     @staticmethod
     def _move(seqs, take, share, release):
         mapping = {}  # block on this side -> block on the other
-        for table in (table for seq in seqs for table in seq.block_tables):
+        tables = [table for seq in seqs for table in seq.block_tables]  # every group's, each seq
+        for table in tables:
             for i, src in enumerate(table):
                 if src == NO_BLOCK:  # a block given back moves nowhere
                     continue
