@@ -7591,7 +7591,7 @@ def written_keys(draw):
 @pytest.mark.read_policy
 @settings(max_examples=examples(100), deadline=None)
 @given(written_keys())
-def test_key_bounds_are_the_stored_keys_min_and_max_and_quests_score_bounds_every_key(case):
+def test_key_bounds_are_min_and_max_and_quests_score_bounds_every_key(case):
     """Keys stored chunk by chunk into blocks that held other keys before: each block's bounds
     are the min and max of what it holds, as attention reads it (dequantized, for an 8-bit
     cache); and a block's Quest score bounds q.k of each of its keys, for every query head of
@@ -7740,7 +7740,7 @@ def assert_key_bounds_are_the_keys(engine, exact=True):
 @pytest.mark.read_policy
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_key_bounds_follow_their_blocks_through_copy_on_write_swap_and_preemption(
+def test_key_bounds_move_with_their_blocks(
         mode, kv_cache_dtype):
     """Beams and parallel samples (copy-on-write), in a pool too small for them all (preemption:
     recompute, or swap out and in): after every step, every block a sequence holds, wherever
