@@ -6012,6 +6012,11 @@ MOVES = {"preempt", "swap_out", "swap_in", "offload", "reload"}
 @example(requests=[([2, 4, 1, 7], 7, "greedy"), ([4], 3, "beam=2"),
                    ([1, 4, 6, 5, 4, 6], 2, "greedy")], block_size=2, spare=1, mode="swap",
          tier=16, fail={2}, after=False)
+# the same rule where blocks come chunk by chunk (the one above no longer reaches it): a swapped
+# request's CPU blocks, given up to the tier by the failed step, take its offloads
+@example(requests=[([0], 5, "greedy"), ([0, 0], 4, "greedy"), ([0], 3, "greedy"),
+                   ([0, 0, 0, 0], 2, "greedy")], block_size=1, spare=0, mode="swap", tier=4,
+         fail={4}, after=True)
 def test_a_step_that_fails_after_moving_blocks_leaves_them_counted_and_none_written_held(
         requests, block_size, spare, mode, tier, fail, after):
     """Steps that fail after a plan that preempted, swapped or copied to or from the CPU tier
