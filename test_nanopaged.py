@@ -919,7 +919,7 @@ def test_per_head_tables_that_repeat_the_shared_one_give_the_same_output(b, num_
 
 
 @pytest.mark.kernel
-@settings(max_examples=examples(40), deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(selected_batches(dtypes=[torch.float32, torch.float16, torch.bfloat16], max_seqs=4,
                         max_seq_len=120, head_dims=(16, 64, 80), block_sizes=SELECTED_BLOCKS,
                         cache_dtypes=(None, None, *FP8)),
@@ -946,7 +946,7 @@ def test_torch_path_reads_a_selection_as_naive_attention_over_its_keys(b, chunk_
 
 @pytest.mark.kernel
 @pytest.mark.skipif(not kernel.INTERPRETED, reason="reads are recorded in Triton's interpreter")
-@settings(max_examples=examples(30), deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(selected_batches(dtypes=[torch.float16], max_seqs=3, max_seq_len=200, head_dims=(16,),
                         groups=(1, 4), block_sizes=SELECTED_BLOCKS),
        st.sampled_from([1, 2, 3]))
