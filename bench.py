@@ -1473,7 +1473,7 @@ def greedy_agreement(budgets, prompts, prompt_len, max_tokens, block_size=16):
 
 
 def bench_sparse(contexts=(1024, 4096, 16384), budgets=(64, 256, 1024, 4096), batch=8,
-                 block_size=16, repeats=10, prompts=8, prompt_len=192, max_tokens=48,
+                 block_size=16, repeats=30, prompts=8, prompt_len=192, max_tokens=48,
                  agreement_budgets=(16, 32, 64, 128, 256)):
     """Decode attention time against the token budget (SmolLM2-135M's attention: 9 query heads,
     3 KV heads of 64; torch path, float32) at several contexts, and the built-in model's greedy
