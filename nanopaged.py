@@ -2352,15 +2352,14 @@ class ModelRunner:
                                               pin_memory=device.type == "cuda")
         self.table_rows = []  # per KV cache group, the batch's block table rows: batch_table
 
-    def execute(self, plan, proposals):
-        """Copy the blocks the plan orders, then run its scheduled tokens, each sequence's
-        proposals after them (speculative decoding). Returns the logits (R, V) after each
-        sequence whose last token is now computed, and after each of its proposals, then the
-        rows prompt logprobs need; or None if nothing runs."""
+    def execute(self, plan, chunks):
+        """Copy the blocks the plan orders, then run the step's chunks (its scheduled tokens,
+        each sequence's proposals after them: step_chunks). Returns the logits (R, V) in
+        logits_rows' order; or None if nothing runs."""
         self.copy_blocks(plan)
-        if not plan.scheduled:
+        if not chunks:
             return None
-        return self.forward(step_chunks(plan.scheduled, proposals))
+        return self.forward(chunks)
 
     def forward(self, chunks, prompt_logprobs=True):
         batch = self.prepare(chunks, prompt_logprobs)
@@ -2797,23 +2796,23 @@ class OutputProcessor:
 
     # -- run: decide, changing nothing ---------------------------------------------------
 
-    def decide(self, plan, logits, proposals):
-        """What the step's logits (R, V) give each request whose sequences reached their last
-        token: the rows after those tokens (and after each proposal), then prompt logprobs'."""
+    def decide(self, chunks, logits, proposals):
+        """What the step's logits (R, V), run for its chunks, give each request whose sequences
+        reached their last token: the rows after those tokens (and after each proposal), then
+        prompt logprobs'."""
         result = StepResult(proposals=proposals)
         if logits is None:
             return result
         running = {g.request_id: g for g in self.scheduler.running}
-        chunks = list(step_chunks(plan.scheduled, proposals))
-        rows = logits_rows(chunks)  # the order the model runner gathered them in
+        gathered = logits_rows(chunks)  # the order the model runner gathered them in
         num_sampling = sum(c.num_logits for c in chunks)
         row_of = {}  # seq_id -> its first row of logits, for sequences whose last token is in
         ready = {}  # request_id -> request: the scheduler completes a request's sequences together
-        for row, (i, _) in enumerate(rows[:num_sampling]):
+        for row, (i, _) in enumerate(gathered[:num_sampling]):
             seq = chunks[i].seq
             row_of.setdefault(seq.seq_id, row)  # then a row after each of its proposals
             ready[seq.request_id] = running[seq.request_id]
-        owed = [(chunks[i].seq, p) for i, p in rows[num_sampling:]]  # prompt logprobs' rows
+        owed = [(chunks[i].seq, p) for i, p in gathered[num_sampling:]]  # their rows
         if owed:
             result.prompt_logprobs = self.prompt_logprob_entries(owed, logits[num_sampling:],
                                                                  running)
@@ -3259,8 +3258,9 @@ class Engine:
         if self.observer is not None:
             notify(self, "schedule", **schedule_summary(plan))
         proposals = self.proposer.propose(plan) if self.proposer else {}  # seq_id -> tokens
-        logits = self.model_runner.execute(plan, proposals)
-        return self.output_processor.decide(plan, logits, proposals)
+        chunks = list(step_chunks(plan.scheduled, proposals))  # the batch, in the logits' order
+        logits = self.model_runner.execute(plan, chunks)
+        return self.output_processor.decide(chunks, logits, proposals)
 
     def commit(self, plan, result):
         """Apply the run's result and report. An observer that raises here cannot stop the

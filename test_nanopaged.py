@@ -4367,13 +4367,12 @@ class RecordingEngine(Engine):
         self.logits = {}  # token ids -> next-token logits
         decide = self.output_processor.decide
 
-        def record(plan, logits, proposals):
+        def record(chunks, logits, proposals):
             assert not proposals, "one row per sequence"
-            done = [seq for seq, num_new in plan.scheduled
-                    if seq.num_computed_tokens + num_new == len(seq)]
+            done = [c.seq for c in chunks if c.start + len(c.tokens) == len(c.seq)]
             self.logits.update({tuple(s.token_ids): row
                                 for s, row in zip(done, logits, strict=True)})
-            return decide(plan, logits, proposals)
+            return decide(chunks, logits, proposals)
         self.output_processor.decide = record
 
 
