@@ -183,9 +183,10 @@ class ReservingAllocator(BlockAllocator):
         return self.blocks_per_seq
 
     def allocate(self, seq):
-        super().allocate(seq)
+        copies = super().allocate(seq)
         for _ in range(self.blocks_per_seq - len(seq.block_table)):
-            seq.block_table.append(self.take())
+            seq.block_table.append(self.take(copies))
+        return copies
 
 
 def serve_trace(engine, prompts, trace, arrival_rate, seed=SEED):
@@ -1552,7 +1553,7 @@ def timed_step(engine):
     engine.allocator.begin()
     plan = engine.plan()
     t1 = time.perf_counter()
-    engine.model_runner.copy_blocks(plan)
+    engine.model_runner.copy_blocks(plan.copies)
     chunks = list(step_chunks(plan.scheduled, {}))
     batch = engine.model_runner.prepare(chunks)
     t2 = time.perf_counter()

@@ -562,17 +562,13 @@ class BlockPool:
         if self.empty_block_ids:
             block_id = self.empty_block_ids.pop()
         elif self.prefix_cache.num_evictable:
-            block_id = self.evict()
+            block_id = self.prefix_cache.evict()
         else:
             raise OutOfBlocksError(f"all {self.num_blocks} KV blocks are in use")
         block = self.blocks[block_id]
         block.ref_count, block.num_hits = 1, 0
         self.taken.add(block_id)
         return block_id
-
-    def evict(self):
-        """The cached free block the eviction policy gives up, its prefix forgotten."""
-        return self.prefix_cache.evict()
 
     def share(self, block_id):
         block = self.blocks[block_id]
@@ -715,6 +711,26 @@ class PrefixHit(NamedTuple):
         return [block for hits in self.blocks for block in hits if block is not None]
 
 
+@dataclass
+class BlockCopies:
+    """The block copies a change to the tables asks for, each (source, destination): the change
+    returns them, the step's plan carries them, and the run makes them before the forward
+    (copy_blocks). Blocks of the device pool, or of the CPU pool (section 4) where named so."""
+    cow: list = field(default_factory=list)  # (src, dst) device blocks: copy-on-write
+    swap_out: list = field(default_factory=list)  # (device, cpu block): a preempted sequence's
+    swap_in: list = field(default_factory=list)  # (cpu, device block): its way back
+    offload: list = field(default_factory=list)  # (device, cpu block): an evicted prefix's
+    reload: list = field(default_factory=list)  # (cpu, device block): a hit in the CPU tier
+
+    def __iadd__(self, other):
+        for f in fields(self):
+            getattr(self, f.name).extend(getattr(other, f.name))
+        return self
+
+    def __bool__(self):
+        return any(getattr(self, f.name) for f in fields(self))
+
+
 class BlockAllocator(BlockPool):
     """The device pool, and the block tables that point into it: a sequence is given its prefix
     cache hit when admitted, then blocks chunk by chunk as its tokens are scheduled (a write into
@@ -737,10 +753,17 @@ class BlockAllocator(BlockPool):
         # cpu_cache: the CPU pool caches prefixes too, a second tier under the device's
         self.swap_pool = SwapPool(num_cpu_blocks, self, enable_prefix_caching and cpu_cache,
                                   cpu_eviction_policy or eviction_policy)
-        self.offloads, self.reloads = [], []  # a plan's copies to the CPU tier and back
         self.kinds = list(kinds)  # per KV cache group (section 7): its layers' attention kind
         # whether any group gives blocks back as its sequences grow (not full attention alone)
         self.skips_blocks = any(kind.mask != kernel.FULL_ATTENTION for kind in self.kinds)
+
+    def take(self, copies):
+        """A free block (BlockPool.take). A cached block the device gives up goes to the CPU
+        tier first, if it has room (section 4), so that a prefix that comes back is copied in,
+        not computed again: that copy joins copies."""
+        if not self.empty_block_ids and self.prefix_cache.num_evictable:
+            copies.offload += self.swap_pool.offload(self.blocks[self.prefix_cache.next_victim()])
+        return super().take()
 
     def max_blocks(self, num_tokens, chunk):
         """The most blocks a sequence of num_tokens tokens holds while it computes a chunk of
@@ -808,7 +831,9 @@ class BlockAllocator(BlockPool):
     def allocate(self, seq):
         """Give a new (or recomputing) sequence its prefix-cache hit: block tables over its
         cached leading blocks (NO_BLOCK where no token to come sees one), and num_computed_tokens
-        the tokens they hold. Its other tokens get blocks chunk by chunk (allocate_slots)."""
+        the tokens they hold. Its other tokens get blocks chunk by chunk (allocate_slots).
+        Returns the BlockCopies it asks for: the CPU tier's hits copied back, and the tier's
+        copies of the blocks it evicts."""
         assert not any(seq.block_tables), f"sequence {seq.seq_id} already holds blocks"
         num_taken = self.num_blocks_to_allocate(seq)  # what an override says, too
         if num_taken > self.num_free_blocks:
@@ -828,6 +853,7 @@ class BlockAllocator(BlockPool):
         held = [h.block_id for h in hit.cached_blocks() if h.cache is self.prefix_cache]
         for block_id in held:  # share before taking, so take() cannot evict a hit
             self.share(block_id)
+        copies = BlockCopies()
         for g, (table, hits) in enumerate(zip(tables, hit.blocks)):
             for i, h in enumerate(hits):
                 if h is None:
@@ -835,7 +861,7 @@ class BlockAllocator(BlockPool):
                 elif h.cache is self.prefix_cache:
                     table.append(h.block_id)
                 else:  # the CPU tier's: copied back into a fresh block
-                    table.append(self.swap_pool.reload(seq, i, h.block_id, g))
+                    table.append(self.swap_pool.reload(seq, i, h.block_id, copies, g))
             notify(self, "allocate", seq=seq.seq_id, request=seq.request_id,
                    table=table.tolist(), hits=length, **group_field(g))
         self.journal.set(seq, "num_computed_tokens", length * self.block_size)
@@ -843,22 +869,25 @@ class BlockAllocator(BlockPool):
         # blocks seq computes, as it is scheduled (cache_full_blocks)
         self.journal.set(seq, "num_cached_blocks", (reloaded or [length])[0])
         self.prefix_cache.count(seq, length, held, own)
+        return copies
 
     def allocate_together(self, seqs):
         """allocate() each of a request's sequences (samples or beams recomputed together), their
         prefix hits held first: a block one of them takes could otherwise evict a hit that
         another's count relied on. So the request takes at most the sum of their
-        num_blocks_to_allocate."""
+        num_blocks_to_allocate. Returns their BlockCopies."""
         hits = []  # (the pool, its block) of each sequence's hit
         for seq in seqs:
             for h in self.lookup(seq).cached_blocks():
                 hits.append((self if h.cache is self.prefix_cache else self.swap_pool, h.block_id))
         for pool, block in hits:
             pool.share(block)
+        copies = BlockCopies()
         for seq in seqs:
-            self.allocate(seq)
+            copies += self.allocate(seq)
         for pool, block in hits:
             pool.release(block)
+        return copies
 
     def num_blocks_to_append(self, seqs, num_new=1):
         """Free blocks allocate_slots takes to give each of seqs its next num_new tokens: the
@@ -903,24 +932,25 @@ class BlockAllocator(BlockPool):
         """Room for seq's next num_new tokens, from num_computed_tokens on, in each of its block
         tables: fresh blocks past a table's end, and a private copy of a shared block they write
         into (copy-on-write: the block is shared after a fork, so this writer moves to a copy
-        and the other owners keep the original, paper section 4.4). Returns the (src, dst) block
-        copies, for the engine to make on the KV tensors before the step."""
+        and the other owners keep the original, paper section 4.4). Returns the BlockCopies
+        the step makes on the KV tensors before the forward: the copy-on-write ones, and the
+        CPU tier's copies of the blocks it evicts."""
         need = self.num_blocks_to_append([seq], num_new)  # every group's, before any group takes
         if need > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {need} blocks, "
                                    f"{self.num_free_blocks} are free")
         bs, start = self.block_size, seq.num_computed_tokens
-        copies = []
+        copies = BlockCopies()
         for g, table in enumerate(seq.block_tables):
             i = start // bs
             if num_new and i < len(table) and self.blocks[table[i]].ref_count > 1:
-                old, new = table[i], self.take()
+                old, new = table[i], self.take(copies)
                 self.release(old)
                 table[i] = new
                 notify(self, "cow", seq=seq.seq_id, src=old, dst=new, **group_field(g))
-                copies.append((old, new))
+                copies.cow.append((old, new))
             while len(table) * bs < start + num_new:
-                table.append(self.take())
+                table.append(self.take(copies))
                 notify(self, "append", seq=seq.seq_id, block=table[-1], **group_field(g))
         return copies
 
@@ -990,12 +1020,6 @@ class BlockAllocator(BlockPool):
                     cache.publish(seq, i, table[i], g)
         self.journal.set(seq, "num_cached_blocks", num_full)
 
-    def evict(self):
-        """The device gives up a cached block: its K/V go to the CPU tier first, if it has room
-        (section 4), so that a prefix that comes back is copied in, not computed again."""
-        self.swap_pool.offload(self.blocks[self.prefix_cache.next_victim()])
-        return super().evict()
-
     # -- a step's plan, undone -----------------------------------------------------------
 
     def begin(self):
@@ -1003,11 +1027,9 @@ class BlockAllocator(BlockPool):
         at the start of every step, rollback() if the step fails, end() once it stands)."""
         self.journal.open()
         self.taken, self.swap_pool.taken = set(), set()
-        self.offloads, self.reloads = [], []
 
     def end(self):
         self.journal.close()
-        self.offloads, self.reloads = [], []  # the plan's SchedulerOutput holds them now
 
     def rollback(self):
         """Put every block, block table, sequence's paging state and queue back as begin() found
@@ -1015,7 +1037,6 @@ class BlockAllocator(BlockPool):
         failed step. Returns the blocks handed out: the device's, and the CPU pool's."""
         taken = self.taken, self.swap_pool.taken
         self.journal.rollback()
-        self.offloads, self.reloads = [], []  # the failed plan's copies: never made
         for pool in (self, self.swap_pool):
             for block_id in pool.taken:
                 pool.blocks[block_id].hash, pool.blocks[block_id].token_ids = None, ()
@@ -1243,30 +1264,30 @@ class SwapPool(BlockPool):
     def offload(self, block):
         """Before the device gives up cached block: copy its K/V to a CPU block, cached under
         its key, if the pool has room; if it holds a copy already, that copy is used instead
-        (so each block is written to the tier at most once while it stays)."""
+        (so each block is written to the tier at most once while it stays). Returns the copies
+        to make: [(device block, cpu block)], or none."""
         cache = self.prefix_cache
         if not cache.enabled:
-            return
+            return []
         cpu_block = cache.find_block(block.hash, block.token_ids, block.logical_index)
         if cpu_block is not None:
             self.use(cpu_block)  # the device used the block since its copy was last used
-            return
+            return []
         if not self.num_free_blocks:
-            return
+            return []
         cpu_block = self.take()  # may evict the tier's own least valuable block
         cache.insert(cpu_block, block.hash, block.token_ids, block.logical_index)
         self.release(cpu_block)  # held by nobody: a cached free block, evictable by the policy
-        self.allocator.offloads.append((block.block_id, cpu_block))
         self.journal.set(self, "num_offloaded_blocks", self.num_offloaded_blocks + 1)
         notify(self, "offload", block=block.block_id, cpu_block=cpu_block)
+        return [(block.block_id, cpu_block)]
 
-    def reload(self, seq, i, cpu_block, group=0):
+    def reload(self, seq, i, cpu_block, copies, group=0):
         """seq's block i (of a KV cache group), found in this tier: a fresh device block, into
         which the step copies cpu_block's K/V before the forward (and publishes it, as seq is
-        scheduled)."""
-        a = self.allocator
-        block_id = a.take()
-        a.reloads.append((cpu_block, block_id))
+        scheduled). The copy joins copies."""
+        block_id = self.allocator.take(copies)
+        copies.reload.append((cpu_block, block_id))
         self.use(cpu_block)
         self.journal.set(self, "num_reloaded_blocks", self.num_reloaded_blocks + 1)
         notify(self, "reload", cpu_block=cpu_block, block=block_id, **group_field(group))
@@ -1283,11 +1304,12 @@ class SwapPool(BlockPool):
         return len(blocks_held(seqs)) <= self.num_free_blocks
 
     def swap_out(self, seqs):
-        """Move seqs' blocks to this pool; returns the (device, cpu block) copies to make. Their
+        """Move seqs' blocks to this pool; returns the BlockCopies to make (swap_out). Their
         blocks left the device's prefix cache's hands: swap_in publishes its copies again."""
         if not self.can_swap_out(seqs):
             raise OutOfBlocksError("the CPU swap space cannot hold these sequences")
-        copies = self._move(seqs, lambda _: self.take(), self.share, self.allocator.release)
+        copies = BlockCopies(swap_out=self._move(seqs, lambda _: self.take(), self.share,
+                                                 self.allocator.release))
         for seq in seqs:
             self.journal.set(seq, "num_cached_blocks", 0)
             for g, table in enumerate(seq.block_tables):
@@ -1329,28 +1351,30 @@ class SwapPool(BlockPool):
         return self.num_blocks_to_swap_in(seqs, kept) <= self.allocator.num_free_blocks
 
     def swap_in(self, seqs):
-        """Bring swapped-out seqs back; returns the (cpu block, device block) copies to perform,
-        which land before the step runs (the fresh blocks are published again as they are
-        scheduled)."""
+        """Bring swapped-out seqs back; returns the BlockCopies to make, which land before the
+        step runs: swap_in, and the tier's copies of the blocks it evicts (the fresh blocks
+        are published again as they are scheduled)."""
         a, kept = self.allocator, self._still_cached(seqs)
         if not self.can_swap_in(seqs, kept):
             raise OutOfBlocksError("not enough free device blocks to swap these sequences in")
+        copies = BlockCopies()
 
         def take(cpu_block):
             if cpu_block in kept:
                 a.share(kept[cpu_block])
                 return kept[cpu_block]
-            return a.take()
+            return a.take(copies)
         pinned = set(kept.values())
         for block_id in pinned:  # held while fresh blocks are taken, so none of them is evicted
             a.share(block_id)
-        copies = self._move(seqs, take, a.share, self.release)
+        moved = self._move(seqs, take, a.share, self.release)
         for block_id in pinned:
             a.release(block_id)
         for seq in seqs:
             for g, table in enumerate(seq.block_tables):
                 notify(self, "swap_in", seq=seq.seq_id, table=table.tolist(), **group_field(g))
-        return [(src, dst) for src, dst in copies if src not in kept]
+        copies.swap_in = [(src, dst) for src, dst in moved if src not in kept]
+        return copies
 
     @staticmethod
     def _move(seqs, take, share, release):
@@ -1406,11 +1430,7 @@ SCHEDULING_POLICIES = {  # the order: a Request's key (fixed while queued), smal
 class SchedulerOutput:
     """A step's plan."""
     scheduled: list = field(default_factory=list)  # (seq, num_new_tokens) in batch order
-    blocks_to_swap_out: list = field(default_factory=list)  # (device block, cpu block)
-    blocks_to_swap_in: list = field(default_factory=list)  # (cpu block, device block)
-    blocks_to_copy: list = field(default_factory=list)  # (src, dst) device blocks, copy-on-write
-    blocks_to_offload: list = field(default_factory=list)  # (device, cpu block) to the CPU tier
-    blocks_to_reload: list = field(default_factory=list)  # (cpu, device block) from the CPU tier
+    copies: BlockCopies = field(default_factory=BlockCopies)  # what its takes and moves ask
     admitted: list = field(default_factory=list)  # requests admitted from waiting
     preempted: list = field(default_factory=list)  # requests preempted
     lookahead: list = field(default_factory=list)  # (seq, slots) for proposals: see speculative
@@ -1463,9 +1483,6 @@ class Scheduler:
         self._admit(out, num_seqs)
         if self.num_lookahead_slots:
             self._reserve_lookahead(out)
-        # the CPU tier's copies, which the plan's takes and hits asked for along the way
-        out.blocks_to_offload = self.allocator.offloads
-        out.blocks_to_reload = self.allocator.reloads
         return out
 
     def _move(self, request, source, target):
@@ -1513,7 +1530,7 @@ class Scheduler:
                     self._recompute(request, self.swapped)
                 break
             num_seqs += request.params.num_seqs
-            out.blocks_to_swap_in += swap_pool.swap_in(request.seqs)
+            out.copies += swap_pool.swap_in(request.seqs)
             self._move(request, self.swapped, self.running)
             notify(self, "resume", request=request.request_id)
             if request.is_decoding:
@@ -1533,7 +1550,7 @@ class Scheduler:
             self._move(request, self.waiting, self.running)
             out.admitted.append(request)
             notify(self, "admit", request=request.request_id)
-            self.allocator.allocate_together(request.seqs)
+            out.copies += self.allocator.allocate_together(request.seqs)
             self._first_scheduled(request)
             if not request.is_decoding:
                 self._schedule_prefill(request, out, chunk)
@@ -1591,7 +1608,7 @@ class Scheduler:
 
     def _append_slots(self, request, out):
         for seq in request.seqs:
-            out.blocks_to_copy += self.allocator.allocate_slots(seq, 1)
+            out.copies += self.allocator.allocate_slots(seq, 1)
             self._schedule(seq, 1, out)
 
     def _schedule_prefill(self, request, out, most=None):
@@ -1607,7 +1624,7 @@ class Scheduler:
             while (want := min(len(seq) - hold_back - seq.num_computed_tokens, most or math.inf,
                                self.max_num_batched_tokens - out.num_batched_tokens)) > 0:
                 if num_new := self.allocator.num_slots_free(seq, want):
-                    out.blocks_to_copy += self.allocator.allocate_slots(seq, num_new)
+                    out.copies += self.allocator.allocate_slots(seq, num_new)
                     self._schedule(seq, num_new, out)
                     break
                 victim = self.running[-1]
@@ -1638,7 +1655,7 @@ class Scheduler:
                             self.max_num_batched_tokens - out.num_batched_tokens)
                 if slots > 0:
                     # the chunk's tokens have their slots: slots after its last token too
-                    a.allocate_slots(seq, len(seq) + slots - seq.num_computed_tokens)
+                    out.copies += a.allocate_slots(seq, len(seq) + slots - seq.num_computed_tokens)
                     out.lookahead.append((seq, slots))
                     out.num_batched_tokens += slots
 
@@ -1647,7 +1664,7 @@ class Scheduler:
         them), else free them to be recomputed."""
         out.preempted.append(request)
         if self.preemption_mode == "swap" and self.allocator.swap_pool.can_swap_out(request.seqs):
-            out.blocks_to_swap_out += self.allocator.swap_pool.swap_out(request.seqs)
+            out.copies += self.allocator.swap_pool.swap_out(request.seqs)
             self._move(request, self.running, self.swapped)
             notify(self, "preempt", request=request.request_id, mode="swap")
         else:
@@ -2356,7 +2373,7 @@ class ModelRunner:
         """Copy the blocks the plan orders, then run the step's chunks (its scheduled tokens,
         each sequence's proposals after them: step_chunks). Returns the logits (R, V) in
         logits_rows' order; or None if nothing runs."""
-        self.copy_blocks(plan)
+        self.copy_blocks(plan.copies)
         if not chunks:
             return None
         return self.forward(chunks)
@@ -2366,12 +2383,12 @@ class ModelRunner:
         with torch.inference_mode():
             return self.model(batch.input_ids, batch, self.kv_cache)  # (R, V)
 
-    def copy_blocks(self, plan):
-        """The plan's block copies, of the K/V and of whatever is kept beside them per block (key
+    def copy_blocks(self, copies):
+        """A plan's BlockCopies, of the K/V and of whatever is kept beside them per block (key
         bounds): a block's data moves wherever the block does."""
-        copy_blocks(plan, self.kv_cache, self.cpu_kv_cache, self.device)
+        copy_blocks(copies, self.kv_cache, self.cpu_kv_cache, self.device)
         if self.key_bounds is not None:
-            copy_blocks(plan, self.key_bounds, self.cpu_key_bounds, self.device)
+            copy_blocks(copies, self.key_bounds, self.cpu_key_bounds, self.device)
 
     def batch_table(self, g, seq_tables):
         """KV cache group g's block tables as the batch's (S, max_blocks) int32 rows, each ending
@@ -2432,15 +2449,15 @@ class ModelRunner:
                      key_bounds=self.key_bounds, read_policy=self.read_policy)
 
 
-def copy_blocks(plan, cache, cpu_cache, device):
-    """The plan's block copies of one paged tensor, cache (a, b, num_blocks, ...) on the device
+def copy_blocks(copies, cache, cpu_cache, device):
+    """A plan's BlockCopies of one paged tensor, cache (a, b, num_blocks, ...) on the device
     and cpu_cache (num_cpu_blocks, a, b, ...), each kind in one indexing op, in an order where
     each reads what it should: the copies to CPU memory (swap-out, offload) read their device
     blocks before anything writes them, the copies from it (swap-in, reload) read their CPU
     blocks before the copies to it land, and copy-on-write, last, may copy a block just swapped
     in. They run on the step's stream, before the forward."""
-    to_cpu = plan.blocks_to_swap_out + plan.blocks_to_offload
-    from_cpu = plan.blocks_to_swap_in + plan.blocks_to_reload
+    to_cpu = copies.swap_out + copies.offload
+    from_cpu = copies.swap_in + copies.reload
     if to_cpu:
         staged = cache[:, :, [b for b, _ in to_cpu]].movedim(2, 0).contiguous()
     if from_cpu:  # (n, a, b, ...), each block by one direct non_blocking copy (DMA)
@@ -2450,8 +2467,8 @@ def copy_blocks(plan, cache, cpu_cache, device):
     if to_cpu:
         for block, (_, cpu_block) in zip(staged, to_cpu):
             cpu_cache[cpu_block].copy_(block, non_blocking=True)
-    if plan.blocks_to_copy:  # copy-on-write, every block of the step in one batched copy
-        src, dst = zip(*plan.blocks_to_copy)
+    if copies.cow:  # copy-on-write, every block of the step in one batched copy
+        src, dst = zip(*copies.cow)
         cache[:, :, list(dst)] = cache[:, :, list(src)]
 
 
@@ -3556,8 +3573,8 @@ def schedule_summary(out):
                             seq.token_ids[seq.num_computed_tokens:][:n])
                            for seq, n in out.scheduled],
                 lookahead=[(seq.seq_id, n) for seq, n in out.lookahead],
-                copies=out.blocks_to_copy, swap_in=out.blocks_to_swap_in,
-                swap_out=out.blocks_to_swap_out,
+                copies=out.copies.cow, swap_in=out.copies.swap_in,
+                swap_out=out.copies.swap_out,
                 preempted=[request.request_id for request in out.preempted])
 
 

@@ -178,7 +178,7 @@ class DraftProposer(Proposer):
         each first guess), then each sequence's latest guess, at the slot reserved for it. The
         last forward only writes the K/V of the last guesses, so that however many of them the
         target keeps, the draft's cache holds every token the target's does."""
-        self.runner.copy_blocks(out)
+        self.runner.copy_blocks(out.copies)
         if not out.scheduled:
             return {}
         chunks = list(step_chunks(out.scheduled, {}))

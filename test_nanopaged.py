@@ -1422,13 +1422,13 @@ def test_copy_on_write_and_swap_move_8bit_blocks_byte_for_byte_and_scales_stay(m
     def block(cache, b, on_cpu):  # (2, n_layer, block_size, nkv, hs) as bytes
         return (cache[b] if on_cpu else cache[:, :, b]).view(torch.uint8).clone()
 
-    def copy_blocks(out):
-        moves = [(out.blocks_to_swap_out, False, True), (out.blocks_to_swap_in, True, False),
-                 (out.blocks_to_copy, False, False)]
+    def copy_blocks(copies):
+        moves = [(copies.swap_out, False, True), (copies.swap_in, True, False),
+                 (copies.cow, False, False)]
         caches = {False: runner.kv_cache, True: runner.cpu_kv_cache}
         want = [(dst, to_cpu, block(caches[from_cpu], src, from_cpu))
                 for pairs, from_cpu, to_cpu in moves for src, dst in pairs]
-        real_copy_blocks(out)
+        real_copy_blocks(copies)
         for dst, to_cpu, data in want:
             assert torch.equal(block(caches[to_cpu], dst, to_cpu), data)
         moved.update(name for name, (pairs, _, _) in zip(("out", "in", "copy"), moves) if pairs)
@@ -2008,7 +2008,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert allocator_state(self.a) == before
             return
         tables, free_before = [list(t) for t in seq.block_tables], free_order(self.a)
-        copies = self.a.allocate_slots(seq, num_new)
+        copies = self.a.allocate_slots(seq, num_new).cow  # no CPU tier here: nothing else
         assert all(self.a.blocks[src].ref_count >= 1 for src, _ in copies), \
             "copy-on-write source must still be owned"
         self.cache.copy(copies, self.cache.device, self.cache.device)
@@ -2063,7 +2063,8 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert allocator_state(self.a) == before
             return
         left = [[b == NO_BLOCK for b in t] for seq in seqs for t in seq.block_tables]
-        copies = move(seqs)
+        moved = move(seqs)  # its BlockCopies: no CPU tier here, so the move's alone
+        copies = moved.swap_in if swap_in else moved.swap_out
         assert num_free - (self.a.num_free_blocks if swap_in else
                            self.a.swap_pool.num_free_blocks) == num_blocks
         assert left == [[b == NO_BLOCK for b in t] for seq in seqs for t in seq.block_tables], \
@@ -2238,7 +2239,7 @@ def test_block_size_one_takes_a_block_per_token():
     assert len(seq.block_table) == 3 and a.num_free_blocks == 2
     seq.num_computed_tokens = 3
     seq.token_ids.append(10)
-    assert a.allocate_slots(seq, 1) == [] and len(seq.block_table) == 4
+    assert not a.allocate_slots(seq, 1) and len(seq.block_table) == 4
 
 
 @pytest.mark.allocator
@@ -2250,7 +2251,7 @@ def test_sequence_that_exactly_fills_its_blocks_takes_a_new_block_on_the_next_to
     seq.num_computed_tokens = 8
     seq.token_ids.append(8)
     assert a.num_blocks_to_append([seq]) == 1
-    assert a.allocate_slots(seq, 1) == [] and len(seq.block_table) == 3
+    assert not a.allocate_slots(seq, 1) and len(seq.block_table) == 3
 
 
 @pytest.mark.allocator
@@ -2279,11 +2280,11 @@ def test_fork_with_a_partial_last_block_copies_it_on_first_write_only():
     assert [a.blocks[b].ref_count for b in parent.block_table] == [2, 2]
     shared_last = parent.block_table[-1]
     child.token_ids.append(100)
-    (src, dst), = a.allocate_slots(child, 1)  # the child writes first: it moves to a copy
+    (src, dst), = a.allocate_slots(child, 1).cow  # the child writes first: it moves to a copy
     assert src == shared_last and child.block_table == [parent.block_table[0], dst]
     assert a.blocks[shared_last].ref_count == 1 and a.blocks[dst].ref_count == 1
     parent.token_ids.append(200)
-    assert a.allocate_slots(parent, 1) == []  # now the parent is the only owner: in place
+    assert not a.allocate_slots(parent, 1)  # now the parent is the only owner: in place
     assert parent.block_table[-1] == shared_last
     assert a.blocks[parent.block_table[0]].ref_count == 2  # the full block stays shared
 
@@ -3149,7 +3150,7 @@ def test_the_cpu_tier_changes_no_output_and_counts_the_copies_it_makes(
         a, copies, evicted, hits = engine.allocator, [], set(), []  # hits: (blocks, device's)
         tier, real_allocate, written = a.swap_pool, a.allocate, set()  # written: offloads' keys
         real_copy = engine.model_runner.copy_blocks
-        engine.model_runner.copy_blocks = lambda plan: copies.append(plan) or real_copy(plan)
+        engine.model_runner.copy_blocks = lambda c: copies.append(c) or real_copy(c)
         held_before = {b.block_id: b.hash for b in tier.blocks if b.hash is not None}
         tier.prefix_cache.observer = lambda e: e["event"] == "cpu_evict" and evicted.add(
             held_before.get(e["block"]))
@@ -3160,8 +3161,9 @@ def test_the_cpu_tier_changes_no_output_and_counts_the_copies_it_makes(
 
         def allocate(seq):
             on_device = hit_on_device(a, seq)
-            real_allocate(seq)
+            copies = real_allocate(seq)
             hits.append((seq.num_computed_tokens // a.block_size, on_device))
+            return copies
         a.allocate = allocate
         before = engine.stats()
         try:
@@ -3169,8 +3171,8 @@ def test_the_cpu_tier_changes_no_output_and_counts_the_copies_it_makes(
         finally:
             engine.model_runner.copy_blocks = real_copy
             del tier.prefix_cache.observer, tier.observer, a.allocate
-        s, (plan,) = engine.stats(), copies or [nanopaged.SchedulerOutput()]
-        offloaded, reloaded = len(plan.blocks_to_offload), len(plan.blocks_to_reload)
+        s, (made,) = engine.stats(), copies or [nanopaged.BlockCopies()]
+        offloaded, reloaded = len(made.offload), len(made.reload)
         assert s["num_offloaded_blocks"] - before["num_offloaded_blocks"] == offloaded
         assert s["num_reloaded_blocks"] - before["num_reloaded_blocks"] == reloaded
         assert s["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] == \
@@ -3218,8 +3220,8 @@ def schedule_fingerprint(mode, **policies):
 
     def recorded():
         out = schedule()
-        trace.append(([(q.seq_id, n) for q, n in out.scheduled], out.blocks_to_copy,
-                      out.blocks_to_swap_in, out.blocks_to_swap_out,
+        trace.append(([(q.seq_id, n) for q, n in out.scheduled], out.copies.cow,
+                      out.copies.swap_in, out.copies.swap_out,
                       [g.request_id for g in out.preempted]))
         return out
     s.schedule = recorded
@@ -3319,8 +3321,9 @@ class SchedulerMachine(RuleBasedStateMachine):
 
         def allocate(seq):
             expected, before = a.num_blocks_to_allocate(seq), a.num_free_blocks
-            real_allocate(seq)
+            copies = real_allocate(seq)
             assert before - a.num_free_blocks == expected, "num_blocks_to_allocate is wrong"
+            return copies
 
         def allocate_slots(seq, num_new):
             expected, before = a.num_blocks_to_append([seq], num_new), a.num_free_blocks
@@ -3379,7 +3382,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         out = s.schedule()
         a.end()
         self.check_step(pre, out)
-        self.runner.copy_blocks(out)
+        self.runner.copy_blocks(out.copies)
         self.fake_model(out, rng, hashes)
 
     def expected_decodes_and_victims(self, pre):
@@ -3683,11 +3686,11 @@ def test_swaps_and_copies_in_one_step_keep_every_token_where_its_table_says(requ
     rng, moves = random.Random(seed), Counter()
     real_copy_blocks = m.runner.copy_blocks
 
-    def copy_blocks(out):
-        moves.update(k for k in ("blocks_to_swap_out", "blocks_to_copy") if getattr(out, k))
-        moves["both"] += bool(out.blocks_to_swap_out and out.blocks_to_copy)
-        moves["several out"] += len({b for b, _ in out.blocks_to_swap_out}) > 1
-        return real_copy_blocks(out)
+    def copy_blocks(copies):
+        moves.update(k for k in ("swap_out", "cow") if getattr(copies, k))
+        moves["both"] += bool(copies.swap_out and copies.cow)
+        moves["several out"] += len({b for b, _ in copies.swap_out}) > 1
+        return real_copy_blocks(copies)
 
     m.runner.copy_blocks = copy_blocks
     for _ in range(300):  # bounded: see drain
@@ -3727,7 +3730,7 @@ def test_a_swapped_request_comes_back_only_within_both_budgets(limit, budget):
     scheduler.running, scheduler.swapped = [running], [swapped]
     out = scheduler.schedule()
     fits = budget == 5
-    assert scheduler.swapped == ([] if fits else [swapped]) and bool(out.blocks_to_swap_in) == fits
+    assert scheduler.swapped == ([] if fits else [swapped]) and bool(out.copies.swap_in) == fits
     assert [seq.request_id for seq, _ in out.scheduled] == [0, 0, 0] + [1, 1] * fits
     assert out.num_batched_tokens <= budgets["max_num_batched_tokens"]
 
@@ -6257,7 +6260,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert out.num_batched_tokens == sum(n for _, n in out.scheduled + out.lookahead) <= 8
             assert sum(len(g.seqs) for g in s.running) <= s.max_num_seqs
             started = [g for g in s.running if g.request_id not in before]
-            assert not (out.preempted and (started or out.blocks_to_swap_in)), "after preempting"
+            assert not (out.preempted and (started or out.copies.swap_in)), "after preempting"
             a, ahead = self.engine.allocator, {seq.seq_id for seq, _ in out.lookahead}
             decodes = [seq for seq, n in out.scheduled  # one token, the last: not a prefill's
                        if n == 1 and seq.num_computed_tokens + 1 == len(seq)  # chunk of one
@@ -7173,8 +7176,8 @@ def checked_speculation(engine, register_cache):
                     out.num_batched_tokens == s.max_num_batched_tokens or \
                     s.allocator.num_free_blocks == 0 and room == got.get(q.seq_id, 0)
         assert [g.request_id for g in out.preempted] == [g.request_id for g in expected.preempted]
-        for name in ("blocks_to_swap_out", "blocks_to_swap_in", "blocks_to_copy"):
-            assert getattr(out, name) == getattr(expected, name)
+        for name in ("swap_out", "swap_in", "cow"):
+            assert getattr(out.copies, name) == getattr(expected.copies, name)
         assert all(1 <= n <= k for n in slots)
         assert out.num_batched_tokens == expected.num_batched_tokens + sum(slots) <= \
             s.max_num_batched_tokens
@@ -7756,10 +7759,9 @@ def test_key_bounds_move_with_their_blocks(
     runner, moved = engine.model_runner, Counter()
     real_copy_blocks = runner.copy_blocks
 
-    def copy_blocks(plan):
-        moved.update(name for name in ("blocks_to_swap_out", "blocks_to_swap_in",
-                                       "blocks_to_copy") if getattr(plan, name))
-        real_copy_blocks(plan)
+    def copy_blocks(copies):
+        moved.update(name for name in ("swap_out", "swap_in", "cow") if getattr(copies, name))
+        real_copy_blocks(copies)
 
     runner.copy_blocks = copy_blocks
     prompts = [[(5 * i + j) % 32 for j in range(6 + i)] for i in range(4)]
@@ -7770,9 +7772,9 @@ def test_key_bounds_move_with_their_blocks(
             SamplingParams(max_tokens=10, beam_width=2)]):
         engine.add_request(prompt, params)
     checked = sum(assert_key_bounds_are_the_keys(engine) for _ in stepped(engine, 500))
-    assert checked and moved["blocks_to_copy"], moved
+    assert checked and moved["cow"], moved
     assert engine.stats()["num_preemptions"] and (
-        mode == "recompute" or moved["blocks_to_swap_out"] and moved["blocks_to_swap_in"]), moved
+        mode == "recompute" or moved["swap_out"] and moved["swap_in"]), moved
     assert_all_blocks_free(engine)
 
 
