@@ -3089,13 +3089,16 @@ def conversation_rounds(draw):
        spare=st.integers(0, 4), mode=st.sampled_from(["recompute", "swap"]),
        tier_blocks=st.sampled_from([2, 6, 32]), policy=st.sampled_from(EVICTION),
        fail_at=st.sets(st.integers(1, 40), max_size=2), sampled=st.booleans(),
-       abort_after=st.none() | st.integers(0, 3), kind=st.sampled_from(sorted(PAGED_MODELS)))
+       abort_after=st.none() | st.integers(0, 3), kind=st.sampled_from(sorted(PAGED_MODELS)),
+       speculate=st.booleans())
 def test_the_cpu_tier_changes_no_output_and_counts_the_copies_it_makes(
-        chats, block_size, spare, mode, tier_blocks, policy, fail_at, sampled, abort_after, kind):
+        chats, block_size, spare, mode, tier_blocks, policy, fail_at, sampled, abort_after, kind,
+        speculate):
     """Returning conversations on a small device pool, preemption in both modes, steps that fail
     (after the forward) and are retried, and in each round a request beside them (a head of a
-    conversation) aborted after a few steps, on a model of each attention kind and a hybrid:
-    greedy or seeded outputs with the tier equal those without it.
+    conversation) aborted after a few steps, on a model of each attention kind and a hybrid,
+    speculating or not (lookahead slots take blocks too): greedy or seeded outputs with the tier
+    equal those without it.
     After every step, the tier's counters are the copies the steps that stood made (offloads,
     reloads), and its hit tokens what each sequence's hit adds to the hit the device alone holds
     for it as it is allocated (seen from the keys of the device's blocks); no offload wrote a
@@ -3184,7 +3187,9 @@ def test_the_cpu_tier_changes_no_output_and_counts_the_copies_it_makes(
         return outputs
 
     settings_ = dict(block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
-                     max_num_batched_tokens=8, max_num_seqs=3)
+                     max_num_batched_tokens=8, max_num_seqs=3,
+                     speculative_config=speculative_config("ngram", 2, model) if speculate
+                     else None)
     expected, _ = serve(Engine(model, **settings_), fail=False)
     engine = Engine(model, **settings_, eviction_policy=policy,
                     cpu_cache_bytes=tier_blocks * bytes_per_block(Engine(model, **settings_)))
