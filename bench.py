@@ -1550,7 +1550,7 @@ def timed_step(engine):
     preparing the batch (block copies, the input tensors), the (no-op) model, deciding (draws
     and stops) and the commit (tokens, outputs)."""
     t0 = time.perf_counter()
-    engine.allocator.begin()
+    engine.allocator.journal.open()
     plan = engine.plan()
     t1 = time.perf_counter()
     engine.model_runner.copy_blocks(plan.copies)
@@ -1562,7 +1562,7 @@ def timed_step(engine):
     t3 = time.perf_counter()
     result = engine.output_processor.decide(chunks, logits, {})
     t4 = time.perf_counter()
-    engine.allocator.end()
+    engine.allocator.journal.close()
     engine.commit(plan, result)
     t5 = time.perf_counter()
     return t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4

@@ -411,22 +411,28 @@ def group_field(group):  # an event's KV cache group (section 7): said only past
 #   Journal.set(obj, name, value), which records the old value;
 # - a request's move between queues: Scheduler._move records the move back.
 # What is derived from those is not journaled but rebuilt after the undo, from the blocks
-# alone: the free lists and the prefix cache's index and eviction heap (rebuild_free_list).
-# So the undo costs what the plan changed, plus one pass over each pool to rebuild. State a
-# fork adds follows the same rule: a field of a block is journaled for free; a field of
-# anything else is changed with Journal.set, or rebuilt from the blocks in rebuild(); a plain
-# counter changed in the plan is not undone, and the failure property catches it.
+# alone: the free lists and the prefix cache's index and eviction heap (rebuild_free_list of
+# each pool the Journal knows). So the undo costs what the plan changed, plus one pass over
+# each pool to rebuild, and Journal.rollback is all of it. State a fork adds follows the same
+# rule: a field of a block is journaled for free; a field of anything else is changed with
+# Journal.set, or rebuilt from the blocks in rebuild(); a plain counter changed in the plan is
+# not undone, and the failure property catches it.
 
 
 class Journal:
-    """The undo log of one step's plan. Open while the step plans and runs; the commit that
-    follows records nothing (it cannot fail halfway: section 11)."""
+    """The undo of one step's plan: its log, and the pools whose derived state it rebuilds.
+    The engine opens it as each step starts, closes it once the step stands, and rolls it back
+    if the step fails; the commit that follows records nothing (it cannot fail halfway:
+    section 11)."""
 
     def __init__(self):
         self.undo = None  # while open: (function, args) that put back each change, in order
+        self.pools = []  # the BlockPools whose blocks it journals: the device's, the CPU's
 
     def open(self):
         self.undo = []
+        for pool in self.pools:
+            pool.taken = set()
 
     def close(self):  # the plan stands
         self.undo = None
@@ -441,10 +447,22 @@ class Journal:
         setattr(obj, name, value)
 
     def rollback(self):
-        """Undo every change since open(), the latest first; the journal is closed after."""
+        """Undo every change since open(), the latest first, and close the journal. Every
+        block, block table, sequence's paging state and queue is as open() found it, but no
+        block handed out since keeps a prefix: its slots may hold the failed step's writes.
+        Then each pool rebuilds its free list and cache index. Returns the blocks handed out,
+        per pool (the device's, the CPU's)."""
         undo, self.undo = self.undo or [], None
         for fn, args in reversed(undo):
             fn(*args)
+        taken = []
+        for pool in self.pools:
+            for block_id in pool.taken:
+                pool.blocks[block_id].hash, pool.blocks[block_id].token_ids = None, ()
+            taken.append(pool.taken)
+            pool.taken = set()
+            pool.rebuild_free_list()
+        return taken
 
 
 class OutOfBlocksError(RuntimeError):
@@ -546,6 +564,7 @@ class BlockPool:
         self.blocks = [PhysicalBlock(i, freed_at=-i) for i in range(num_blocks)]  # 0 goes first
         for block in self.blocks:
             block.journal = journal
+        journal.pools.append(self)
         self.clock = itertools.count(1)  # stamps freed_at
         self.prefix_cache = (prefix_cache_cls or PrefixCache)(
             self.blocks, block_size, journal, enable_prefix_caching, eviction_policy, tier)
@@ -1020,29 +1039,6 @@ class BlockAllocator(BlockPool):
                     cache.publish(seq, i, table[i], g)
         self.journal.set(seq, "num_cached_blocks", num_full)
 
-    # -- a step's plan, undone -----------------------------------------------------------
-
-    def begin(self):
-        """A step starts planning: from here every change is journaled (the engine calls this
-        at the start of every step, rollback() if the step fails, end() once it stands)."""
-        self.journal.open()
-        self.taken, self.swap_pool.taken = set(), set()
-
-    def end(self):
-        self.journal.close()
-
-    def rollback(self):
-        """Put every block, block table, sequence's paging state and queue back as begin() found
-        them, but keep no prefix in a block handed out since: its slots may hold writes of the
-        failed step. Returns the blocks handed out: the device's, and the CPU pool's."""
-        taken = self.taken, self.swap_pool.taken
-        self.journal.rollback()
-        for pool in (self, self.swap_pool):
-            for block_id in pool.taken:
-                pool.blocks[block_id].hash, pool.blocks[block_id].token_ids = None, ()
-            pool.taken = set()
-            pool.rebuild_free_list()
-        return taken
 # -----------------------------------------------------------------------------
 # 3. The prefix cache. Later vLLM: automatic prefix caching; its v1 publishes a block in the
 #    step that computes it.
@@ -3252,7 +3248,7 @@ class Engine:
             raise RuntimeError(f"tensor parallelism was shut down after {tp.failed}; the ranks "
                                "cannot agree on the state any more: start them again")
         self.raise_observer_error()
-        self.allocator.begin()
+        self.allocator.journal.open()
         try:
             plan = self.plan()
             result = self.run(plan)
@@ -3261,7 +3257,7 @@ class Engine:
             if tp.world_size > 1:  # every rank learns of it: see tp_shut_down
                 tp_shut_down(e)
             raise
-        self.allocator.end()
+        self.allocator.journal.close()
         return self.commit(plan, result)
 
     def plan(self):
@@ -3322,7 +3318,7 @@ class Engine:
         observer = self.observer
         self.set_observer(observer and quiet(observer))
         try:
-            taken, cpu_taken = self.allocator.rollback()
+            taken, cpu_taken = self.allocator.journal.rollback()
             notify(self, "rollback", step=self.num_steps, uncached=sorted(taken),
                    cpu_uncached=sorted(cpu_taken))
             s = self.scheduler

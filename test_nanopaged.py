@@ -2482,9 +2482,9 @@ def test_blocks_go_out_in_eviction_order_after_many_hits_and_after_a_rollback(po
         a.free(serve([rng.randrange(3), rng.randrange(3), 9]))
     order = free_order(a)
     assert a.blocks[order[0]].hash is None  # (so the step below takes a block caching nothing)
-    a.begin()  # a step that hits the last cached block, takes one, frees both, then fails
+    a.journal.open()  # a step that hits the last cached block, takes one, frees both, then fails
     a.free(serve(list(a.blocks[order[-1]].token_ids) + [9]))
-    a.rollback()
+    a.journal.rollback()
     assert free_order(a) == order
     # one-token prompts never seen take one block each: the free list, front first
     assert [serve([100 + i]).block_table[0] for i in range(len(order))] == order
@@ -3374,7 +3374,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     def step(self, rng):
         a, s = self.a, self.s
-        a.begin()  # as the engine does each step: a.taken, the blocks the step hands out
+        a.journal.open()  # as the engine does each step: a.taken, the blocks it hands out
         for seq in (seq for g in s.running for seq in g.seqs):  # the plan's first part (so that
             a.free_skipped_blocks(seq)  # the state before the rest is known): blocks go back
         pre = dict(running=list(s.running), waiting=list(s.waiting), swapped=list(s.swapped),
@@ -3385,7 +3385,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                    need={g.request_id: a.num_blocks_to_append(g.seqs) for g in s.running})
         hashes = [b.hash for b in a.blocks]
         out = s.schedule()
-        a.end()
+        a.journal.close()
         self.check_step(pre, out)
         self.runner.copy_blocks(out.copies)
         self.fake_model(out, rng, hashes)
@@ -5880,7 +5880,7 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
     expected = run(Engine(MODEL, **settings_), inject=False)
     owner, name = point
     real, calls, fired, taken, exact = getattr(owner, name), [0], [], set(), []
-    real_rollback = BlockAllocator.rollback
+    real_rollback = nanopaged.Journal.rollback
 
     def failing(*args, **kwargs):
         calls[0] += 1
@@ -5896,8 +5896,7 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
 
     def rollback(self):  # what the failed step handed out, and which block held or cached then
         taken.clear()
-        taken.update({(pool, b) for pool in (self, self.swap_pool) for b in pool.taken}
-                     & held_or_cached)
+        taken.update({(pool, b) for pool in self.pools for b in pool.taken} & held_or_cached)
         return real_rollback(self)
 
     def engine_rollback(self):  # no queued request keeps a block the failed step handed out
@@ -5909,14 +5908,14 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
 
     rolled_back_taken = [set(), set()]  # the device's, the CPU pool's
 
-    def allocator_rollback(self):
+    def journal_rollback(self):
         rolled_back_taken[:] = rollback(self)
         return rolled_back_taken
 
     real_engine_rollback = Engine.rollback
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(owner, name, failing)
-        mp.setattr(BlockAllocator, "rollback", allocator_rollback)
+        mp.setattr(nanopaged.Journal, "rollback", journal_rollback)
         mp.setattr(Engine, "rollback", engine_rollback)
         assert_same_but_rounding(run(Engine(MODEL, **settings_), inject=True), expected)
     event(f"failed: {bool(fired)}, exactly as before: {bool(exact)}")
@@ -5930,7 +5929,7 @@ def test_a_failed_step_recomputes_every_request_whose_blocks_it_handed_out():
     engine = Engine(MODEL, block_size=2, num_blocks=6, max_num_seqs=4, max_num_batched_tokens=16)
     prompts = [[i + 1] * n for i, n in enumerate([1, 3, 2, 1])]
     ids = [engine.add_request(p, SamplingParams(max_tokens=6, temperature=0)) for p in prompts]
-    real_forward, real_rollback, calls, taken = GPT.forward, BlockAllocator.rollback, [0], set()
+    real_forward, real_rollback, calls, taken = GPT.forward, nanopaged.Journal.rollback, [0], set()
 
     def forward(self, *args, **kwargs):
         out = real_forward(self, *args, **kwargs)
@@ -5946,7 +5945,7 @@ def test_a_failed_step_recomputes_every_request_whose_blocks_it_handed_out():
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(GPT, "forward", forward)
-        mp.setattr(BlockAllocator, "rollback", rollback)
+        mp.setattr(nanopaged.Journal, "rollback", rollback)
         with pytest.raises(RuntimeError, match="injected"):
             for _ in range(3):
                 engine.step()
