@@ -715,21 +715,6 @@ ATTENTION_KINDS = {kind.name: kind for kind in (FullAttention, SlidingWindow,
                                                  ChunkedLocalAttention)}
 
 
-class CachedBlock(NamedTuple):  # a leading block of a sequence, found in a prefix cache
-    block_id: int
-    cache: "PrefixCache"  # the device's, or the CPU tier's (copied back into a fresh block)
-
-
-class PrefixHit(NamedTuple):
-    """A sequence's prefix-cache hit: its first num_blocks blocks, and per KV cache group a
-    CachedBlock for each of them, or None where no token to come sees it (a window's)."""
-    num_blocks: int
-    blocks: list
-
-    def cached_blocks(self):  # every CachedBlock of every group
-        return [block for hits in self.blocks for block in hits if block is not None]
-
-
 @dataclass
 class BlockCopies:
     """The block copies a change to the tables asks for, each (source, destination): the change
@@ -751,12 +736,13 @@ class BlockCopies:
 
 
 class BlockAllocator(BlockPool):
-    """The device pool, and the block tables that point into it: a sequence is given its prefix
-    cache hit when admitted, then blocks chunk by chunk as its tokens are scheduled (a write into
-    a shared block copies it first); it is forked, trimmed and freed, and the blocks its kinds
-    no longer need go back as it goes. A model whose layers mix attention kinds keeps a table
-    per KV cache group (section 7) over this one pool. Its journal undoes a failed step's plan
-    (rollback)."""
+    """Sequences' block tables over the device pool, each change beside the count of the free
+    blocks it takes: a sequence is given its prefix cache hit when admitted, then blocks chunk
+    by chunk as its tokens are scheduled (a write into a shared block copies it first); it is
+    forked, trimmed and freed, and the blocks its kinds no longer need go back as it goes. A
+    model whose layers mix attention kinds keeps a table per KV cache group (section 7) over
+    this one pool. The prefix cache finds hits (PrefixCache.hit), the CPU pool keeps what
+    leaves the device (SwapPool), and the Journal undoes a failed step's changes."""
     observer = None  # see notify
 
     def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
@@ -799,29 +785,10 @@ class BlockAllocator(BlockPool):
         return seq.block_tables
 
     def lookup(self, seq, tier=True):
-        """seq's PrefixHit: the most leading full blocks of which every KV cache group can serve
-        the blocks its kind needs (hit_blocks: vLLM's hybrid rule), and per group a CachedBlock
-        for each of them, the device's or the CPU tier's to copy back (tier: whether to look
-        there), or None where no token to come sees it."""
-        lower, bs = self.swap_pool.prefix_cache if tier else None, self.block_size
-        # a group whose kind never skips a block needs every block of a hit: its list ends at
-        # its first miss; another's runs on, None where it misses
-        found = [self.prefix_cache.lookup(seq, g, lower, self.swap_pool.taken,
-                                          full=not kind.skipped_blocks(len(seq), bs))
-                 for g, kind in enumerate(self.kinds)]
-        length = min(map(len, found))
-        def served(length):  # every group finds the blocks its kind needs of the first length
-            for g, kind in enumerate(self.kinds):
-                if not all(found[g][i] for i in kind.hit_blocks(length, bs)):
-                    return False
-            return True
-        while length and not served(length):
-            length -= 1  # a group misses a block its kind needs: a shorter hit
-        blocks = []
-        for g, kind in enumerate(self.kinds):
-            need = set(kind.hit_blocks(length, bs))
-            blocks.append([found[g][i] if i in need else None for i in range(length)])
-        return PrefixHit(length, blocks)
+        """seq's PrefixHit in the device's prefix cache, and below it in the CPU tier's
+        (tier: whether to look there), over every KV cache group's kind (PrefixCache.hit)."""
+        lower = self.swap_pool.prefix_cache if tier else None
+        return self.prefix_cache.hit(seq, self.kinds, lower, self.swap_pool.taken)
 
     def num_blocks_to_allocate(self, seq):
         """Free blocks allocate(seq) takes: the device's hits that are free now, and a fresh
@@ -1073,6 +1040,21 @@ class HitCounts:  # the hit rate is hit_tokens / queried_tokens
     cpu_hit_tokens: int = 0  # of those, the tokens past the hit the device serves alone
 
 
+class CachedBlock(NamedTuple):  # a leading block of a sequence, found in a prefix cache
+    block_id: int
+    cache: "PrefixCache"  # the device's, or the CPU tier's (copied back into a fresh block)
+
+
+class PrefixHit(NamedTuple):
+    """A sequence's prefix-cache hit: its first num_blocks blocks, and per KV cache group a
+    CachedBlock for each of them, or None where no token to come sees it (a window's)."""
+    num_blocks: int
+    blocks: list
+
+    def cached_blocks(self):  # every CachedBlock of every group
+        return [block for hits in self.blocks for block in hits if block is not None]
+
+
 class PrefixCache:
     """Published blocks by key, the free ones among them in eviction order, and hit counts. Its
     blocks journal their own changes; its index (blocks_by_key, evictable, heap) is rebuilt
@@ -1138,6 +1120,30 @@ class PrefixCache:
                 continue
             found.append(CachedBlock(block_id, cache))
         return found
+
+    def hit(self, seq, kinds, lower=None, unreadable=()):
+        """seq's PrefixHit: the most leading full blocks of which every KV cache group can serve
+        the blocks its kind (kinds, per group) needs (hit_blocks: vLLM's hybrid rule), and per
+        group a CachedBlock for each of them, this cache's or the lower tier's to copy back
+        (lookup), or None where no token to come sees it."""
+        bs = self.block_size
+        # a group whose kind never skips a block needs every block of a hit: its list ends at
+        # its first miss; another's runs on, None where it misses
+        found = [self.lookup(seq, g, lower, unreadable, full=not kind.skipped_blocks(len(seq), bs))
+                 for g, kind in enumerate(kinds)]
+        length = min(map(len, found))
+        def served(length):  # every group finds the blocks its kind needs of the first length
+            for g, kind in enumerate(kinds):
+                if not all(found[g][i] for i in kind.hit_blocks(length, bs)):
+                    return False
+            return True
+        while length and not served(length):
+            length -= 1  # a group misses a block its kind needs: a shorter hit
+        blocks = []
+        for g, kind in enumerate(kinds):
+            need = set(kind.hit_blocks(length, bs))
+            blocks.append([found[g][i] if i in need else None for i in range(length)])
+        return PrefixHit(length, blocks)
 
     def count(self, seq, num_blocks, hits, num_own=None):
         """A sequence was allocated on a hit of its num_blocks leading blocks: hits, the blocks

@@ -2363,7 +2363,9 @@ def test_hash_collision_is_caught_by_comparing_tokens():
     (h, holders), = a.prefix_cache.blocks_by_key.items()
     block_id, = holders
     a.blocks[block_id].token_ids = (5, 6)  # pretend [5, 6] hashed to the same key
-    assert a.allocate(make_seq(1, [1, 2, 3])) is None and a.blocks[block_id].ref_count == 1
+    other = make_seq(1, [1, 2, 3])
+    assert not a.allocate(other)  # no copies: nothing came from the CPU, nothing was evicted
+    assert other.num_computed_tokens == 0 and a.blocks[block_id].ref_count == 1  # no hit
 
 
 @pytest.mark.prefix_cache
