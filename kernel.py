@@ -704,10 +704,10 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlen
     opt-in; it takes no per-head tables). Per-head tables (paged_attention's) are gathered per
     (sequence, KV head): each head reads only the blocks its table lists. An 8-bit cache comes
     with k_scale and v_scale: what is gathered is dequantized to q's dtype. plan: a dict that
-    every layer of one step with this mask passes (the backend keeps it in Batch.scratch): the
-    first call fills it with the step's gather indices and masks, the others reuse them (as vLLM
-    builds its attention metadata once per step), so a layer is a few ops: gather, attend,
-    scatter."""
+    every layer of one step with this mask passes (the backend keeps it in GroupBatch.scratch,
+    one per KV cache group): the first call fills it with the step's gather indices and masks,
+    the others reuse them (as vLLM builds its attention metadata once per step), so a layer is
+    a few ops: gather, attend, scatter."""
     n_head, head_dim = q.shape[1:]
     n_kv_head = k_cache.shape[2]
     assert k_cache.dim() == 4 and v_cache.shape == k_cache.shape and k_cache.shape[3] == head_dim

@@ -11,13 +11,14 @@ sequences onto the device as the blocks allow and preempts when they run out.
     PagedAttention", SOSP 2023.  https://arxiv.org/abs/2309.06180
 
 Sections, in reading order, each built on the ones before it: 1. sequences, requests and
-their lifecycle; 2. the block allocator; 3. the prefix cache; 4. the swap pool; 5. the
-scheduler; 6. tensor parallelism; 7. the model; 8. the model runner; 9. sampling; 10. output
-processing; 11. the engine. An appendix holds the checks of settings and requests, and the
-metrics. The attention kernels live in kernel.py, the only file this one imports at load;
-checkpoint loading (checkpoints.py), speculative decoding's proposers (speculative.py), text
-and stop strings (detokenizer.py) and the demo (demo.py) are each reached by one lazy import
-where it is needed.
+their lifecycle; 2. the block allocator; 3. the prefix cache; 4. the CPU pool (swap space
+and the prefix cache's second tier); 5. the scheduler; 6. tensor parallelism; 7. the model;
+8. the model runner; 9. sampling; 10. output processing; 11. the engine. An appendix holds the
+checks of settings and requests, and the metrics. The attention kernels live in kernel.py,
+the only file this one imports at load; checkpoint loading (checkpoints.py), speculative
+decoding's proposers (speculative.py), Quest's read policy (quest.py), text and stop strings
+(detokenizer.py) and the demo (demo.py) are each reached by one lazy import where it is
+needed.
 Run `python nanopaged.py`, or `torchrun --nproc-per-node 2 nanopaged.py
 --tensor-parallel-size 2` to split the model and its KV cache across two processes.
 """
@@ -32,7 +33,7 @@ import sys
 import time
 from bisect import insort
 from collections import deque
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from heapq import heappop, heappush
 from types import SimpleNamespace
@@ -772,7 +773,7 @@ class BlockAllocator(BlockPool):
 
     def max_blocks(self, num_tokens, chunk):
         """The most blocks a sequence of num_tokens tokens holds while it computes a chunk of
-        that many: each KV cache group's kind's bound, summed."""
+        `chunk` tokens: each KV cache group's kind's bound, summed."""
         return sum(kind.max_blocks(num_tokens, chunk, self.block_size) for kind in self.kinds)
 
     def journaled_tables(self, seq):
@@ -1035,7 +1036,8 @@ EVICTION_POLICIES = {"lru": lambda block: 0,  # all tie: least recently used fir
 
 @dataclass
 class HitCounts:  # the hit rate is hit_tokens / queried_tokens
-    queried_tokens: int = 0  # prompt tokens of sequences allocated with caching on
+    queried_tokens: int = 0  # tokens of sequences allocated with caching on (a recomputed
+    # one's output so far too)
     hit_tokens: int = 0  # of those, the tokens found in the cache (in either tier)
     cpu_hit_tokens: int = 0  # of those, the tokens past the hit the device serves alone
 
@@ -1307,7 +1309,8 @@ class SwapPool(BlockPool):
 
     def swap_out(self, seqs):
         """Move seqs' blocks to this pool; returns the BlockCopies to make (swap_out). Their
-        blocks left the device's prefix cache's hands: swap_in publishes its copies again."""
+        device blocks that hold a prefix stay cached, free; num_cached_blocks goes to 0, so the
+        blocks they swap back into are published again as they are scheduled."""
         if not self.can_swap_out(seqs):
             raise OutOfBlocksError("the CPU swap space cannot hold these sequences")
         copies = BlockCopies(swap_out=self._move(seqs, lambda _: self.take(), self.share,
@@ -2263,7 +2266,7 @@ def kv_block_shape(config, block_size):
 def key_bounds_shape(config):
     """One block's key bounds on this rank (a read policy's that needs them, section 7): the
     elementwise min and max of its keys, for each layer of a KV cache group and each of this
-    rank's K/V heads, in the model's dtype: 2 / block_size of the block's K/V in that dtype."""
+    rank's K/V heads, in the model's dtype: 1 / block_size of the block's K/V in that dtype."""
     layers = len(config.kv_cache_groups[0].layers)
     return (2, layers, config.n_kv_head // tp.world_size, config.head_dim)
 
@@ -2347,9 +2350,9 @@ class ModelRunner:
         self.model, self.block_size, self.device = model, block_size, device
         self.backend = backend  # a kernel.AttentionBackend
         self.read_policy = read_policy  # which blocks a decode reads (section 7); None: all
-        shape = kv_block_shape(model.config, block_size)  # (2, n_layer, block_size, nkv, hs)
+        shape = kv_block_shape(model.config, block_size)  # (2, L, block_size, nkv, hs)
         # The KV cache is one tensor, so a block copy (copy-on-write, swap) is one indexing op
-        # for all layers.
+        # for all layers (L: the layers of a KV cache group, section 7).
         self.kv_cache = torch.zeros(*shape[:2], num_blocks, *shape[2:], dtype=dtype, device=device)
         # The swap space is block-major and pinned, so each block moves by one direct
         # non_blocking copy (DMA) that does not stall the host; it runs on the step's stream,
@@ -2363,7 +2366,7 @@ class ModelRunner:
         # the device, block-major on the CPU): a block copy moves them in the same indexing op
         self.key_bounds = self.cpu_key_bounds = None
         if read_policy is not None and read_policy.needs_key_bounds:
-            bounds = key_bounds_shape(model.config)                  # (2, n_layer, nkv, hs)
+            bounds = key_bounds_shape(model.config)                        # (2, L, nkv, hs)
             model_dtype = next(model.parameters()).dtype
             self.key_bounds = torch.zeros(*bounds[:2], num_blocks, *bounds[2:],
                                           dtype=model_dtype, device=device)
@@ -3166,8 +3169,9 @@ def samples_in_order(request):
 # A failure in plan or run undoes the plan and propagates: the step leaves every request,
 # queue and block as it found them, and the next step computes the same tokens again. One
 # exception, as K/V writes cannot be undone: a request that held a block the failed step
-# handed out (a preemption in the step gave it away) is preempted by recompute, and that
-# preemption is counted, outside any commit (Engine.rollback).
+# handed out (a preemption in the step gave it away, or the CPU tier took a swapped request's
+# CPU blocks) is preempted by recompute; a running one's preemption is counted, outside any
+# commit (Engine.rollback).
 
 
 class Engine:
@@ -3221,7 +3225,7 @@ class Engine:
                                         backend, device, dtype, reads)
         self.proposer = proposer and proposer.allocate_cache(num_blocks, num_cpu_blocks,
                                                              block_size, self.model_runner)
-        self.kv_cache = self.model_runner.kv_cache  # (2, n_layer, num_blocks, block_size, nkv, hs)
+        self.kv_cache = self.model_runner.kv_cache  # (2, L, num_blocks, block_size, nkv, hs)
         self.requests = {}  # request_id -> Request, until it finishes or is aborted
         self.request_ids, self.seq_ids = itertools.count(), itertools.count()
         self.detokenizer = None  # text and stop strings need a tokenizer: decode(ids) -> str
@@ -3570,13 +3574,12 @@ def token_id(t):
 
 def schedule_summary(out):
     """A SchedulerOutput as an observer hears it: each scheduled chunk's sequence, start and
-    tokens, and the block moves."""
+    tokens, and the block copies of each kind (BlockCopies' fields)."""
     return dict(scheduled=[(seq.seq_id, seq.num_computed_tokens,
                             seq.token_ids[seq.num_computed_tokens:][:n])
                            for seq, n in out.scheduled],
                 lookahead=[(seq.seq_id, n) for seq, n in out.lookahead],
-                copies=out.copies.cow, swap_in=out.copies.swap_in,
-                swap_out=out.copies.swap_out,
+                copies=asdict(out.copies),
                 preempted=[request.request_id for request in out.preempted])
 
 
