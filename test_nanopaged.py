@@ -5643,9 +5643,9 @@ def test_the_recipes_in_the_readme_run_as_written():
     readme = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read()
     section = readme.split("\n## Making it yours\n", 1)[1].split("\n## ", 1)[0]
     recipes = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(recipes) == 4
+    assert len(recipes) == 5
     registries = (SCHEDULING_POLICIES, EVICTION_POLICIES, kernel.ATTENTION_BACKENDS,
-                  nanopaged.ATTENTION_KINDS)
+                  nanopaged.ATTENTION_KINDS, nanopaged.READ_POLICIES)
     saved = [dict(r) for r in registries]
     steps = list(nanopaged.LOGITS_STEPS), list(nanopaged.SAMPLING_STEPS)
     try:
@@ -5654,6 +5654,9 @@ def test_the_recipes_in_the_readme_run_as_written():
         # each recipe registered what it shows, in the one place it names, and nothing else
         assert "deepest_first" in EVICTION_POLICIES and "sdpa" in kernel.ATTENTION_BACKENDS
         assert nanopaged.ATTENTION_KINDS["sink_attention"] is not AttentionSinks  # the README's
+        policies = nanopaged.READ_POLICIES
+        assert set(policies) == set(saved[4]) | {"sink_and_recent"}
+        assert policies["sink_and_recent"]().needs_key_bounds is False
         assert dict(SCHEDULING_POLICIES) == saved[0] and nanopaged.LOGITS_STEPS == steps[0]
         assert nanopaged.SAMPLING_STEPS[:-1] == steps[1]
         assert nanopaged.SAMPLING_STEPS[-1].__name__ == "apply_epsilon_cutoff"
