@@ -10240,6 +10240,49 @@ def test_overhead_times_the_engine_on_one_thread_and_gives_the_process_its_own_b
         torch.set_num_threads(threads)
 
 
+class ByteTokenizer:
+    """transformers' tokenizer interface as bench.py's real-checkpoint part calls it, on bytes."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return SimpleNamespace(input_ids=list(text.encode()))
+
+    def decode(self, ids):
+        return bytes(ids).decode(errors="replace")
+
+
+@pytest.mark.bench
+def test_bench_sparse_checkpoint_part_runs_on_a_small_model(tmp_path, monkeypatch):
+    """bench.py --sparse --checkpoint's passkey retrieval and agreement, on a small random Llama
+    and a byte tokenizer: each prompt holds its key's line at its depth within its context; a
+    budget of the whole context is every block (the run itself checks "all" against
+    Engine(read_policy="all")); the plot takes the results."""
+    import bench
+    tokenizer = ByteTokenizer()
+    for depth in (0.0, 0.5, 1.0):
+        text = tokenizer.decode(bench.passkey_prompt(tokenizer, 1024, depth, 12345))
+        assert 1024 - 2 * len(bench.PASSKEY_FILLER) < len(text) <= 1024
+        at = text.index(bench.PASSKEY_LINE.format(key=12345))  # after depth of the filler
+        assert text[:at].count(bench.PASSKEY_FILLER) == round(depth * text.count(
+            bench.PASSKEY_FILLER))
+        assert text.startswith(bench.PASSKEY_INTRO) and text.endswith(bench.PASSKEY_QUESTION)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=3, n_head=4, n_kv_head=2, n_embd=32, vocab_size=256,
+                          max_seq_len=1024, rope_theta=1e4, norm="rmsnorm", mlp="swiglu",
+                          bias=False, intermediate_size=48)).double()
+    passkey = bench.passkey_retrieval(model, tokenizer, (512, 768), (32, 1024), trials=2)
+    assert list(passkey) == [512, 768]
+    for r in passkey.values():
+        assert list(r["accuracy"]) == ["all", 32, 1024]
+        assert r["accuracy"][1024] == r["accuracy"]["all"]
+    agree = bench.checkpoint_agreement(model, tokenizer, (32, 1024), 2, 256, 6)
+    assert agree[1024] == dict(equal=1.0, before_first_difference=6.0)
+    assert 0 <= agree[32]["equal"] <= 1
+    monkeypatch.setattr(bench, "OUT_DIR", str(tmp_path))
+    real = dict(passkey=passkey, agreement=agree, context=256)
+    bench.plot_sparse({512: {"all": 1.0, 64: 0.5}}, (64,), agree, 256, real)
+    assert (tmp_path / "sparse.png").stat().st_size > 0
+
+
 @pytest.mark.bench
 def test_bench_serve_without_guidellm_skips_its_benchmark_and_says_so(tmp_path, monkeypatch,
                                                                      capsys):
