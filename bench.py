@@ -1566,7 +1566,7 @@ def checkpoint_agreement(model, tokenizer, budgets, prompts, context, max_tokens
 
 
 def bench_checkpoint(path, contexts=(1024, 2048, 4096), budgets=(64, 128, 256, 512, 1024),
-                     trials=8, prompts=4, context=2048, max_tokens=32):
+                     trials=12, prompts=8, context=2048, max_tokens=32):
     """Passkey retrieval and greedy agreement on the checkpoint folder at path, float32."""
     from transformers import AutoTokenizer
     model = GPT.from_pretrained(path, dtype="float32")
@@ -2576,7 +2576,7 @@ def argument_parser():
     p.add_argument("--checkpoint", metavar="PATH",
                    help="with --sparse: also passkey retrieval and greedy agreement on this\n"
                    "checkpoint folder (SmolLM2-135M-Instruct: python tools/smollm2.py PATH),\n"
-                   "about 15 minutes on one CPU thread")
+                   "about 12 minutes more on one CPU thread")
     p.add_argument("--serve-model", metavar="PATH",
                    help="with --serve: serve this checkpoint folder instead of the built-in\n"
                    "model, all at once only (no rates, no guidellm): 32 requests of up to 32\n"
