@@ -576,19 +576,24 @@ class BlockPool:
     def num_free_blocks(self):  # blocks that hold nothing, and cached blocks nobody holds
         return len(self.empty_block_ids) + self.prefix_cache.num_evictable
 
-    def take(self):
+    def take(self, copies=None):
         """A free block for one owner: the last freed of those that hold nothing, or, when none
-        is left, the cached block the eviction policy gives up."""
+        is left, the cached block the eviction policy gives up (evict: the block copies that
+        asks for join copies)."""
         if self.empty_block_ids:
             block_id = self.empty_block_ids.pop()
         elif self.prefix_cache.num_evictable:
-            block_id = self.prefix_cache.evict()
+            block_id = self.evict(copies)
         else:
             raise OutOfBlocksError(f"all {self.num_blocks} KV blocks are in use")
         block = self.blocks[block_id]
         block.ref_count, block.num_hits = 1, 0
         self.taken.add(block_id)
         return block_id
+
+    def evict(self, copies):
+        """The cached free block the eviction policy gives up, its prefix forgotten."""
+        return self.prefix_cache.evict()
 
     def share(self, block_id):
         block = self.blocks[block_id]
@@ -763,13 +768,12 @@ class BlockAllocator(BlockPool):
         # whether any group gives blocks back as its sequences grow (not full attention alone)
         self.skips_blocks = any(kind.mask != kernel.FULL_ATTENTION for kind in self.kinds)
 
-    def take(self, copies):
-        """A free block (BlockPool.take). A cached block the device gives up goes to the CPU
-        tier first, if it has room (section 4), so that a prefix that comes back is copied in,
-        not computed again: that copy joins copies."""
-        if not self.empty_block_ids and self.prefix_cache.num_evictable:
-            copies.offload += self.swap_pool.offload(self.blocks[self.prefix_cache.next_victim()])
-        return super().take()
+    def evict(self, copies):
+        """The device gives up a cached block: its K/V go to the CPU tier first, if it has room
+        (section 4), so that a prefix that comes back is copied in, not computed again: that
+        copy joins copies (every device take passes the BlockCopies of the change it serves)."""
+        copies.offload += self.swap_pool.offload(self.blocks[self.prefix_cache.next_victim()])
+        return super().evict(copies)
 
     def max_blocks(self, num_tokens, chunk):
         """The most blocks a sequence of num_tokens tokens holds while it computes a chunk of
