@@ -47,6 +47,8 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import nanopaged  # noqa: E402
+import parallel  # noqa: E402
+import read_policy  # noqa: E402
 from demo import DEMO_MODEL  # noqa: E402
 from nanopaged import (GPT, EVICTION_POLICIES, BlockAllocator, Engine, GPTConfig,  # noqa: E402
                        SamplingParams, Sequence, blocks_held, cdiv, kv_block_shape, step_chunks)
@@ -1435,7 +1437,7 @@ def sparse_attention_times(context, budgets, batch, block_size, shape, repeats):
     def select(budget):
         keep = quest.Quest(token_budget=budget, dense_layers=0).select(
             0, q, bounds, tables, seq_lens, block_size)
-        return nanopaged.selected_tables(keep, tables, seq_lens, block_size)
+        return read_policy.selected_tables(keep, tables, seq_lens, block_size)
 
     def attend(budget=None):
         t, n = (tables, seq_lens) if budget is None else select(budget)
@@ -2051,7 +2053,7 @@ def tp_rank(rank, world_size, port, kv_cache_bytes, num_requests, max_tokens, qu
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # one core per rank, as torchrun sets it
-    nanopaged.init_tensor_parallel(world_size)
+    parallel.init_tensor_parallel(world_size)
     engine = Engine(GPT.from_pretrained(DEMO_MODEL), block_size=16, kv_cache_bytes=kv_cache_bytes,
                     device="cpu")
     rng = random.Random(SEED)

@@ -3,8 +3,9 @@ checkpoints: GPT.from_pretrained's reader of local Hugging Face folders (gpt2, l
 qwen2), without transformers or a network. A checkpoint either loads with logits equal to
 transformers' or is refused with a ValueError naming the config.json field it would get wrong.
 Also what else a folder says about serving it: its dtype, its sampling defaults
-(generation_config.json) and its chat template. nanopaged.py imports it only when a folder is
-loaded.
+(generation_config.json) and its chat template. It sits beside the core: nanopaged.py imports
+it, and it imports nothing of nanopaged (GPT.from_pretrained hands it the class to fill, and
+the class its config class).
 """
 
 import dataclasses
@@ -14,8 +15,8 @@ import os
 
 import torch
 
-import nanopaged
-from nanopaged import ACTIVATIONS, GPTConfig, tp_shard, tp_split_dim
+import checks
+from parallel import tp, tp_shard, tp_split_dim
 
 # the attention kinds (nanopaged.ATTENTION_KINDS) transformers' Mistral (Ministral) and Qwen2
 # layers run: their masks know no other layer_types
@@ -80,21 +81,21 @@ def reject(path, hf, key, default, supported, where=""):
                          "only " + " or ".join(map(repr, supported)))
 
 
-def gpt2_config(hf, path):
+def gpt2_config(config_cls, hf, path):
     # reorder_and_upcast_attn computes the scores in fp32, as the kernels always do: no change
-    reject(path, hf, "activation_function", "gelu_new", tuple(ACTIVATIONS))
+    reject(path, hf, "activation_function", "gelu_new", config_cls.activations)
     reject(path, hf, "scale_attn_by_inverse_layer_idx", False, (False,))  # a scale per layer
     reject(path, hf, "add_cross_attention", False, (False,))  # the decoder of an encoder-decoder
-    return GPTConfig(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
-                     n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
-                     layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-                     eos_token_id=hf["eos_token_id"], intermediate_size=hf.get("n_inner"),
-                     activation=hf.get("activation_function", "gelu_new"),
-                     attn_scale=None if hf.get("scale_attn_weights", True) else 1.0,
-                     tie_word_embeddings=hf.get("tie_word_embeddings", True))
+    return config_cls(vocab_size=hf["vocab_size"], max_seq_len=hf["n_positions"],
+                      n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"],
+                      layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+                      eos_token_id=hf["eos_token_id"], intermediate_size=hf.get("n_inner"),
+                      activation=hf.get("activation_function", "gelu_new"),
+                      attn_scale=None if hf.get("scale_attn_weights", True) else 1.0,
+                      tie_word_embeddings=hf.get("tie_word_embeddings", True))
 
 
-def llama_config(hf, path):
+def llama_config(config_cls, hf, path):
     # Published folders have rope_theta and rope_scaling; transformers 5 writes rope_parameters.
     # A top-level partial_rotary_factor counts too: transformers moves it into rope_parameters.
     rope = {"rope_theta": hf.get("rope_theta", 10000.0),
@@ -103,7 +104,7 @@ def llama_config(hf, path):
     rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
     for key, supported in [("rope_type", ("default", "llama3")), ("partial_rotary_factor", (1.0,))]:
         reject(path, rope, key, supported[0], supported, where="rope_scaling / rope_parameters ")
-    reject(path, hf, "hidden_act", "silu", tuple(ACTIVATIONS))
+    reject(path, hf, "hidden_act", "silu", config_cls.activations)
     # Only Llama reads attention_bias (q, k, v and o) and mlp_bias; pretraining_tp changes nothing
     biases = ("attention_bias", "mlp_bias") if hf["model_type"] == "llama" else ()
     for key in biases:
@@ -111,7 +112,7 @@ def llama_config(hf, path):
     max_seq_len = hf.get("max_position_embeddings", 2048)
     rope.setdefault("original_max_position_embeddings", max_seq_len)  # as transformers, for llama3
     sliding_window, layer_types = windows(hf, path)
-    return GPTConfig(
+    return config_cls(
         vocab_size=hf["vocab_size"], max_seq_len=max_seq_len, n_layer=hf["num_hidden_layers"],
         n_head=hf["num_attention_heads"], n_kv_head=hf.get("num_key_value_heads"),
         n_embd=hf["hidden_size"], head_dim=hf.get("head_dim"), eos_token_id=hf["eos_token_id"],
@@ -220,16 +221,18 @@ def choose_dtype(dtype, hf, device, bf16_supported=None):
 
 
 def load_pretrained(cls, path, dtype="auto", device=None):
-    """A cls (nanopaged.GPT) with the weights of the folder at path, each tensor checked against
-    the shape config.json implies and sliced for this rank as it is read, in the dtype
-    choose_dtype picks for the device (None: a GPU if there is one, as Engine's default)."""
+    """A cls (nanopaged.GPT, whose config_class is GPTConfig) with the weights of the folder at
+    path, each tensor checked against the shape config.json implies and sliced for this rank as
+    it is read, in the dtype choose_dtype picks for the device (None: a GPU if there is one, as
+    Engine's default)."""
     hf = read_hf_config(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dtype = choose_dtype(dtype, hf, device)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    config = gpt2_config(hf, path) if hf["model_type"] == "gpt2" else llama_config(hf, path)
+    make_config = gpt2_config if hf["model_type"] == "gpt2" else llama_config
+    config = make_config(cls.config_class, hf, path)
     model, sd = cls(config), read_hf_weights(path)
     with torch.no_grad():
         for name, param in model.named_parameters():  # a tied lm_head is wte, listed once
@@ -238,7 +241,7 @@ def load_pretrained(cls, path, dtype="auto", device=None):
             transpose = hf["model_type"] == "gpt2" and name.endswith(GPT2_CONV1D)
             whole = list(param.shape)  # the whole model's: all ranks' slices together
             if (dim := tp_split_dim(name)) is not None:
-                whole[dim] *= nanopaged.tp.world_size
+                whole[dim] *= tp.world_size
             shapes = [(n, *whole[1:]) for n in config.qkv_widths] if len(keys) == 3 else [whole]
             for key, shape in zip(keys, shapes):
                 expected = tuple(shape[::-1] if transpose else shape)
@@ -268,7 +271,7 @@ def generation_defaults(path):
         return {}
     sampled = gen.get("do_sample") is True
     params = {} if sampled else {"temperature": 0.0}
-    for f in dataclasses.fields(nanopaged.SamplingParams):
+    for f in dataclasses.fields(checks.SamplingParams):
         key = f.metadata.get("hf")
         if key is None:
             continue

@@ -21,6 +21,7 @@ import torch
 
 import checkpoints
 import nanopaged
+import parallel
 import pagetrace
 from kernel import ATTENTION_BACKENDS
 from nanopaged import GPT, Engine, SamplingParams
@@ -405,7 +406,7 @@ def sampling_flags(args):
 def load(args):
     """The model the flags name, its engine (with the tokenizer, so outputs carry text) and the
     tokenizer; the sampling flags get their defaults (server.py serves the same)."""
-    nanopaged.init_tensor_parallel(args.tensor_parallel_size, device=args.device)
+    parallel.init_tensor_parallel(args.tensor_parallel_size, device=args.device)
     if nanopaged.tp.rank > 0:  # every rank serves the same requests; one of them speaks
         sys.stdout = open(os.devnull, "w")
     model = GPT.from_pretrained(args.model, dtype=args.dtype, device=args.device)

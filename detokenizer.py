@@ -1,6 +1,6 @@
 """
 detokenizer.py: the text of each sample as its tokens come, and the stop strings that end it,
-as vLLM's detokenizer does them. The engine imports it only when it is given a tokenizer (any
+as vLLM's detokenizer does them. The engine uses it when it is given a tokenizer (any
 object with decode(ids) -> str: a Hugging Face `tokenizers.Tokenizer`, or demo.Tokenizer's
 bytes); it imports nothing of the project.
 

@@ -10,42 +10,46 @@ sequences onto the device as the blocks allow and preempts when they run out.
     Kwon et al., "Efficient Memory Management for Large Language Model Serving with
     PagedAttention", SOSP 2023.  https://arxiv.org/abs/2309.06180
 
-Sections, in reading order, each built on the ones before it: 1. sequences, requests and
-their lifecycle; 2. the block allocator; 3. the prefix cache; 4. the CPU pool (swap space
-and the prefix cache's second tier); 5. the scheduler; 6. tensor parallelism; 7. the model;
-8. the model runner; 9. sampling; 10. output processing; 11. the engine. An appendix holds the
-checks of settings and requests, and the metrics. The attention kernels live in kernel.py,
-the only file this one imports at load; checkpoint loading (checkpoints.py), speculative
-decoding's proposers (speculative.py), Quest's read policy (quest.py), text and stop strings
-(detokenizer.py) and the demo (demo.py) are each reached by one lazy import where it is
-needed.
+Sections, in reading order, each using only what the ones before it define: 1. sequences,
+requests and their lifecycle; 2. physical blocks and the undo of a failed step; 3. the prefix
+cache; 4. the block pools, the device's and the CPU's; 5. the block allocator; 6. the
+scheduler; 7. the model; 8. the model runner; 9. sampling; 10. output processing; 11. the
+engine. An appendix holds the metrics.
+
+What a reader of paging can skip lives in files beside this one, which it imports and which
+import nothing of it: kernel.py (the attention kernels), checks.py (SamplingParams and the
+checks of settings and requests), parallel.py (tensor parallelism's primitives),
+read_policy.py and quest.py (which blocks a decode reads), checkpoints.py (Hugging Face
+folders) and detokenizer.py (text and stop strings). Capabilities over the core import it and
+register themselves by name: speculative.py's proposers (SPECULATIVE_METHODS). This file
+imports nothing above it, except where `python nanopaged.py` hands its __main__ to demo.py.
 Run `python nanopaged.py`, or `torchrun --nproc-per-node 2 nanopaged.py
 --tensor-parallel-size 2` to split the model and its KV cache across two processes.
 """
 
 import copy
 import hashlib
-import inspect
 import itertools
 import math
-import os
 import sys
 import time
 from bisect import insort
 from collections import deque
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
-from datetime import timedelta
 from heapq import heappop, heappush
-from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checkpoints
 import kernel
+from checks import SamplingParams, as_int, check_engine_settings, check_request, integer
+from detokenizer import Detokenizer
+from parallel import all_reduce, broadcast, tp, tp_min, tp_shard, tp_shut_down
+from read_policy import READ_POLICIES, attend_selected, make_read_policy
 
 
 # -----------------------------------------------------------------------------
@@ -80,163 +84,77 @@ def cdiv(n, d):
     return -(-n // d)
 
 
+NO_BLOCK = -1  # a block table's entry for a block no token to come sees, given back: it holds none
+
+
+class BlockTable:
+    """A sequence's block table: the physical block of each of its logical blocks, in order.
+    The ids live in a numpy int32 row that doubles as it fills, and each change moves its
+    version, so the model runner keeps the batch's rows and writes a table's row again only
+    when it changed (ModelRunner.batch_table), without walking Python lists. Read it as a list;
+    change it by append, item assignment and truncate, each journaled once the allocator has
+    given it its journal."""
+
+    def __init__(self):
+        self.ids, self.n, self.journal = np.zeros(4, dtype=np.int32), 0, None
+        self.version = 0  # counts its changes: the model runner rewrites its batch row on one
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        return iter(self.tolist())
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.ids[:self.n][i].tolist()
+        if not -self.n <= i < self.n:
+            raise IndexError(f"block table index {i} out of range ({self.n} blocks)")
+        return self.ids.item(i % self.n)  # a Python int, without a numpy scalar on the way
+
+    def __eq__(self, other):
+        return isinstance(other, (BlockTable, list, tuple)) and self.tolist() == list(other)
+
+    def __repr__(self):
+        return f"BlockTable({self.tolist()})"
+
+    def tolist(self):
+        return self.ids[:self.n].tolist()
+
+    def count(self, block_id):
+        return int((self.ids[:self.n] == block_id).sum())
+
+    def append(self, block_id):
+        if self.n == len(self.ids):
+            self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
+        self.ids[self.n] = block_id
+        self.n += 1
+        self.version += 1
+        if self.journal is not None:
+            self.journal.record(self.truncate, self.n - 1)
+
+    def __setitem__(self, i, block_id):
+        old = self[i]
+        self.ids[i % self.n] = block_id
+        self.version += 1
+        if self.journal is not None:
+            self.journal.record(self.__setitem__, i, old)
+
+    def truncate(self, n):
+        """Keep the first n blocks."""
+        if self.journal is not None:
+            self.journal.record(self.extend, self[n:])
+        self.n = min(n, self.n)
+        self.version += 1
+
+    def extend(self, block_ids):
+        for block_id in block_ids:
+            self.append(block_id)
+
+
 def blocks_held(seqs):
     """The physical blocks the sequences point at, each once however many share it."""
     return {b for seq in seqs for table in seq.block_tables for b in table if b != NO_BLOCK}
-
-
-def integer(x):
-    """An int, or numpy's or torch's integer scalar (a user's code may hold one); never a bool,
-    which is an int to Python but never to a user."""
-    if isinstance(x, torch.Tensor):
-        return x.dim() == 0 and not (x.dtype == torch.bool or x.is_floating_point()
-                                     or x.is_complex())
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def as_int(x):
-    """An integer() as the Python int it holds; anything else as it is, for its check to refuse."""
-    return int(x) if integer(x) else x
-
-
-def number(x):
-    return integer(x) or isinstance(x, float)
-
-
-def setting(default, allowed, ok, beams=True, **about):
-    """A dataclass field and what it allows: ok(value) says whether a value is allowed, allowed
-    says which in words, for the ValueError that names the field (check_fields). beams=False: a
-    sampling parameter that would change what beam search ranks and that it does not honour,
-    refused beside beam_width. Beams draw nothing, so a warper (a field with hf_default:
-    temperature, top_k, top_p, min_p), which shapes only a draw, is ignored by them, as by
-    transformers' beam search. about: more metadata, for the layers that read the fields
-    (SamplingParams says which)."""
-    return field(default=default, metadata=dict(allowed=allowed, ok=ok, beams=beams, **about))
-
-
-def int_setting(default, least, none=False, beams=True, **about):
-    """A setting() that holds an int >= least, or None too if none."""
-    def ok(x):
-        return none if x is None else integer(x) and x >= least
-    return setting(default, f"{'None or ' * none}an int >= {least}", ok, beams, **about)
-
-
-def check_fields(obj):
-    """Every field of a dataclass made with setting(), or a ValueError naming the first one
-    whose value its check refuses. An integer scalar of numpy's or torch's becomes its int."""
-    for f in fields(obj):
-        given = getattr(obj, f.name)
-        if (value := as_int(given)) is not given:
-            setattr(obj, f.name, value)
-        if "ok" in f.metadata and not f.metadata["ok"](value):
-            raise ValueError(f"{type(obj).__name__}.{f.name} must be {f.metadata['allowed']}, "
-                             f"got {value!r}")
-
-
-def strings(x):  # a non-empty string, or a list of them
-    return isinstance(x, str) and x or isinstance(x, (list, tuple)) and all(
-        isinstance(s, str) and s for s in x)
-
-
-@dataclass
-class SamplingParams:
-    """How a request is sampled: vLLM's names, defaults and ranges. A new parameter is a field
-    here, with what it allows, and a step of the sampling pipeline (section 9). Its metadata is
-    all the layers above need, so they list no field by name: flag="what it does" makes it a
-    sampling flag (`python nanopaged.py --top-k`, and server.py's default for a request that
-    leaves it out); hf="name" reads it from generation_config.json under transformers' name,
-    and hf_default marks a warper, which applies only with do_sample and takes transformers'
-    default where the file is silent; http=False keeps it out of server.py's requests (every
-    other field is a request field under its own name, as vLLM's extensions are)."""
-    max_tokens: int = int_setting(16, 1, hf="max_new_tokens")
-    temperature: float = setting(1.0, "a number >= 0", lambda x: number(x) and x >= 0,  # 0: greedy
-                                 flag="sampling temperature, 0 for greedy", hf="temperature",
-                                 hf_default=1.0)
-    # keep the k likeliest tokens and ties with the k-th; 0: all
-    top_k: int = int_setting(0, 0, flag="keep the k likeliest tokens, 0 for all", hf="top_k",
-                             hf_default=50)
-    # then of those, renormalised, the smallest set reaching top_p; then those at least min_p
-    # times as likely as the likeliest
-    top_p: float = setting(1.0, "a number in (0, 1]", lambda x: number(x) and 0 < x <= 1,
-                           flag="nucleus sampling threshold", hf="top_p", hf_default=1.0)
-    min_p: float = setting(0.0, "a number in [0, 1]", lambda x: number(x) and 0 <= x <= 1,
-                           hf="min_p", hf_default=0.0,
-                           flag="drop tokens less likely than this times the likeliest")
-    # over prompt and output, a token's positive logit divided by it, a negative one multiplied
-    repetition_penalty: float = setting(
-        1.0, "a number > 0", lambda x: number(x) and 0 < x < math.inf, hf="repetition_penalty",
-        flag="divide the positive logits of tokens seen in the prompt or output by this, "
-        "multiply the negative ones")
-    # over the output: minus presence once per token present, minus frequency times its count
-    presence_penalty: float = setting(0.0, "a number in [-2, 2]",
-                                      lambda x: number(x) and -2 <= x <= 2, beams=False,
-                                      flag="subtract this from tokens generated already")
-    frequency_penalty: float = setting(0.0, "a number in [-2, 2]",
-                                       lambda x: number(x) and -2 <= x <= 2, beams=False,
-                                       flag="subtract this times a generated token's count")
-    # token t of sample i is drawn by a generator seeded by (seed, i, t); None: a random seed
-    seed: int | None = setting(None, "None or an int", lambda x: x is None or integer(x))
-    n: int = int_setting(1, 1)  # parallel samples of one prompt, sharing its blocks
-    # beam search, this many beams
-    beam_width: int | None = int_setting(None, 1, none=True, http=False)
-    # beams rank by sum of log-probabilities / length ** length_penalty
-    length_penalty: float = setting(1.0, "a number", number, http=False)
-    # these tokens end a sample (None: none), and these strings, found in its text (a tokenizer
-    # decodes it), which is cut before them unless include_stop_str_in_output
-    stop_token_ids: list[int] | None = setting(
-        None, "None or a list of token ids", lambda x: x is None or isinstance(
-            x, (list, tuple)) and all(integer(t) and t >= 0 for t in x))
-    stop: str | list[str] | None = setting(None, "None, a string or a list of non-empty strings",
-                                           lambda x: x is None or x == [] or strings(x),
-                                           beams=False)
-    include_stop_str_in_output: bool = setting(False, "True or False",
-                                               lambda x: isinstance(x, bool))
-    ignore_eos: bool = setting(False, "True or False", lambda x: isinstance(x, bool))
-    # no end token or stop string ends a sample before these
-    min_tokens: int = int_setting(0, 0, hf="min_new_tokens",
-                                  flag="tokens before an end token or a stop string may stop")
-    # per generated token, the k likeliest tokens' log-probabilities and the drawn one's, under
-    # the model (before penalties, temperature and filters), as vLLM returns them; and the same
-    # for each prompt token after the first
-    logprobs: int | None = int_setting(None, 0, none=True, beams=False)
-    prompt_logprobs: int | None = int_setting(None, 0, none=True)
-    # callables (prompt_token_ids, output_token_ids, logits (V,)) -> logits, run first (vLLM's)
-    logits_processors: list | None = setting(
-        None, "None or a list of callables", lambda x: x is None or isinstance(
-            x, (list, tuple)) and all(map(callable, x)), beams=False, http=False)
-    # what step() returns of the request, as vLLM's RequestOutputKind: "cumulative", each sample
-    # as it stands; "delta", what each sample gained since the last output, so that a stream
-    # costs what it adds, not what it holds; "final_only", one output, at the end (generate's)
-    output_kind: str = setting("cumulative", "'cumulative', 'delta' or 'final_only'",
-                               lambda x: x in ("cumulative", "delta", "final_only"), http=False)
-
-    def __post_init__(self):
-        check_fields(self)
-        self.stop_token_ids = [int(t) for t in self.stop_token_ids or []]
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.logits_processors = list(self.logits_processors or [])
-        if self.min_tokens > self.max_tokens:
-            raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) must be at most "
-                             f"max_tokens ({self.max_tokens})")
-        if self.n > 1 and self.beam_width is not None:
-            raise ValueError("SamplingParams: choose n > 1 (parallel sampling) or beam_width "
-                             "(beam search), not both")
-        if self.output_kind == "delta" and self.beam_width is not None:
-            raise ValueError("SamplingParams.output_kind 'delta' does not apply to beam search "
-                             "(the best beams change, so no output extends the one before): "
-                             "use 'cumulative' or 'final_only'")
-        # beams rank by (penalised) log-probabilities, as transformers' beam search, which
-        # draws nothing: the warpers do not apply to them, the fields it lacks are refused
-        for f in fields(self):
-            if (self.beam_width is not None and not f.metadata.get("beams", True)
-                    and getattr(self, f.name) not in (f.default, [])):
-                raise ValueError(f"SamplingParams.{f.name} does not apply to beam search: leave "
-                                 "it unset with beam_width")
-
-    @property
-    def num_seqs(self):
-        """How many sequences this request can run at once."""
-        return self.beam_width or self.n
 
 
 class Sequence:
@@ -248,12 +166,12 @@ class Sequence:
         self.index = index  # which sample or beam of its request it is
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = num_prompt_tokens
-        # Its paging state, which a step's plan changes through the allocator (section 2):
+        # Its paging state, which a step's plan changes through the allocator (section 5):
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache: see the lifecycle above
         # device blocks, or CPU blocks while swapped out: a table per KV cache group (one, but
         # for models that mix attention types: section 7)
         self.block_tables = [BlockTable()]
-        self.num_cached_blocks = 0  # its leading full blocks offered to the prefix cache
+        self.num_published_blocks = 0  # its leading full blocks offered to the prefix cache
         # The prefix-cache keys of its full blocks, one per block its tokens fill, computed as
         # the tokens arrive (with prefix caching on: section 3).
         self.block_hashes = []
@@ -262,7 +180,13 @@ class Sequence:
         self.prompt_logprobs = []  # when asked for: None, then one per prompt token as computed
         self.finish_reason = None
         self.stop_reason = None  # the stop token id or stop string that ended it (vLLM's)
+        # A fork's per-draw fields, by name: OutputProcessor.land updates them as each token is
+        # drawn, and every CompletionOutput carries a copy (its extras)
+        self.extras = {}
         self.text = None  # its output decoded so far, when the engine has a tokenizer
+        # detokenizer.py's offsets into token_ids: where its decoding window starts, and where
+        # the text decoded so far ends
+        self.text_offsets = None
         # where its next delta output starts (output_kind "delta"): the output tokens and the
         # characters of text that earlier outputs reported
         self.num_reported_tokens = 0
@@ -357,6 +281,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None  # per token, with SamplingParams.logprobs
     text: str | None = None  # decoded, cut at a stop string: with an Engine tokenizer
     stop_reason: int | str | None = None  # the stop token id or string that ended it
+    extras: dict = field(default_factory=dict)  # the sample's per-draw fields (Sequence.extras)
 
 
 @dataclass(slots=True)
@@ -392,19 +317,16 @@ def notify(part, event, **details):
 
 def group_field(group):  # an event's KV cache group (section 7): said only past the first
     return {"group": group} if group else {}
+
 # -----------------------------------------------------------------------------
-# 2. The block allocator. Paper: blocks and block tables (section 4.2), ref counts and
-#    copy-on-write (4.4). Later vLLM: its BlockPool; nano-vllm: its BlockManager.
+# 2. Physical blocks, the copies a plan asks for, and the undo of a failed step
 #
-# Like an OS handing out page frames, the allocator owns a fixed pool of num_blocks
-# physical blocks of block_size token slots each. A sequence's block table lists the
-# physical blocks that hold its tokens in order: token t lives in slot t % block_size of
-# block block_table[t // block_size]. Blocks are taken one at a time as a sequence grows,
-# so a sequence wastes at most the unfilled tail of its last block (paper, section 4.2).
-#
-# A step plans first (section 5): it takes and moves blocks before the model runs. If the
-# step then fails, its plan is undone from one Journal: a list of (function, args) that put
-# back each change, replayed latest first. Every change a plan makes records its undo there:
+# A physical block is block_size token slots of K/V in every layer, with a ref count: the
+# block-table entries that point at it. A step plans first (section 6): it takes and moves
+# blocks before the model runs, and each change to the tables returns the BlockCopies the run
+# must make on the KV tensors (copy-on-write, swap, the CPU tier's). If the step then fails,
+# its plan is undone from one Journal: a list of (function, args) that put back each change,
+# replayed latest first. Every change a plan makes records its undo there:
 # - a block's fields (ref_count, hash, stamps, ...): PhysicalBlock records each assignment
 #   itself, so `block.ref_count += 1` anywhere is undone without a word at the call;
 # - a block table's entries: BlockTable records each append, assignment and truncate;
@@ -414,10 +336,12 @@ def group_field(group):  # an event's KV cache group (section 7): said only past
 # What is derived from those is not journaled but rebuilt after the undo, from the blocks
 # alone: the free lists and the prefix cache's index and eviction heap (rebuild_free_list of
 # each pool the Journal knows). So the undo costs what the plan changed, plus one pass over
-# each pool to rebuild, and Journal.rollback is all of it. State a fork adds follows the same
-# rule: a field of a block is journaled for free; a field of anything else is changed with
-# Journal.set, or rebuilt from the blocks in rebuild(); a plain counter changed in the plan is
-# not undone, and the failure property catches it.
+# each pool to rebuild, and Journal.rollback is all of it.
+#
+# The rule for a fork: a field you add to PhysicalBlock is journaled for free. A field you add
+# to anything else (a sequence, a request, a pool, a counter) and change in the plan must be
+# changed with Journal.set, or rebuilt from the blocks in rebuild(). A plain assignment there is
+# not undone, and the failure property (test_nanopaged.py) catches it.
 
 
 class Journal:
@@ -489,238 +413,6 @@ class PhysicalBlock:
         object.__setattr__(self, name, value)
 
 
-class BlockTable:
-    """A sequence's block table: the physical block of each of its logical blocks, in order.
-    The ids live in a numpy int32 row that doubles as it fills, and each change moves its
-    version, so the model runner keeps the batch's rows and writes a table's row again only
-    when it changed (ModelRunner.batch_table), without walking Python lists. Read it as a list;
-    change it by append, item assignment and truncate, each journaled once the allocator has
-    given it its journal."""
-
-    def __init__(self):
-        self.ids, self.n, self.journal = np.zeros(4, dtype=np.int32), 0, None
-        self.version = 0  # counts its changes: the model runner rewrites its batch row on one
-
-    def __len__(self):
-        return self.n
-
-    def __iter__(self):
-        return iter(self.tolist())
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return self.ids[:self.n][i].tolist()
-        if not -self.n <= i < self.n:
-            raise IndexError(f"block table index {i} out of range ({self.n} blocks)")
-        return self.ids.item(i % self.n)  # a Python int, without a numpy scalar on the way
-
-    def __eq__(self, other):
-        return isinstance(other, (BlockTable, list, tuple)) and self.tolist() == list(other)
-
-    def __repr__(self):
-        return f"BlockTable({self.tolist()})"
-
-    def tolist(self):
-        return self.ids[:self.n].tolist()
-
-    def count(self, block_id):
-        return int((self.ids[:self.n] == block_id).sum())
-
-    def append(self, block_id):
-        if self.n == len(self.ids):
-            self.ids = np.concatenate([self.ids, np.zeros_like(self.ids)])
-        self.ids[self.n] = block_id
-        self.n += 1
-        self.version += 1
-        if self.journal is not None:
-            self.journal.record(self.truncate, self.n - 1)
-
-    def __setitem__(self, i, block_id):
-        old = self[i]
-        self.ids[i % self.n] = block_id
-        self.version += 1
-        if self.journal is not None:
-            self.journal.record(self.__setitem__, i, old)
-
-    def truncate(self, n):
-        """Keep the first n blocks."""
-        if self.journal is not None:
-            self.journal.record(self.extend, self[n:])
-        self.n = min(n, self.n)
-        self.version += 1
-
-    def extend(self, block_ids):
-        for block_id in block_ids:
-            self.append(block_id)
-
-
-class BlockPool:
-    """Physical blocks, a ref count each and a free list; take, share and release one block at
-    a time (vLLM v1's BlockPool). A free block that still holds a cached prefix is the prefix
-    cache's to give up (section 3); the other free blocks go first, the last freed on top."""
-
-    def __init__(self, num_blocks, block_size, journal, enable_prefix_caching=False,
-                 eviction_policy="lru", prefix_cache_cls=None, tier=""):
-        self.block_size, self.num_blocks, self.journal = block_size, num_blocks, journal
-        self.blocks = [PhysicalBlock(i, freed_at=-i) for i in range(num_blocks)]  # 0 goes first
-        for block in self.blocks:
-            block.journal = journal
-        journal.pools.append(self)
-        self.clock = itertools.count(1)  # stamps freed_at
-        self.prefix_cache = (prefix_cache_cls or PrefixCache)(
-            self.blocks, block_size, journal, enable_prefix_caching, eviction_policy, tier)
-        self.taken = set()  # blocks handed out since the plan began: their slots may be written
-        self.rebuild_free_list()
-
-    @property
-    def num_free_blocks(self):  # blocks that hold nothing, and cached blocks nobody holds
-        return len(self.empty_block_ids) + self.prefix_cache.num_evictable
-
-    def take(self, copies=None):
-        """A free block for one owner: the last freed of those that hold nothing, or, when none
-        is left, the cached block the eviction policy gives up (evict: the block copies that
-        asks for join copies)."""
-        if self.empty_block_ids:
-            block_id = self.empty_block_ids.pop()
-        elif self.prefix_cache.num_evictable:
-            block_id = self.evict(copies)
-        else:
-            raise OutOfBlocksError(f"all {self.num_blocks} KV blocks are in use")
-        block = self.blocks[block_id]
-        block.ref_count, block.num_hits = 1, 0
-        self.taken.add(block_id)
-        return block_id
-
-    def evict(self, copies):
-        """The cached free block the eviction policy gives up, its prefix forgotten."""
-        return self.prefix_cache.evict()
-
-    def share(self, block_id):
-        block = self.blocks[block_id]
-        if block.ref_count == 0:  # a cached free block comes back to life
-            self.prefix_cache.revive(block)
-        block.ref_count += 1
-
-    def release(self, block_id):
-        block = self.blocks[block_id]
-        if block.ref_count < 1:  # a double free would hand one block to two
-            raise RuntimeError(f"block {block_id} released more times than it was taken")
-        block.ref_count -= 1
-        if block.ref_count == 0:
-            block.freed_at = next(self.clock)
-            if block.hash is None:
-                self.empty_block_ids.append(block_id)
-            else:  # it keeps its prefix until the cache gives it up
-                self.prefix_cache.retire(block)
-
-    def rebuild_free_list(self):
-        """The free list and the prefix cache's index, from the blocks alone: after an undo."""
-        free = sorted((b for b in self.blocks if b.ref_count == 0), key=lambda b: b.freed_at)
-        self.empty_block_ids = [b.block_id for b in free if b.hash is None]  # last freed on top
-        self.prefix_cache.rebuild()
-
-
-NO_BLOCK = -1  # a block table's entry for a block no token to come sees, given back: it holds none
-
-
-# -- attention kinds: which keys a layer's queries see, and so which blocks a sequence needs
-#
-# An attention kind (vLLM v1: a KVCacheSpec and its SingleTypeKVCacheManager) says in one place
-# what paging needs to know of a layer's attention: its mask (kernel.Mask, the rule every
-# attention backend applies), the blocks a sequence no longer needs once its first n tokens are
-# computed (given back before its next chunk, NO_BLOCK left in their places so positions stay
-# put), the blocks a prefix hit needs, and the most blocks a sequence holds while it computes a
-# chunk of c tokens (what admission, check_request and pool sizing count, so a sliding window
-# serves contexts far longer than the pool would hold under full attention). The layers of one
-# kind share a KV cache group (section 7), with a block table per sequence. AttentionKind
-# derives the blocks and the bound from the mask; a kind says its mask and where it comes from
-# in a config, and may override the rest.
-
-
-@dataclass(frozen=True)
-class AttentionKind:
-    """Full attention: a query sees every key before it, so a sequence keeps every block."""
-    name = "full_attention"  # transformers' layer_types name, the key in ATTENTION_KINDS
-
-    @classmethod
-    def from_config(cls, config):
-        """The kind of a layer that config.layer_types names so, or a ValueError naming the
-        config field it lacks."""
-        return cls()
-
-    @property
-    def mask(self):
-        return kernel.FULL_ATTENTION
-
-    def skipped_blocks(self, num_computed, block_size):
-        """The logical blocks no token from position num_computed on sees, as a range: between
-        the mask's sinks and the first key num_computed sees (vLLM's get_num_skipped_tokens).
-        The mask's first_seen never decreases, so the range only grows."""
-        end = self.mask.first_seen(num_computed) // block_size
-        return range(min(cdiv(self.mask.sink, block_size), end), end)
-
-    def hit_blocks(self, num_blocks, block_size):
-        """The blocks of a prefix hit of num_blocks leading blocks that its sequence needs: all
-        but those no token after the hit sees (vLLM's hybrid hit rule)."""
-        skipped = self.skipped_blocks(num_blocks * block_size, block_size)
-        return [i for i in range(num_blocks) if i not in skipped]
-
-    def max_blocks(self, num_tokens, chunk, block_size):
-        """The most blocks a sequence of num_tokens tokens holds while it computes `chunk` of
-        them: its sinks' blocks, and the keys the chunk sees, at most reach - 1 + chunk
-        positions (reach: the most a query sees past the sinks), over one block more where they
-        start mid-block (vLLM's SlidingWindowSpec.max_memory_usage_bytes); never more than the
-        blocks its tokens fill."""
-        reach = self.mask.reach(kernel.NO_LIMIT) - self.mask.sink
-        seen = cdiv(self.mask.sink, block_size) + cdiv(reach - 1 + chunk, block_size) + 1
-        return min(cdiv(num_tokens, block_size), seen)
-
-
-class FullAttention(AttentionKind):
-    """Every key before the query: GPT-2's and Llama's layers, Qwen2's first ones."""
-
-
-@dataclass(frozen=True)
-class SlidingWindow(AttentionKind):
-    """Mistral's sliding window: a query sees the last `window` positions, its own included."""
-    window: int
-    name = "sliding_attention"
-
-    @classmethod
-    def from_config(cls, config):
-        if config.sliding_window is None:
-            raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
-        return cls(config.sliding_window)
-
-    @property
-    def mask(self):
-        return kernel.Mask(window=self.window)
-
-
-@dataclass(frozen=True)
-class ChunkedLocalAttention(AttentionKind):
-    """Llama 4's chunked local attention: a query sees only its own chunk of `chunk` positions
-    (chunk p // chunk), up to itself."""
-    chunk: int
-    name = "chunked_attention"
-
-    @classmethod
-    def from_config(cls, config):
-        if config.attention_chunk_size is None:
-            raise ValueError("layer_types has chunked_attention layers but attention_chunk_size "
-                             "is None")
-        return cls(config.attention_chunk_size)
-
-    @property
-    def mask(self):
-        return kernel.Mask(chunk=self.chunk)
-
-
-# layer_types names -> kinds: a fork registers its own (README: a new attention kind)
-ATTENTION_KINDS = {kind.name: kind for kind in (FullAttention, SlidingWindow,
-                                                 ChunkedLocalAttention)}
-
-
 @dataclass
 class BlockCopies:
     """The block copies a change to the tables asks for, each (source, destination): the change
@@ -740,276 +432,6 @@ class BlockCopies:
     def __bool__(self):
         return any(getattr(self, f.name) for f in fields(self))
 
-
-class BlockAllocator(BlockPool):
-    """Sequences' block tables over the device pool, each change beside the count of the free
-    blocks it takes: a sequence is given its prefix cache hit when admitted, then blocks chunk
-    by chunk as its tokens are scheduled (a write into a shared block copies it first); it is
-    forked, trimmed and freed, and the blocks its kinds no longer need go back as it goes. A
-    model whose layers mix attention kinds keeps a table per KV cache group (section 7) over
-    this one pool. The prefix cache finds hits (PrefixCache.hit), the CPU pool keeps what
-    leaves the device (SwapPool), and the Journal undoes a failed step's changes."""
-    observer = None  # see notify
-
-    def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
-                 eviction_policy="lru", prefix_cache_cls=None, cpu_cache=False,
-                 cpu_eviction_policy=None, kinds=(FullAttention(),)):
-        for name, value, least in (("num_blocks", num_blocks, 1), ("block_size", block_size, 1),
-                                   ("num_cpu_blocks", num_cpu_blocks, 0)):
-            if not integer(value) or value < least:
-                raise ValueError(f"BlockAllocator: {name} must be an int >= {least}, "
-                                 f"got {value!r}")
-        super().__init__(num_blocks, block_size, Journal(), enable_prefix_caching,
-                         eviction_policy, prefix_cache_cls)
-        # cpu_cache: the CPU pool caches prefixes too, a second tier under the device's
-        self.swap_pool = SwapPool(num_cpu_blocks, self, enable_prefix_caching and cpu_cache,
-                                  cpu_eviction_policy or eviction_policy)
-        self.kinds = list(kinds)  # per KV cache group (section 7): its layers' attention kind
-        # whether any group gives blocks back as its sequences grow (not full attention alone)
-        self.skips_blocks = any(kind.mask != kernel.FULL_ATTENTION for kind in self.kinds)
-
-    def evict(self, copies):
-        """The device gives up a cached block: its K/V go to the CPU tier first, if it has room
-        (section 4), so that a prefix that comes back is copied in, not computed again: that
-        copy joins copies (every device take passes the BlockCopies of the change it serves)."""
-        copies.offload += self.swap_pool.offload(self.blocks[self.prefix_cache.next_victim()])
-        return super().evict(copies)
-
-    def max_blocks(self, num_tokens, chunk):
-        """The most blocks a sequence of num_tokens tokens holds while it computes a chunk of
-        `chunk` tokens: each KV cache group's kind's bound, summed."""
-        return sum(kind.max_blocks(num_tokens, chunk, self.block_size) for kind in self.kinds)
-
-    def journaled_tables(self, seq):
-        """seq's block tables, one per KV cache group (made if it has one for a single group),
-        each given the journal, so its changes from here on are undone with the plan."""
-        if len(seq.block_tables) != len(self.kinds):  # made for one group
-            self.journal.set(seq, "block_tables", [BlockTable() for _ in self.kinds])
-        for table in seq.block_tables:
-            table.journal = self.journal
-        return seq.block_tables
-
-    def lookup(self, seq, tier=True):
-        """seq's PrefixHit in the device's prefix cache, and below it in the CPU tier's
-        (tier: whether to look there), over every KV cache group's kind (PrefixCache.hit)."""
-        lower = self.swap_pool.prefix_cache if tier else None
-        return self.prefix_cache.hit(seq, self.kinds, lower, self.swap_pool.taken)
-
-    def num_blocks_to_allocate(self, seq):
-        """Free blocks allocate(seq) takes: the device's hits that are free now, and a fresh
-        block for each of the CPU tier's (copied back)."""
-        num_taken = 0
-        for hit in self.lookup(seq).cached_blocks():
-            copied_back = hit.cache is not self.prefix_cache
-            num_taken += copied_back or self.blocks[hit.block_id].ref_count == 0
-        return num_taken
-
-    def num_blocks_to_admit(self, seq, chunk):
-        """The most free blocks seq holds at once from its admission to the end of its prefill,
-        computed in chunks of at most `chunk` tokens: in each KV cache group its kind's bound,
-        less the hits other sequences hold that no chunk gives back (a window gives back its
-        old hits, and takes blocks in their stead)."""
-        need = 0
-        for kind, hits in zip(self.kinds, self.lookup(seq).blocks):
-            skipped = kind.skipped_blocks(len(seq) - 1, self.block_size)  # by the last chunk
-            kept = 0  # the device's hits that others hold and no chunk of seq gives back
-            for i, hit in enumerate(hits):
-                if hit and i not in skipped and hit.cache is self.prefix_cache:
-                    kept += self.blocks[hit.block_id].ref_count > 0
-            need += kind.max_blocks(len(seq), chunk, self.block_size) - kept
-        return need
-
-    def allocate(self, seq):
-        """Give a new (or recomputing) sequence its prefix-cache hit: block tables over its
-        cached leading blocks (NO_BLOCK where no token to come sees one), and num_computed_tokens
-        the tokens they hold. Its other tokens get blocks chunk by chunk (allocate_slots).
-        Returns the BlockCopies it asks for: the CPU tier's hits copied back, and the tier's
-        copies of the blocks it evicts."""
-        assert not any(seq.block_tables), f"sequence {seq.seq_id} already holds blocks"
-        num_taken = self.num_blocks_to_allocate(seq)  # what an override says, too
-        if num_taken > self.num_free_blocks:
-            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {num_taken} blocks, "
-                                   f"{self.num_free_blocks} are free")
-        hit, tables = self.lookup(seq), self.journaled_tables(seq)
-        length = hit.num_blocks
-        reloaded = set()  # the indices of the blocks the CPU tier serves, in any group
-        for hits in hit.blocks:
-            reloaded |= {i for i, h in enumerate(hits) if h and h.cache is not self.prefix_cache}
-        reloaded = sorted(reloaded)
-        # The device's share of the hit is the hit it serves alone (vLLM: the local cache's hit,
-        # before its connector's): looked up before a block is taken, as a block taken to copy
-        # into may evict one. It ends at or before the first block copied back, in any group
-        # (at it, under full attention alone); the CPU tier serves the rest of the hit.
-        own = self.lookup(seq, tier=False).num_blocks if reloaded else length
-        held = [h.block_id for h in hit.cached_blocks() if h.cache is self.prefix_cache]
-        for block_id in held:  # share before taking, so take() cannot evict a hit
-            self.share(block_id)
-        copies = BlockCopies()
-        for g, (table, hits) in enumerate(zip(tables, hit.blocks)):
-            for i, h in enumerate(hits):
-                if h is None:
-                    table.append(NO_BLOCK)  # no token to come sees it
-                elif h.cache is self.prefix_cache:
-                    table.append(h.block_id)
-                else:  # the CPU tier's: copied back into a fresh block
-                    table.append(self.swap_pool.reload(seq, i, h.block_id, copies, g))
-            notify(self, "allocate", seq=seq.seq_id, request=seq.request_id,
-                   table=table.tolist(), hits=length, **group_field(g))
-        self.journal.set(seq, "num_computed_tokens", length * self.block_size)
-        # the device's leading hits are cached; the blocks copied back are published with the
-        # blocks seq computes, as it is scheduled (cache_full_blocks)
-        self.journal.set(seq, "num_cached_blocks", (reloaded or [length])[0])
-        self.prefix_cache.count(seq, length, held, own)
-        return copies
-
-    def allocate_together(self, seqs):
-        """allocate() each of a request's sequences (samples or beams recomputed together), their
-        prefix hits held first: a block one of them takes could otherwise evict a hit that
-        another's count relied on. So the request takes at most the sum of their
-        num_blocks_to_allocate. Returns their BlockCopies."""
-        hits = []  # (the pool, its block) of each sequence's hit
-        for seq in seqs:
-            for h in self.lookup(seq).cached_blocks():
-                hits.append((self if h.cache is self.prefix_cache else self.swap_pool, h.block_id))
-        for pool, block in hits:
-            pool.share(block)
-        copies = BlockCopies()
-        for seq in seqs:
-            copies += self.allocate(seq)
-        for pool, block in hits:
-            pool.release(block)
-        return copies
-
-    def num_blocks_to_append(self, seqs, num_new=1):
-        """Free blocks allocate_slots takes to give each of seqs its next num_new tokens: the
-        blocks past its tables' ends, and a copy of each shared block they write into."""
-        bs = self.block_size
-        num_blocks = 0
-        writers = {}  # shared block -> how many of seqs write into it
-        for seq in seqs:
-            start = seq.num_computed_tokens
-            for table in seq.block_tables:
-                num_blocks += max(0, cdiv(start + num_new, bs) - len(table))
-                written = num_new and start // bs < len(table)  # a block it holds: shared?
-                if written and self.blocks[table[start // bs]].ref_count > 1:
-                    writers[table[start // bs]] = writers.get(table[start // bs], 0) + 1
-        # c writers into a block of count r copy it min(c, r - 1) times: the last writes in place
-        for block_id, c in writers.items():
-            num_blocks += min(c, self.blocks[block_id].ref_count - 1)
-        return num_blocks
-
-    def can_append(self, seqs):
-        """Whether the free blocks are enough for each of seqs' next token. A table takes one
-        block at most, so they are counted only when fewer blocks than tables are free (every
-        sequence has a table per KV cache group)."""
-        free = self.num_free_blocks
-        return (len(seqs) * len(seqs[0].block_tables) <= free
-                or self.num_blocks_to_append(seqs) <= free)
-
-    def num_slots_free(self, seq, most):
-        """The most of seq's next `most` tokens whose blocks are free: all of them, or as many as
-        the blocks allow (a prefill chunk shrinks to fit)."""
-        free = self.num_free_blocks
-        lo, hi = 0, most
-        while lo < hi:  # the largest count whose blocks fit; the blocks grow with it
-            mid = (lo + hi + 1) // 2
-            if self.num_blocks_to_append([seq], mid) <= free:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
-
-    def allocate_slots(self, seq, num_new):
-        """Room for seq's next num_new tokens, from num_computed_tokens on, in each of its block
-        tables: fresh blocks past a table's end, and a private copy of a shared block they write
-        into (copy-on-write: the block is shared after a fork, so this writer moves to a copy
-        and the other owners keep the original, paper section 4.4). Returns the BlockCopies
-        the step makes on the KV tensors before the forward: the copy-on-write ones, and the
-        CPU tier's copies of the blocks it evicts."""
-        need = self.num_blocks_to_append([seq], num_new)  # every group's, before any group takes
-        if need > self.num_free_blocks:
-            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {need} blocks, "
-                                   f"{self.num_free_blocks} are free")
-        bs, start = self.block_size, seq.num_computed_tokens
-        copies = BlockCopies()
-        for g, table in enumerate(seq.block_tables):
-            i = start // bs
-            if num_new and i < len(table) and self.blocks[table[i]].ref_count > 1:
-                old, new = table[i], self.take(copies)
-                self.release(old)
-                table[i] = new
-                notify(self, "cow", seq=seq.seq_id, src=old, dst=new, **group_field(g))
-                copies.cow.append((old, new))
-            while len(table) * bs < start + num_new:
-                table.append(self.take(copies))
-                notify(self, "append", seq=seq.seq_id, block=table[-1], **group_field(g))
-        return copies
-
-    def trim(self, seq):
-        """Give back the blocks past seq's computed tokens (after a step that verified proposed
-        tokens, those only rejected proposals wrote): its tables cover them again, as after
-        any step."""
-        keep = cdiv(seq.num_computed_tokens, self.block_size)
-        for g, table in enumerate(seq.block_tables):
-            for block_id in reversed(table[keep:]):
-                self.release(block_id)
-            table.truncate(keep)
-            notify(self, "trim", seq=seq.seq_id, keep=keep, **group_field(g))
-
-    def fork(self, parent, child):
-        """The child shares every block of the parent: parallel samples and beams start this way."""
-        tables = zip(parent.block_tables, self.journaled_tables(child))
-        for g, (parent_table, table) in enumerate(tables):
-            for block_id in parent_table:
-                if block_id != NO_BLOCK:
-                    self.share(block_id)
-                table.append(block_id)
-            notify(self, "fork", seq=child.seq_id, parent=parent.seq_id, **group_field(g))
-
-    def free(self, seq):
-        """Return every block of a finished, aborted or preempted sequence: none of its tokens
-        has K/V in the cache any more."""
-        for g, table in enumerate(seq.block_tables):
-            # Tail first: the head of a prompt is the likeliest to be shared, so it goes last.
-            for block_id in reversed(table):
-                if block_id != NO_BLOCK:
-                    self.release(block_id)
-            table.truncate(0)
-            notify(self, "free", seq=seq.seq_id, **group_field(g))
-        self.journal.set(seq, "num_computed_tokens", 0)
-        self.journal.set(seq, "num_cached_blocks", 0)
-
-    def free_skipped_blocks(self, seq):
-        """Give back the blocks of seq that no token from its next one on sees, in each KV cache
-        group (its kind's skipped_blocks; vLLM's remove_skipped_blocks): each leaves NO_BLOCK in
-        its table, so positions stay put; one that holds a prefix stays cached, free. A long
-        sequence under a window of W keeps about W / block_size + 1 blocks of its group."""
-        for g, (kind, table) in enumerate(zip(self.kinds, seq.block_tables)):
-            for i in reversed(kind.skipped_blocks(seq.num_computed_tokens, self.block_size)):
-                if table[i] == NO_BLOCK:  # those before it went back in earlier steps
-                    break
-                self.release(table[i])
-                table[i] = NO_BLOCK
-                notify(self, "skip", seq=seq.seq_id, index=i, **group_field(g))
-
-    def cache_full_blocks(self, seq, num_tokens=None):
-        """Publish seq's full blocks among its first num_tokens (by default its computed ones)
-        to the prefix cache. The engine's one call is in the plan of the step that computes
-        their last tokens, so a request admitted later in that step shares them (section 3).
-        A block whose prefix another block holds already (the same tokens computed at once by
-        two samples, or two prompts in flight) is cached beside it, as in vLLM: each stays its
-        sequence's own, and either serves a hit while the other is evicted."""
-        cache = self.prefix_cache
-        num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
-        num_full = num_tokens // self.block_size
-        if not cache.enabled or num_full <= seq.num_cached_blocks:
-            return
-        cache.key_blocks(seq)  # the engine keyed them already; a caller of its own may not have
-        for g, table in enumerate(seq.block_tables):
-            for i in range(seq.num_cached_blocks, num_full):
-                if table[i] != NO_BLOCK:
-                    cache.publish(seq, i, table[i], g)
-        self.journal.set(seq, "num_cached_blocks", num_full)
 
 # -----------------------------------------------------------------------------
 # 3. The prefix cache. Later vLLM: automatic prefix caching; its v1 publishes a block in the
@@ -1236,10 +658,82 @@ class PrefixCache:
         self.evictable = {b.block_id: (b.score, b.freed_at, b.block_id) for b in cached
                           if b.ref_count == 0}
         self.heap = sorted(self.evictable.values())
+
 # -----------------------------------------------------------------------------
-# 4. The CPU pool: blocks for sequences preempted by swap (paper, section 4.5), and a second
-#    tier of the prefix cache (vLLM's CPU offloading, SGLang's hierarchical cache)
+# 4. The block pools: the device's, and the CPU's (swap space, paper section 4.5, and a second
+#    tier of the prefix cache: vLLM's CPU offloading, SGLang's hierarchical cache)
 #
+# A pool owns a fixed number of physical blocks, like an OS owns page frames: a free list and
+# a ref count per block (vLLM v1's BlockPool). A free block that still holds a cached prefix
+# stays in the prefix cache until the pool needs it back.
+#
+
+class BlockPool:
+    """Physical blocks, a ref count each and a free list; take, share and release one block at
+    a time (vLLM v1's BlockPool). A free block that still holds a cached prefix is the prefix
+    cache's to give up (section 3); the other free blocks go first, the last freed on top."""
+
+    def __init__(self, num_blocks, block_size, journal, enable_prefix_caching=False,
+                 eviction_policy="lru", prefix_cache_cls=None, tier=""):
+        self.block_size, self.num_blocks, self.journal = block_size, num_blocks, journal
+        self.blocks = [PhysicalBlock(i, freed_at=-i) for i in range(num_blocks)]  # 0 goes first
+        for block in self.blocks:
+            block.journal = journal
+        journal.pools.append(self)
+        self.clock = itertools.count(1)  # stamps freed_at
+        self.prefix_cache = (prefix_cache_cls or PrefixCache)(
+            self.blocks, block_size, journal, enable_prefix_caching, eviction_policy, tier)
+        self.taken = set()  # blocks handed out since the plan began: their slots may be written
+        self.rebuild_free_list()
+
+    @property
+    def num_free_blocks(self):  # blocks that hold nothing, and cached blocks nobody holds
+        return len(self.empty_block_ids) + self.prefix_cache.num_evictable
+
+    def take(self, copies=None):
+        """A free block for one owner: the last freed of those that hold nothing, or, when none
+        is left, the cached block the eviction policy gives up. An eviction may ask for block
+        copies (the CPU tier copies the evicted block first); evict() adds them to copies."""
+        if self.empty_block_ids:
+            block_id = self.empty_block_ids.pop()
+        elif self.prefix_cache.num_evictable:
+            block_id = self.evict(copies)
+        else:
+            raise OutOfBlocksError(f"all {self.num_blocks} KV blocks are in use")
+        block = self.blocks[block_id]
+        block.ref_count, block.num_hits = 1, 0
+        self.taken.add(block_id)
+        return block_id
+
+    def evict(self, copies):
+        """The cached free block the eviction policy gives up, its prefix forgotten."""
+        return self.prefix_cache.evict()
+
+    def share(self, block_id):
+        block = self.blocks[block_id]
+        if block.ref_count == 0:  # a cached free block comes back to life
+            self.prefix_cache.revive(block)
+        block.ref_count += 1
+
+    def release(self, block_id):
+        block = self.blocks[block_id]
+        if block.ref_count < 1:  # a double free would hand one block to two
+            raise RuntimeError(f"block {block_id} released more times than it was taken")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            block.freed_at = next(self.clock)
+            if block.hash is None:
+                self.empty_block_ids.append(block_id)
+            else:  # it keeps its prefix until the cache gives it up
+                self.prefix_cache.retire(block)
+
+    def rebuild_free_list(self):
+        """The free list and the prefix cache's index, from the blocks alone: after an undo."""
+        free = sorted((b for b in self.blocks if b.ref_count == 0), key=lambda b: b.freed_at)
+        self.empty_block_ids = [b.block_id for b in free if b.hash is None]  # last freed on top
+        self.prefix_cache.rebuild()
+
+
 # One pool of CPU blocks serves both, as one pool of device blocks serves sequences and the
 # prefix cache: a block a swapped-out sequence holds is held, a cached block nobody holds is
 # free, and a swap-out takes blocks the way a device allocation does, evicting cached ones by
@@ -1313,14 +807,14 @@ class SwapPool(BlockPool):
 
     def swap_out(self, seqs):
         """Move seqs' blocks to this pool; returns the BlockCopies to make (swap_out). Their
-        device blocks that hold a prefix stay cached, free; num_cached_blocks goes to 0, so the
+        device blocks that hold a prefix stay cached, free; num_published_blocks goes to 0, so the
         blocks they swap back into are published again as they are scheduled."""
         if not self.can_swap_out(seqs):
             raise OutOfBlocksError("the CPU swap space cannot hold these sequences")
         copies = BlockCopies(swap_out=self._move(seqs, lambda _: self.take(), self.share,
                                                  self.allocator.release))
         for seq in seqs:
-            self.journal.set(seq, "num_cached_blocks", 0)
+            self.journal.set(seq, "num_published_blocks", 0)
             for g, table in enumerate(seq.block_tables):
                 notify(self, "swap_out", seq=seq.seq_id, table=table.tolist(), **group_field(g))
             self.cache_full_blocks(seq)
@@ -1413,7 +907,386 @@ class SwapPool(BlockPool):
 
 
 # -----------------------------------------------------------------------------
-# 5. The scheduler: continuous batching in a policy's order, one step at a time. Orca:
+# 5. The block allocator. Paper: blocks and block tables (section 4.2), ref counts and
+#    copy-on-write (4.4). Later vLLM: its KVCacheManager; nano-vllm: its BlockManager.
+#
+# A sequence's block table lists the physical blocks that hold its tokens in order: token t
+# lives in slot t % block_size of block block_table[t // block_size]. Blocks are taken one at a
+# time as a sequence grows, so a sequence wastes at most the unfilled tail of its last block
+# (paper, section 4.2). Which blocks a sequence needs at all is its layers' attention kind's
+# to say.
+
+
+# -- attention kinds: which keys a layer's queries see, and so which blocks a sequence needs
+#
+# An attention kind (vLLM v1: a KVCacheSpec and its SingleTypeKVCacheManager) says in one place
+# what paging needs to know of a layer's attention: its mask (kernel.Mask, the rule every
+# attention backend applies), the blocks a sequence no longer needs once its first n tokens are
+# computed (given back before its next chunk, NO_BLOCK left in their places so positions stay
+# put), the blocks a prefix hit needs, and the most blocks a sequence holds while it computes a
+# chunk of c tokens (what admission, check_request and pool sizing count, so a sliding window
+# serves contexts far longer than the pool would hold under full attention). The layers of one
+# kind share a KV cache group (section 7), with a block table per sequence. AttentionKind
+# derives the blocks and the bound from the mask; a kind says its mask and where it comes from
+# in a config, and may override the rest.
+
+
+@dataclass(frozen=True)
+class AttentionKind:
+    """Full attention: a query sees every key before it, so a sequence keeps every block."""
+    name = "full_attention"  # transformers' layer_types name, the key in ATTENTION_KINDS
+
+    @classmethod
+    def from_config(cls, config):
+        """The kind of a layer that config.layer_types names so, or a ValueError naming the
+        config field it lacks."""
+        return cls()
+
+    @property
+    def mask(self):
+        return kernel.FULL_ATTENTION
+
+    def skipped_blocks(self, num_computed, block_size):
+        """The logical blocks no token from position num_computed on sees, as a range: between
+        the mask's sinks and the first key num_computed sees (vLLM's get_num_skipped_tokens).
+        The mask's first_seen never decreases, so the range only grows."""
+        end = self.mask.first_seen(num_computed) // block_size
+        return range(min(cdiv(self.mask.sink, block_size), end), end)
+
+    def hit_blocks(self, num_blocks, block_size):
+        """The blocks of a prefix hit of num_blocks leading blocks that its sequence needs: all
+        but those no token after the hit sees (vLLM's hybrid hit rule)."""
+        skipped = self.skipped_blocks(num_blocks * block_size, block_size)
+        return [i for i in range(num_blocks) if i not in skipped]
+
+    def max_blocks(self, num_tokens, chunk, block_size):
+        """The most blocks a sequence of num_tokens tokens holds while it computes `chunk` of
+        them: its sinks' blocks, and the keys the chunk sees, at most reach - 1 + chunk
+        positions (reach: the most a query sees past the sinks), over one block more where they
+        start mid-block (vLLM's SlidingWindowSpec.max_memory_usage_bytes); never more than the
+        blocks its tokens fill."""
+        reach = self.mask.reach(kernel.NO_LIMIT) - self.mask.sink
+        seen = cdiv(self.mask.sink, block_size) + cdiv(reach - 1 + chunk, block_size) + 1
+        return min(cdiv(num_tokens, block_size), seen)
+
+
+class FullAttention(AttentionKind):
+    """Every key before the query: GPT-2's and Llama's layers, Qwen2's first ones."""
+
+
+@dataclass(frozen=True)
+class SlidingWindow(AttentionKind):
+    """Mistral's sliding window: a query sees the last `window` positions, its own included."""
+    window: int
+    name = "sliding_attention"
+
+    @classmethod
+    def from_config(cls, config):
+        if config.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
+        return cls(config.sliding_window)
+
+    @property
+    def mask(self):
+        return kernel.Mask(window=self.window)
+
+
+@dataclass(frozen=True)
+class ChunkedLocalAttention(AttentionKind):
+    """Llama 4's chunked local attention: a query sees only its own chunk of `chunk` positions
+    (chunk p // chunk), up to itself."""
+    chunk: int
+    name = "chunked_attention"
+
+    @classmethod
+    def from_config(cls, config):
+        if config.attention_chunk_size is None:
+            raise ValueError("layer_types has chunked_attention layers but attention_chunk_size "
+                             "is None")
+        return cls(config.attention_chunk_size)
+
+    @property
+    def mask(self):
+        return kernel.Mask(chunk=self.chunk)
+
+
+# layer_types names -> kinds: a fork registers its own (README: a new attention kind)
+ATTENTION_KINDS = {kind.name: kind for kind in (FullAttention, SlidingWindow,
+                                                 ChunkedLocalAttention)}
+
+
+class BlockAllocator(BlockPool):
+    """Sequences' block tables over the device pool, each change beside the count of the free
+    blocks it takes: a sequence is given its prefix cache hit when admitted, then blocks chunk
+    by chunk as its tokens are scheduled (a write into a shared block copies it first); it is
+    forked, trimmed and freed, and the blocks its kinds no longer need go back as it goes. A
+    model whose layers mix attention kinds keeps a table per KV cache group (section 7) over
+    this one pool. The prefix cache finds hits (PrefixCache.hit), the CPU pool keeps what
+    leaves the device (SwapPool), and the Journal undoes a failed step's changes."""
+    observer = None  # see notify
+
+    def __init__(self, num_blocks, block_size, num_cpu_blocks=0, enable_prefix_caching=True,
+                 eviction_policy="lru", prefix_cache_cls=None, cpu_cache=False,
+                 cpu_eviction_policy=None, kinds=(FullAttention(),)):
+        for name, value, least in (("num_blocks", num_blocks, 1), ("block_size", block_size, 1),
+                                   ("num_cpu_blocks", num_cpu_blocks, 0)):
+            if not integer(value) or value < least:
+                raise ValueError(f"BlockAllocator: {name} must be an int >= {least}, "
+                                 f"got {value!r}")
+        super().__init__(num_blocks, block_size, Journal(), enable_prefix_caching,
+                         eviction_policy, prefix_cache_cls)
+        # cpu_cache: the CPU pool caches prefixes too, a second tier under the device's
+        self.swap_pool = SwapPool(num_cpu_blocks, self, enable_prefix_caching and cpu_cache,
+                                  cpu_eviction_policy or eviction_policy)
+        self.kinds = list(kinds)  # per KV cache group (section 7): its layers' attention kind
+        # whether any group gives blocks back as its sequences grow (not full attention alone)
+        self.skips_blocks = any(kind.mask != kernel.FULL_ATTENTION for kind in self.kinds)
+
+    def evict(self, copies):
+        """The device gives up a cached block: its K/V go to the CPU tier first, if it has room
+        (section 4), so that a prefix that comes back is copied in, not computed again: that
+        copy joins copies (every device take passes the BlockCopies of the change it serves)."""
+        copies.offload += self.swap_pool.offload(self.blocks[self.prefix_cache.next_victim()])
+        return super().evict(copies)
+
+    def max_blocks(self, num_tokens, chunk):
+        """The most blocks a sequence of num_tokens tokens holds while it computes a chunk of
+        `chunk` tokens: each KV cache group's kind's bound, summed."""
+        return sum(kind.max_blocks(num_tokens, chunk, self.block_size) for kind in self.kinds)
+
+    def journaled_tables(self, seq):
+        """seq's block tables, one per KV cache group (made if it has one for a single group),
+        each given the journal, so its changes from here on are undone with the plan."""
+        if len(seq.block_tables) != len(self.kinds):  # made for one group
+            self.journal.set(seq, "block_tables", [BlockTable() for _ in self.kinds])
+        for table in seq.block_tables:
+            table.journal = self.journal
+        return seq.block_tables
+
+    def lookup(self, seq, tier=True):
+        """seq's PrefixHit in the device's prefix cache, and below it in the CPU tier's
+        (tier: whether to look there), over every KV cache group's kind (PrefixCache.hit)."""
+        lower = self.swap_pool.prefix_cache if tier else None
+        return self.prefix_cache.hit(seq, self.kinds, lower, self.swap_pool.taken)
+
+    def num_blocks_to_allocate(self, seq):
+        """Free blocks allocate(seq) takes: the device's hits that are free now, and a fresh
+        block for each of the CPU tier's (copied back)."""
+        num_taken = 0
+        for hit in self.lookup(seq).cached_blocks():
+            copied_back = hit.cache is not self.prefix_cache
+            num_taken += copied_back or self.blocks[hit.block_id].ref_count == 0
+        return num_taken
+
+    def num_blocks_to_admit(self, seq, chunk):
+        """The most free blocks seq holds at once from its admission to the end of its prefill,
+        computed in chunks of at most `chunk` tokens: in each KV cache group its kind's bound,
+        less the hits other sequences hold that no chunk gives back (a window gives back its
+        old hits, and takes blocks in their stead)."""
+        need = 0
+        for kind, hits in zip(self.kinds, self.lookup(seq).blocks):
+            skipped = kind.skipped_blocks(len(seq) - 1, self.block_size)  # by the last chunk
+            kept = 0  # the device's hits that others hold and no chunk of seq gives back
+            for i, hit in enumerate(hits):
+                if hit and i not in skipped and hit.cache is self.prefix_cache:
+                    kept += self.blocks[hit.block_id].ref_count > 0
+            need += kind.max_blocks(len(seq), chunk, self.block_size) - kept
+        return need
+
+    def allocate(self, seq):
+        """Give a new (or recomputing) sequence its prefix-cache hit: block tables over its
+        cached leading blocks (NO_BLOCK where no token to come sees one), and num_computed_tokens
+        the tokens they hold. Its other tokens get blocks chunk by chunk (allocate_slots).
+        Returns the BlockCopies it asks for: the CPU tier's hits copied back, and the tier's
+        copies of the blocks it evicts."""
+        assert not any(seq.block_tables), f"sequence {seq.seq_id} already holds blocks"
+        num_taken = self.num_blocks_to_allocate(seq)  # what an override says, too
+        if num_taken > self.num_free_blocks:
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {num_taken} blocks, "
+                                   f"{self.num_free_blocks} are free")
+        hit, tables = self.lookup(seq), self.journaled_tables(seq)
+        length = hit.num_blocks
+        reloaded = set()  # the indices of the blocks the CPU tier serves, in any group
+        for hits in hit.blocks:
+            reloaded |= {i for i, h in enumerate(hits) if h and h.cache is not self.prefix_cache}
+        reloaded = sorted(reloaded)
+        # The device's share of the hit is the hit it serves alone (vLLM: the local cache's hit,
+        # before its connector's): looked up before a block is taken, as a block taken to copy
+        # into may evict one. It ends at or before the first block copied back, in any group
+        # (at it, under full attention alone); the CPU tier serves the rest of the hit.
+        own = self.lookup(seq, tier=False).num_blocks if reloaded else length
+        held = [h.block_id for h in hit.cached_blocks() if h.cache is self.prefix_cache]
+        for block_id in held:  # share before taking, so take() cannot evict a hit
+            self.share(block_id)
+        copies = BlockCopies()
+        for g, (table, hits) in enumerate(zip(tables, hit.blocks)):
+            for i, h in enumerate(hits):
+                if h is None:
+                    table.append(NO_BLOCK)  # no token to come sees it
+                elif h.cache is self.prefix_cache:
+                    table.append(h.block_id)
+                else:  # the CPU tier's: copied back into a fresh block
+                    table.append(self.swap_pool.reload(seq, i, h.block_id, copies, g))
+            notify(self, "allocate", seq=seq.seq_id, request=seq.request_id,
+                   table=table.tolist(), hits=length, **group_field(g))
+        self.journal.set(seq, "num_computed_tokens", length * self.block_size)
+        # the device's leading hits are cached; the blocks copied back are published with the
+        # blocks seq computes, as it is scheduled (cache_full_blocks)
+        self.journal.set(seq, "num_published_blocks", (reloaded or [length])[0])
+        self.prefix_cache.count(seq, length, held, own)
+        return copies
+
+    def allocate_together(self, seqs):
+        """allocate() each of a request's sequences (samples or beams recomputed together), their
+        prefix hits held first: a block one of them takes could otherwise evict a hit that
+        another's count relied on. So the request takes at most the sum of their
+        num_blocks_to_allocate. Returns their BlockCopies."""
+        hits = []  # (the pool, its block) of each sequence's hit
+        for seq in seqs:
+            for h in self.lookup(seq).cached_blocks():
+                hits.append((self if h.cache is self.prefix_cache else self.swap_pool, h.block_id))
+        for pool, block in hits:
+            pool.share(block)
+        copies = BlockCopies()
+        for seq in seqs:
+            copies += self.allocate(seq)
+        for pool, block in hits:
+            pool.release(block)
+        return copies
+
+    def num_blocks_to_append(self, seqs, num_new=1):
+        """Free blocks allocate_slots takes to give each of seqs its next num_new tokens: the
+        blocks past its tables' ends, and a copy of each shared block they write into."""
+        bs = self.block_size
+        num_blocks = 0
+        writers = {}  # shared block -> how many of seqs write into it
+        for seq in seqs:
+            start = seq.num_computed_tokens
+            for table in seq.block_tables:
+                num_blocks += max(0, cdiv(start + num_new, bs) - len(table))
+                written = num_new and start // bs < len(table)  # a block it holds: shared?
+                if written and self.blocks[table[start // bs]].ref_count > 1:
+                    writers[table[start // bs]] = writers.get(table[start // bs], 0) + 1
+        # c writers into a block of count r copy it min(c, r - 1) times: the last writes in place
+        for block_id, c in writers.items():
+            num_blocks += min(c, self.blocks[block_id].ref_count - 1)
+        return num_blocks
+
+    def can_append(self, seqs):
+        """Whether the free blocks are enough for each of seqs' next token. A table takes one
+        block at most, so they are counted only when fewer blocks than tables are free (every
+        sequence has a table per KV cache group)."""
+        free = self.num_free_blocks
+        return (len(seqs) * len(seqs[0].block_tables) <= free
+                or self.num_blocks_to_append(seqs) <= free)
+
+    def num_slots_free(self, seq, most):
+        """The most of seq's next `most` tokens whose blocks are free: all of them, or as many as
+        the blocks allow (a prefill chunk shrinks to fit)."""
+        free = self.num_free_blocks
+        lo, hi = 0, most
+        while lo < hi:  # the largest count whose blocks fit; the blocks grow with it
+            mid = (lo + hi + 1) // 2
+            if self.num_blocks_to_append([seq], mid) <= free:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def allocate_slots(self, seq, num_new):
+        """Room for seq's next num_new tokens, from num_computed_tokens on, in each of its block
+        tables: fresh blocks past a table's end, and a private copy of a shared block they write
+        into (copy-on-write: the block is shared after a fork, so this writer moves to a copy
+        and the other owners keep the original, paper section 4.4). Returns the BlockCopies
+        the step makes on the KV tensors before the forward: the copy-on-write ones, and the
+        CPU tier's copies of the blocks it evicts."""
+        need = self.num_blocks_to_append([seq], num_new)  # every group's, before any group takes
+        if need > self.num_free_blocks:
+            raise OutOfBlocksError(f"sequence {seq.seq_id} needs {need} blocks, "
+                                   f"{self.num_free_blocks} are free")
+        bs, start = self.block_size, seq.num_computed_tokens
+        copies = BlockCopies()
+        for g, table in enumerate(seq.block_tables):
+            i = start // bs
+            if num_new and i < len(table) and self.blocks[table[i]].ref_count > 1:
+                old, new = table[i], self.take(copies)
+                self.release(old)
+                table[i] = new
+                notify(self, "cow", seq=seq.seq_id, src=old, dst=new, **group_field(g))
+                copies.cow.append((old, new))
+            while len(table) * bs < start + num_new:
+                table.append(self.take(copies))
+                notify(self, "append", seq=seq.seq_id, block=table[-1], **group_field(g))
+        return copies
+
+    def trim(self, seq):
+        """Give back the blocks past seq's computed tokens (after a step that verified proposed
+        tokens, those only rejected proposals wrote): its tables cover them again, as after
+        any step."""
+        keep = cdiv(seq.num_computed_tokens, self.block_size)
+        for g, table in enumerate(seq.block_tables):
+            for block_id in reversed(table[keep:]):
+                self.release(block_id)
+            table.truncate(keep)
+            notify(self, "trim", seq=seq.seq_id, keep=keep, **group_field(g))
+
+    def fork(self, parent, child):
+        """The child shares every block of the parent: parallel samples and beams start this way."""
+        tables = zip(parent.block_tables, self.journaled_tables(child))
+        for g, (parent_table, table) in enumerate(tables):
+            for block_id in parent_table:
+                if block_id != NO_BLOCK:
+                    self.share(block_id)
+                table.append(block_id)
+            notify(self, "fork", seq=child.seq_id, parent=parent.seq_id, **group_field(g))
+
+    def free(self, seq):
+        """Return every block of a finished, aborted or preempted sequence: none of its tokens
+        has K/V in the cache any more."""
+        for g, table in enumerate(seq.block_tables):
+            # Tail first: the head of a prompt is the likeliest to be shared, so it goes last.
+            for block_id in reversed(table):
+                if block_id != NO_BLOCK:
+                    self.release(block_id)
+            table.truncate(0)
+            notify(self, "free", seq=seq.seq_id, **group_field(g))
+        self.journal.set(seq, "num_computed_tokens", 0)
+        self.journal.set(seq, "num_published_blocks", 0)
+
+    def free_skipped_blocks(self, seq):
+        """Give back the blocks of seq that no token from its next one on sees, in each KV cache
+        group (its kind's skipped_blocks; vLLM's remove_skipped_blocks): each leaves NO_BLOCK in
+        its table, so positions stay put; one that holds a prefix stays cached, free. A long
+        sequence under a window of W keeps about W / block_size + 1 blocks of its group."""
+        for g, (kind, table) in enumerate(zip(self.kinds, seq.block_tables)):
+            for i in reversed(kind.skipped_blocks(seq.num_computed_tokens, self.block_size)):
+                if table[i] == NO_BLOCK:  # those before it went back in earlier steps
+                    break
+                self.release(table[i])
+                table[i] = NO_BLOCK
+                notify(self, "skip", seq=seq.seq_id, index=i, **group_field(g))
+
+    def cache_full_blocks(self, seq, num_tokens=None):
+        """Publish seq's full blocks among its first num_tokens (by default its computed ones)
+        to the prefix cache. The engine's one call is in the plan of the step that computes
+        their last tokens, so a request admitted later in that step shares them (section 3).
+        A block whose prefix another block holds already (the same tokens computed at once by
+        two samples, or two prompts in flight) is cached beside it, as in vLLM: each stays its
+        sequence's own, and either serves a hit while the other is evicted."""
+        cache = self.prefix_cache
+        num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
+        num_full = num_tokens // self.block_size
+        if not cache.enabled or num_full <= seq.num_published_blocks:
+            return
+        cache.key_blocks(seq)  # the engine keyed them already; a caller of its own may not have
+        for g, table in enumerate(seq.block_tables):
+            for i in range(seq.num_published_blocks, num_full):
+                if table[i] != NO_BLOCK:
+                    cache.publish(seq, i, table[i], g)
+        self.journal.set(seq, "num_published_blocks", num_full)
+
+# -----------------------------------------------------------------------------
+# 6. The scheduler: continuous batching in a policy's order, one step at a time. Orca:
 #    iteration-level scheduling. Paper: preemption by recompute or swap (section 4.5).
 #    Later vLLM: chunked prefill, the admission watermark, priority scheduling.
 #
@@ -1427,7 +1300,7 @@ class SwapPool(BlockPool):
 # tokens need, every change journaled (section 2), and returns what the step runs. It changes
 # no sequence but its paging state (block table, num_computed_tokens on a hit or a preemption)
 # and a request's first admission (its queue time ends as it is scheduled, vLLM's stamp); the
-# tokens, the other counters and times change in the step's commit (section 11).
+# tokens, the other counters and times change in the step's commit (section 10).
 
 SCHEDULING_POLICIES = {  # the order: a Request's key (fixed while queued), smaller first
     "fcfs": lambda request: request.request_id,  # first come, first served: ids count arrivals
@@ -1458,7 +1331,8 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.num_lookahead_slots = num_lookahead_slots  # proposals per sequence, when speculating
         # Admission keeps a few blocks spare, so a request just let in is not preempted by the
-        # next decode step (vLLM's watermark, 1% of the pool).
+        # next decode step (vLLM's watermark: 1% of the pool, and at least one block, so a pool
+        # of 4 blocks keeps 25% spare).
         self.watermark_blocks = max(1, round(watermark * allocator.num_blocks))
         # Each queue is ordered by the policy's key, first first; nobody overtakes in its queue.
         self.waiting = deque()  # new, or preempted by recompute and waiting to prefill again
@@ -1713,101 +1587,7 @@ class Scheduler:
         request.seqs = []
 
     def remove_finished(self):
-        self.running = [g for g in self.running if not g.is_finished]
-# -----------------------------------------------------------------------------
-# 6. Tensor parallelism: Megatron-LM's split of each layer across ranks (paper, section 4.6)
-#
-# Under torchrun, each of tensor_parallel_size ranks holds a slice of every attention and MLP
-# layer. A column-parallel layer (c_attn, c_fc, c_gate) keeps its rows of the weight: its query
-# heads, K/V heads or MLP columns. The row-parallel c_proj after it keeps the matching input
-# columns, so its output is a partial sum that one all-reduce completes. Embeddings, norms and
-# the LM head are replicated, and each rank caches the K/V of its own heads only.
-# (Shoeybi et al., "Megatron-LM", 2019, section 3.)
-
-# This process's place in the group (1 without torchrun), and why the group was shut down, if it
-# was. Every layer below reads it when it is built: init_tensor_parallel first, then the model.
-tp = SimpleNamespace(rank=0, world_size=1, failed=None)
-# The weight dim each layer splits along: 0, output rows (column-parallel); 1, input columns
-# (row-parallel). c_attn is fused [q | k | v]: each of the three splits on its own.
-TP_SPLIT_DIM = {"attn.c_attn": 0, "mlp.c_fc": 0, "mlp.c_gate": 0, "attn.c_proj": 1, "mlp.c_proj": 1}
-
-
-def init_tensor_parallel(tensor_parallel_size, timeout_s=300, device=None):
-    """Join the group torchrun launched: NCCL when the engines will run on GPUs (device, by default
-    cuda where there is one), gloo on CPUs. Models built after this hold this rank's slice of
-    each layer, and Engines the K/V of its heads."""
-    size, launched = tensor_parallel_size, os.environ.get("WORLD_SIZE")
-    if not isinstance(size, int) or size < 1:
-        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {size!r}")
-    if launched is None and size > 1:
-        raise ValueError(f"tensor_parallel_size={size} needs one process per rank: launch with "
-                         f"torchrun --nproc-per-node {size} (RANK and WORLD_SIZE are not set)")
-    if int(launched or 1) != size:
-        raise ValueError(f"tensor_parallel_size={size} but torchrun launched {launched} "
-                         f"processes: give torchrun --nproc-per-node {size}, or "
-                         f"tensor_parallel_size={launched}")
-    if size == 1:
-        return
-    if not dist.is_initialized():
-        device_type = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu")).type
-        if device_type == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        # The timeout bounds every collective: when a rank dies, the others raise, not hang.
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo",
-                                timeout=timedelta(seconds=timeout_s))
-    tp.rank, tp.world_size, tp.failed = dist.get_rank(), dist.get_world_size(), None
-
-
-def all_reduce(x):
-    """Complete a row-parallel layer's partial sums; every rank gets the same bits."""
-    if tp.world_size > 1:
-        dist.all_reduce(x)
-    return x
-
-
-def tp_min(n, device):
-    """The least of the ranks' n: pools sized from each rank's own free memory would differ, and
-    ranks with other block counts schedule differently (as vLLM, every rank takes the minimum)."""
-    if tp.world_size == 1:
-        return n
-    t = torch.tensor([n], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
-    return int(t)
-
-
-def tp_shut_down(error):
-    """After a step failed on this rank: close its connections, so a rank blocked in a collective
-    with it fails at once instead of waiting out the timeout (gloo; on NCCL it waits)."""
-    tp.failed = f"a step failed on rank {tp.rank}: {error!r}"
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def broadcast(x):
-    """Rank 0's x on every rank: rank 0 decides, the others follow."""
-    if tp.world_size > 1:
-        dist.broadcast(x, src=0)
-    return x
-
-
-def tp_split_dim(name):
-    """The dim along which the whole-model tensor `name` splits; None: each rank holds it all."""
-    layer, kind = name.rsplit(".", 1)
-    dim = TP_SPLIT_DIM.get(".".join(layer.split(".")[-2:]))  # h.3.attn.c_attn -> attn.c_attn
-    return None if tp.world_size == 1 or kind == "bias" and dim == 1 else dim
-
-
-def tp_shard(name, tensor, config):
-    """This rank's slice of one whole-model tensor. Loading calls it as it reads each tensor,
-    so no rank ever holds the whole model on its device."""
-    dim = tp_split_dim(name)
-    if dim is None:  # replicated; but a row-parallel bias must enter the all-reduce's sum once
-        row_bias = tp.world_size > 1 and name.endswith("c_proj.bias")
-        return tensor * (tp.rank == 0) if row_bias else tensor
-    parts = tensor.split(config.qkv_widths) if ".c_attn." in name else [tensor]
-    return torch.cat([part.chunk(tp.world_size, dim)[tp.rank] for part in parts], dim)
-
-
+        self.running = [request for request in self.running if not request.is_finished]
 # -----------------------------------------------------------------------------
 # 7. The model: one GPT for GPT-2 and the Llama family (Llama, Mistral, Qwen2), told apart by
 #    a few config switches as in litgpt. Paper: PagedAttention (section 4.1), where the
@@ -1822,8 +1602,18 @@ ACTIVATIONS["gelu_pytorch_tanh"] = ACTIVATIONS["gelu_new"]
 
 
 class KVCacheGroup(NamedTuple):
-    kind: AttentionKind  # its layers' attention kind (section 2)
+    kind: AttentionKind  # its layers' attention kind (section 5)
     layers: list  # its layers, in order: layer layers[j] keeps its K/V in slot j of a block
+
+
+class LayerKV(NamedTuple):
+    """What one layer's attention reads and writes of a step: its K and V caches, its KV cache
+    group's view of the step, its 8-bit cache's scales, and its blocks' key bounds."""
+    k_cache: torch.Tensor  # (num_blocks, block_size, nkv, hs)
+    v_cache: torch.Tensor  # (num_blocks, block_size, nkv, hs)
+    group: "GroupBatch"  # its KV cache group's block tables and slots (section 8)
+    scales: dict  # {} or an 8-bit cache's {k_scale, v_scale} (kernel.py)
+    key_bounds: torch.Tensor | None  # (2, num_blocks, nkv, hs), if the read policy keeps them
 
 
 @dataclass
@@ -1858,6 +1648,7 @@ class GPTConfig:
     # Llama 4's chunked local attention: a token sees the keys of its own chunk of this many
     # positions (transformers' attention_chunk_size)
     attention_chunk_size: int | None = None
+    activations = tuple(ACTIVATIONS)  # a class attribute, not a field: the names activation takes
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
@@ -1895,7 +1686,7 @@ class GPTConfig:
 
     @property
     def attention_kinds(self):
-        """Each layer's attention kind (section 2)."""
+        """Each layer's attention kind (section 5)."""
         return [ATTENTION_KINDS[name].from_config(self) for name in self.layer_types]
 
     @property
@@ -1946,39 +1737,6 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-# Which blocks a decode query reads is a read policy (READ_POLICIES), apart from the attention
-# kind: a kind is the model's exact semantics, a read policy an approximation chosen when
-# serving. "all" is no policy: every block the kind keeps is read, exactly, by the same call as
-# without read policies (the default). A policy that reads fewer may rank a block by its key
-# bounds, kept beside its K/V: the elementwise min and max of its keys per KV head (Quest's
-# page metadata), which each layer updates as it stores K and the model runner moves with the
-# block (section 8). They bound the keys the block holds: a failed step's keys, past what is
-# computed, may widen them until its retry writes the same keys (or the block is handed out
-# again), which keeps every bound. A policy's selection reaches the backend as a shorter block
-# table per (sequence, KV head), so every decode is still one gather through a table.
-
-
-def read_all():
-    """No policy: every block is read, exactly, and no key bounds are kept (the default)."""
-    return None
-
-
-def quest(**settings):
-    """Quest's query-aware selection (quest.py, the layer above: imported only when asked for)."""
-    import quest as quest_py
-    return quest_py.Quest(**settings)
-
-
-# name -> a callable of the policy's settings (Engine's read_policy_config) that returns None
-# (no policy: read every block) or a policy: an object with needs_key_bounds (whether the model
-# runner keeps them), and select(layer, q (S, nh, hs), key_bounds (2, num_blocks, nkv, hs) or
-# None, block_tables (S, W), seq_lens (S,), block_size) -> None (read every block at this
-# layer) or keep, bool (S, nkv, W), or (S, 1, W) for all heads alike: the blocks each decoding
-# sequence's KV heads read, given its one new token's query q. Only full-attention layers ask.
-# A fork adds its own (README: Making it yours)
-READ_POLICIES = {"all": read_all, "quest": quest}
-
-
 def update_key_bounds(key_bounds, k_cache, slot_mapping, k_scale=None):
     """After a layer stores the step's keys: a block whose first slot the step writes starts
     over (it is new, or handed out again), then every block takes the min and max of the keys
@@ -2004,54 +1762,6 @@ def update_key_bounds(key_bounds, k_cache, slot_mapping, k_scale=None):
     lo.scatter_reduce_(0, blocks, torch.where(ok, k, inf), "amin")
     hi.scatter_reduce_(0, blocks, torch.where(ok, k, -inf), "amax")
 
-
-def selected_tables(keep, block_tables, seq_lens, block_size):
-    """A read policy's selection as the kernel reads it: per (sequence, KV head) a table of the
-    blocks it reads, in order, -1 after them, and their tokens. The last block, the one being
-    written, is always read (whatever the policy says: the new token sees itself), last in its
-    table, so the count is the other blocks' full ones and the last's. keep (S, nkv, W) bool;
-    block_tables (S, W) int32; seq_lens (S,) int32 -> tables (S, nkv, W') int32, lens (S, nkv)
-    int32, W' the most blocks a head reads."""
-    S, nkv, W = keep.shape
-    num_blocks = (seq_lens.long() + block_size - 1) // block_size                    # (S,)
-    pos = torch.arange(W, device=keep.device)                                        # (W,)
-    held = (pos < num_blocks[:, None])[:, None]                                      # (S, 1, W)
-    last = (pos == num_blocks[:, None] - 1)[:, None]                                 # (S, 1, W)
-    keep = (keep & held) | last                                                   # (S, nkv, W)
-    count = keep.sum(-1)                                                            # (S, nkv)
-    # the kept blocks first, in their order (a stable sort of "not kept")
-    order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices    # (S, nkv, W)
-    width = int(count.max())
-    tables = block_tables[:, None].expand(S, nkv, W).gather(-1, order[..., :width])
-    tables = torch.where(pos[:width] < count[..., None], tables, NO_BLOCK)     # (S, nkv, W')
-    last_len = seq_lens.long() - (num_blocks - 1) * block_size                       # (S,)
-    lens = (count - 1) * block_size + last_len[:, None]                             # (S, nkv)
-    return tables.to(torch.int32), lens.to(torch.int32)
-
-
-def decode_split(group):
-    """A step's sequences as a read policy sees them, worked out by its first layer and kept in
-    the group's scratch: those with one new token (decodes, whose reads a policy may thin) and
-    their rows of q, and a GroupBatch of the others (prefill chunks, speculative verification),
-    which read every block. None: the step has no decode."""
-    if "decodes" in group.scratch:
-        return group.scratch["decodes"]
-    cu = group.cu_seqlens_q.long()
-    q_lens = cu[1:] - cu[:-1]                                                        # (S,)
-    one = q_lens == 1
-    split = None
-    if one.any():
-        owner = torch.repeat_interleave(torch.arange(len(q_lens), device=cu.device), q_lens)
-        others = (~one).nonzero().flatten()                                          # (S',)
-        other_rows = (~one[owner]).nonzero().flatten()                               # (T',)
-        rest = None if not len(others) else GroupBatch(
-            block_tables=group.block_tables[others], slot_mapping=group.slot_mapping[other_rows],
-            seq_lens=group.seq_lens[others], max_q_len=group.max_q_len,
-            cu_seqlens_q=F.pad(q_lens[others].cumsum(0), (1, 0)).to(torch.int32))
-        split = SimpleNamespace(decodes=one.nonzero().flatten(), rows=cu[:-1][one],
-                                others=rest, other_rows=other_rows)
-    group.scratch["decodes"] = split
-    return split
 
 
 class CausalSelfAttention(nn.Module):
@@ -2091,52 +1801,19 @@ class CausalSelfAttention(nn.Module):
         # through the block table, by the attention backend the engine chose
         # (kernel.ATTENTION_BACKENDS; only layers other than full attention pass a mask, so a
         # backend without masks still serves every model of full attention)
-        # its KV cache group's view of the step: its block tables and slots; and the key bounds
-        # of its blocks (2, num_blocks, nkv, hs), if the read policy ranks blocks by them
-        k_cache, v_cache, group, scales, key_bounds = kv_cache  # (num_blocks, block_size, nkv, hs)
-        batch.backend.store(k, v, k_cache, v_cache, group.slot_mapping, **scales)
-        if key_bounds is not None:
-            update_key_bounds(key_bounds, k_cache, group.slot_mapping, scales.get("k_scale"))
+        kv, group = kv_cache, kv_cache.group  # this layer's LayerKV
+        batch.backend.store(k, v, kv.k_cache, kv.v_cache, group.slot_mapping, **kv.scales)
+        if kv.key_bounds is not None:
+            update_key_bounds(kv.key_bounds, kv.k_cache, group.slot_mapping,
+                              kv.scales.get("k_scale"))
         if batch.read_policy is not None and self.mask == kernel.FULL_ATTENTION:
-            y = self.attend_selected(q, kv_cache, batch)  # a window or a chunk reads its kind's
+            # a window or a chunk reads what its kind keeps; full attention, the selection
+            y = attend_selected(self, q, kv, batch)                                # (T, nh, hs)
         else:
             mask = {} if self.mask == kernel.FULL_ATTENTION else {"mask": self.mask}
-            y = batch.backend.attend(q, k_cache, v_cache, group, self.scale, **mask,
-                                     **scales)                                      # (T, nh, hs)
+            y = batch.backend.attend(q, kv.k_cache, kv.v_cache, group, self.scale, **mask,
+                                     **kv.scales)                                   # (T, nh, hs)
         return all_reduce(self.c_proj(y.flatten(1)))
-
-    def attend_selected(self, q, kv_cache, batch):
-        """Full attention under a read policy: each decoding sequence's KV heads read the blocks
-        the policy selects for them, through per-head tables (issue 54's kernel contract: a
-        backend whose per_head_tables says it reads them; the engine refuses a policy without
-        one); every other sequence reads all its blocks. Where the policy reads every block (a dense
-        layer, a step without decodes, or contexts within its budget) this is the exact call
-        "all" makes, so those tokens are the same bit for bit."""
-        k_cache, v_cache, group, scales, key_bounds = kv_cache
-        attend, block_size = batch.backend.attend, k_cache.shape[1]
-        split = decode_split(group)
-        if split is None:
-            return attend(q, k_cache, v_cache, group, self.scale, **scales)
-        block_tables = group.block_tables[split.decodes]                        # (S, W)
-        seq_lens = group.seq_lens[split.decodes]                                # (S,)
-        keep = batch.read_policy.select(self.layer, q[split.rows], key_bounds, block_tables,
-                                        seq_lens, block_size)    # (S, nkv or 1, W) or None
-        if keep is None:
-            return attend(q, k_cache, v_cache, group, self.scale, **scales)
-        keep = keep.expand(-1, self.n_kv_head, -1)                              # (S, nkv, W)
-        tables, lens = selected_tables(keep, block_tables, seq_lens, block_size)
-        if torch.equal(lens, seq_lens[:, None].expand_as(lens)):  # every block kept
-            return attend(q, k_cache, v_cache, group, self.scale, **scales)
-        thinned = GroupBatch(block_tables=tables, slot_mapping=group.slot_mapping[split.rows],
-                             seq_lens=lens, max_q_len=1,
-                             cu_seqlens_q=torch.arange(len(lens) + 1, dtype=torch.int32,
-                                                       device=q.device))
-        y = torch.empty_like(q)                                                  # (T, nh, hs)
-        y[split.rows] = attend(q[split.rows], k_cache, v_cache, thinned, self.scale, **scales)
-        if split.others is not None:
-            rows = split.other_rows
-            y[rows] = attend(q[rows], k_cache, v_cache, split.others, self.scale, **scales)
-        return y
 
 
 class MLP(nn.Module):
@@ -2178,6 +1855,7 @@ class TransformerBlock(nn.Module):
 
 
 class GPT(nn.Module):
+    config_class = GPTConfig  # what checkpoints.py builds from a folder's config.json
 
     def __init__(self, config):
         super().__init__()
@@ -2222,13 +1900,12 @@ class GPT(nn.Module):
                     self.config, torch.arange(self.config.max_seq_len, device=x.device), x.dtype)
             rope = [t[pos] for t in self.rope_table[key]]
         for i, block in enumerate(self.transformer.h):
-            kv = None  # or this layer's K and V caches, its KV cache group's view, its scales,
-            # its key bounds
+            kv = None
             if batch is not None:
                 g, slot = self.kv_cache_slots[i]
                 bounds = None if batch.key_bounds is None else batch.key_bounds[:, slot]
-                kv = (kv_cache[0, slot], kv_cache[1, slot], batch.groups[g], batch.kv_scales[i],
-                      bounds)
+                kv = LayerKV(k_cache=kv_cache[0, slot], v_cache=kv_cache[1, slot],
+                             group=batch.groups[g], scales=batch.kv_scales[i], key_bounds=bounds)
             x = block(x, batch, kv, rope)
         if batch is not None:
             x = x[batch.logits_indices]  # the LM head is the widest matmul: only where we sample
@@ -2247,7 +1924,6 @@ class GPT(nn.Module):
         or qwen2, from disk, without a network or transformers (checkpoints.py). dtype "auto": the
         checkpoint's own on a GPU, float32 on a CPU; or "float32", "float16", "bfloat16", or a
         torch dtype. device: where it will run, for "auto" (default: a GPU if there is one)."""
-        import checkpoints  # the layer above this one: it imports nanopaged for GPT's parts
         return checkpoints.load_pretrained(cls, path, dtype, device).eval()
 
 
@@ -2268,7 +1944,7 @@ def kv_block_shape(config, block_size):
 
 
 def key_bounds_shape(config):
-    """One block's key bounds on this rank (a read policy's that needs them, section 7): the
+    """One block's key bounds on this rank (a read policy's that needs them: read_policy.py): the
     elementwise min and max of its keys, for each layer of a KV cache group and each of this
     rank's K/V heads, in the model's dtype: 1 / block_size of the block's K/V in that dtype."""
     layers = len(config.kv_cache_groups[0].layers)
@@ -2333,7 +2009,7 @@ class Batch:
     backend: kernel.AttentionBackend  # how every layer stores and reads K/V
     kv_scales: list               # per layer: {} or an 8-bit cache's {k_scale, v_scale} (kernel.py)
     # the blocks' key bounds (2, layers per KV cache group, num_blocks, nkv, hs), None if the
-    # read policy needs none; the read policy (section 7), None for "all"
+    # read policy needs none; the read policy (read_policy.py), None for "all"
     key_bounds: torch.Tensor | None = None
     read_policy: object = None
 
@@ -2353,7 +2029,7 @@ class ModelRunner:
                  read_policy=None):
         self.model, self.block_size, self.device = model, block_size, device
         self.backend = backend  # a kernel.AttentionBackend
-        self.read_policy = read_policy  # which blocks a decode reads (section 7); None: all
+        self.read_policy = read_policy  # which blocks a decode reads (read_policy.py); None: all
         shape = kv_block_shape(model.config, block_size)  # (2, L, block_size, nkv, hs)
         # The KV cache is one tensor, so a block copy (copy-on-write, swap) is one indexing op
         # for all layers (L: the layers of a KV cache group, section 7).
@@ -2582,7 +2258,7 @@ class SamplingMetadata:
     def rows_using(self, *names):
         """The rows whose params set any of these parameters away from its default."""
         rows = set()
-        for name in names:  # a pass a name: a comparison a row, no generator a row
+        for name in names:  # one pass per name, with one comparison per row
             default = self.default(name)
             unset = (default, [])  # a list's default is a factory's: empty
             rows.update([r for r, p in enumerate(self.params)
@@ -2780,18 +2456,36 @@ class SampleUpdate(NamedTuple):
     stop_reason: int | str | None = None
 
 
+class Draw(NamedTuple):
+    """One token as it was drawn, as OutputProcessor.land receives every draw."""
+    token: int
+    # its log-probability: under the model for a sample (before penalties and temperature), as
+    # vLLM's logprobs; for a beam, the one the search ranks by (after the logits steps)
+    logprob: float
+
+
+class BeamCandidate(NamedTuple):
+    """A one-token extension of a live beam that the search keeps: a next beam, or a
+    hypothesis."""
+    parent: int  # the index of the beam it extends
+    draw: Draw
+    score: float  # the cumulative log-probability with the draw
+
+
 class BeamHypothesis(NamedTuple):
     """A finished beam: its output tokens, their cumulative log-probability, why it ended."""
     token_ids: list
     cumulative_logprob: float
     finish_reason: str
     text: str | None = None  # with a tokenizer
+    extras: dict | None = None  # its per-draw fields (Sequence.extras), set in the commit
 
 
 class BeamStep(NamedTuple):
     """What one beam search does in a step: decided in its run, applied in its commit."""
-    survivors: list  # (parent beam's index, token, cumulative logprob) of each next beam
-    hypotheses: list  # BeamHypothesis that ended this step
+    survivors: list  # a BeamCandidate for each next beam
+    ended: list  # a BeamCandidate for each hypothesis that ended this step, with them in order:
+    hypotheses: list  # BeamHypothesis
     done: bool  # enough hypotheses, or no beam goes on
     texts: list | None = None  # with a tokenizer, each survivor's text
 
@@ -2829,7 +2523,7 @@ class OutputProcessor:
         result = StepResult(proposals=proposals)
         if logits is None:
             return result
-        running = {g.request_id: g for g in self.scheduler.running}
+        running = {request.request_id: request for request in self.scheduler.running}
         gathered = logits_rows(chunks)  # the order the model runner gathered them in
         num_sampling = sum(c.num_logits for c in chunks)
         row_of = {}  # seq_id -> its first row of logits, for sequences whose last token is in
@@ -2945,8 +2639,8 @@ class OutputProcessor:
         decode, beams = self.detokenizer.decode, request.seqs
         return step._replace(
             hypotheses=[h._replace(text=decode(h.token_ids)) for h in step.hypotheses],
-            texts=[decode(beams[parent].output_token_ids + [token])
-                   for parent, token, _ in step.survivors])
+            texts=[decode(beams[c.parent].output_token_ids + [c.draw.token])
+                   for c in step.survivors])
 
     def prompt_logprob_entries(self, owed, logits, requests):
         """Prompt token p + 1's logprob and the k likeliest, from the logits after position p."""
@@ -2995,16 +2689,17 @@ class OutputProcessor:
             self.scheduler.remove_finished()
         return result.ready
 
-    def land(self, seq, tokens):
-        """Where every draw lands, a sample's or a beam's: its tokens join the sequence, its
-        new full blocks are keyed, and the tokens counted. A fork that keeps a per-draw field of
-        a sequence updates it here."""
-        seq.token_ids += tokens
+    def land(self, seq, draws):
+        """Where every draw lands, a sample's, a beam's or a finished hypothesis's: its tokens
+        join the sequence, its new full blocks are keyed, and the tokens counted. A fork that
+        keeps a per-draw field declares it in Sequence.extras and updates it here, from each
+        Draw; outputs carry it."""
+        seq.token_ids += [draw.token for draw in draws]
         self.allocator.prefix_cache.key_blocks(seq)
-        self.num_generated_tokens += len(tokens)
+        self.num_generated_tokens += len(draws)
 
     def apply_sample(self, seq, update, proposal):
-        self.land(seq, update.tokens)
+        self.land(seq, [Draw(t, lp) for t, lp in zip(update.tokens, update.logprobs)])
         for logprob in update.logprobs:
             seq.cumulative_logprob += logprob
         if update.entries is not None:
@@ -3025,28 +2720,30 @@ class OutputProcessor:
     def apply_beam_step(self, request, step):
         """The next beams: a beam chosen twice forks, so both continuations share its blocks; a
         beam not chosen is freed, and what it shared lives on in the survivors."""
-        request.hypotheses += step.hypotheses
-        self.num_generated_tokens += len(step.hypotheses)  # drawn, each ending a hypothesis
+        beams = request.seqs
+        for candidate, hypothesis in zip(step.ended, step.hypotheses):
+            ended = beams[candidate.parent].fork(None, 0)  # a copy of the beam, holding no block
+            self.land(ended, [candidate.draw])
+            request.hypotheses.append(hypothesis._replace(extras=ended.extras))
         if step.done:  # the survivors' tokens were drawn too, and the search ends with them
             self.num_generated_tokens += len(step.survivors)
             for seq in request.seqs:
                 self.allocator.free(seq)
             request.seqs = []
             return
-        beams = request.seqs
         chosen, survivors = set(), []  # the beams chosen, and the next beams in order
-        for parent, _, _ in step.survivors:
-            seq = beams[parent]
-            if parent in chosen:
+        for candidate in step.survivors:
+            seq = beams[candidate.parent]
+            if candidate.parent in chosen:
                 seq = self.fork(request, seq, 0, join=False)
-            chosen.add(parent)
+            chosen.add(candidate.parent)
             survivors.append(seq)
         for i, seq in enumerate(beams):
             if i not in chosen:
                 self.allocator.free(seq)
-        for i, (seq, (_, token, score)) in enumerate(zip(survivors, step.survivors)):
-            self.land(seq, [token])  # after every fork, so no child copies a new token
-            seq.cumulative_logprob = score
+        for i, (seq, candidate) in enumerate(zip(survivors, step.survivors)):
+            self.land(seq, [candidate.draw])  # after every fork, so no child copies a new token
+            seq.cumulative_logprob = candidate.score
             if step.texts is not None:
                 seq.text = step.texts[i]
         request.seqs = survivors
@@ -3084,20 +2781,24 @@ def beam_search_step(request, logits, stops, eos_token_ids=frozenset()):
     # token: every candidate that ties with the last of topk's is in, as topk picks among ties
     scores = scores.flatten()                                                          # (k * V,)
     flat = (scores >= scores.topk(num_candidates).values[-1]).nonzero().squeeze(1)
-    candidates = sorted(zip(scores[flat].tolist(), flat.tolist()), key=lambda c: (-c[0], c[1]))
+    step_logprobs = logprobs.flatten()[flat].tolist()  # each candidate's own draw's
+    candidates = sorted(zip(scores[flat].tolist(), flat.tolist(), step_logprobs),
+                        key=lambda c: (-c[0], c[1]))
     last = beams[0].num_output_tokens + 1 >= params.max_tokens  # beams move in lockstep
-    picks, hypotheses = [], []
-    for rank, (score, flat) in enumerate(candidates):
+    picks, ended, hypotheses = [], [], []
+    for rank, (score, flat, logprob) in enumerate(candidates):
         parent, token = divmod(flat, V)
+        candidate = BeamCandidate(parent=parent, draw=Draw(token, logprob), score=score)
         if (token in stops or last) and rank < width:
+            ended.append(candidate)
             hypotheses.append(BeamHypothesis(beams[parent].output_token_ids + [token], score,
                                              "stop" if token in stops else "length"))
         elif token not in stops and not last:
-            picks.append((parent, token, score))
+            picks.append(candidate)
         if rank + 1 >= width and (last or len(picks) == width):
             break
     done = not picks or len(request.hypotheses) + len(hypotheses) >= width
-    return BeamStep(survivors=picks, hypotheses=hypotheses, done=done)
+    return BeamStep(survivors=picks, ended=ended, hypotheses=hypotheses, done=done)
 
 
 def request_output(request, detokenizer=None):
@@ -3113,11 +2814,13 @@ def request_output(request, detokenizer=None):
                       / len(h.token_ids) ** params.length_penalty)
         outputs = [CompletionOutput(index=i, token_ids=list(h.token_ids),
                                     finish_reason=h.finish_reason,
-                                    cumulative_logprob=h.cumulative_logprob, text=h.text)
+                                    cumulative_logprob=h.cumulative_logprob, text=h.text,
+                                    extras=dict(h.extras))
                    for i, h in enumerate(best[:params.beam_width])]
     elif params.beam_width is not None:  # the live beams, best first
         outputs = [CompletionOutput(index=i, token_ids=seq.output_token_ids, finish_reason=None,
-                                    cumulative_logprob=seq.cumulative_logprob, text=seq.text)
+                                    cumulative_logprob=seq.cumulative_logprob, text=seq.text,
+                                    extras=dict(seq.extras))
                    for i, seq in enumerate(request.seqs)]
     else:
         samples = samples_in_order(request)
@@ -3143,7 +2846,7 @@ def sample_output(seq, params, detokenizer=None, delta=False):
         index=seq.index, token_ids=seq.token_ids[seq.num_prompt_tokens + tokens:],
         finish_reason=seq.finish_reason, cumulative_logprob=seq.cumulative_logprob,
         logprobs=None if params.logprobs is None else seq.logprobs[tokens:], text=text,
-        stop_reason=seq.stop_reason)
+        stop_reason=seq.stop_reason, extras=dict(seq.extras))
     if delta:
         seq.num_reported_tokens += len(out.token_ids)
         seq.num_reported_chars += len(text or "")
@@ -3162,7 +2865,7 @@ def samples_in_order(request):
 # 11. The engine: the step loop and the public API (Orca's iteration-level scheduling)
 #
 # A step has three phases, and only the last changes a request:
-#   1. plan    the scheduler decides what runs and takes the blocks it needs (section 5):
+#   1. plan    the scheduler decides what runs and takes the blocks it needs (section 6):
 #              every change it makes is journaled (section 2), and is the whole undo
 #   2. run     the model runner copies blocks and runs one packed batch (section 8), the
 #              proposer guesses (speculative.py), the output processor draws and finds the
@@ -3196,8 +2899,12 @@ class Engine:
             block_size, num_blocks, kv_cache_bytes, num_cpu_blocks, max_num_seqs,
             max_num_batched_tokens, swap_space, cpu_cache_bytes))
         device, backend, dtype = check_engine_settings(
-            model, device, attention_backend, preemption_mode, enable_prefix_caching, swap_space,
-            kv_cache_dtype, scheduling_policy, eviction_policy, cpu_eviction_policy, read_policy,
+            model, GPTConfig, device, attention_backend, preemption_mode, enable_prefix_caching,
+            swap_space, kv_cache_dtype, choices=dict(
+                scheduling_policy=(scheduling_policy, SCHEDULING_POLICIES),
+                eviction_policy=(eviction_policy, EVICTION_POLICIES),
+                cpu_eviction_policy=(cpu_eviction_policy or eviction_policy, EVICTION_POLICIES),
+                read_policy=(read_policy, READ_POLICIES)),
             block_size=block_size, num_blocks=num_blocks, kv_cache_bytes=kv_cache_bytes,
             num_cpu_blocks=num_cpu_blocks, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, cpu_cache_bytes=cpu_cache_bytes)
@@ -3232,10 +2939,8 @@ class Engine:
         self.kv_cache = self.model_runner.kv_cache  # (2, L, num_blocks, block_size, nkv, hs)
         self.requests = {}  # request_id -> Request, until it finishes or is aborted
         self.request_ids, self.seq_ids = itertools.count(), itertools.count()
-        self.detokenizer = None  # text and stop strings need a tokenizer: decode(ids) -> str
-        if tokenizer is not None:  # detokenizer.py, beside kernel.py: it imports nothing of ours
-            import detokenizer
-            self.detokenizer = detokenizer.Detokenizer(tokenizer)
+        # text and stop strings need a tokenizer: decode(ids) -> str
+        self.detokenizer = None if tokenizer is None else Detokenizer(tokenizer)
         self.output_processor = OutputProcessor(self.config, self.scheduler, self.seq_ids, device,
                                                 self.detokenizer, self.proposer)
         self.num_steps = 0
@@ -3417,163 +3122,7 @@ class Engine:
 
 
 # -----------------------------------------------------------------------------
-# Appendix: the checks of settings and requests, and the metrics
-#
-# A setting or request a user got wrong is a ValueError that names it and what it allows,
-# raised before anything changes. A reader of the paged core can skip these.
-
-
-def check_engine_settings(model, device, attention_backend, preemption_mode,
-                          enable_prefix_caching, swap_space, kv_cache_dtype, scheduling_policy,
-                          eviction_policy, cpu_eviction_policy, read_policy="all", **counts):
-    """Engine's settings, or a ValueError naming the one that cannot work and its range. Returns
-    the torch.device, the kernel.AttentionBackend and the KV cache's dtype, defaults filled in."""
-    try:
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except (RuntimeError, TypeError):
-        raise ValueError(f"Engine: device must be like 'cpu', 'cuda' or 'cuda:1', "
-                         f"got {device!r}") from None
-    if not isinstance(model, nn.Module) or not isinstance(getattr(model, "config", None),
-                                                          GPTConfig):
-        raise ValueError(f"Engine: model must be a GPT (or a module with a GPTConfig as "
-                         f".config), got {type(model).__name__}")
-    # The Triton kernel on a GPU; on the CPU the torch path (the interpreter is ~1000x slower).
-    attention_backend = attention_backend or ("triton" if device.type == "cuda" else "torch")
-    for name, value in counts.items():  # None: it follows from the other settings
-        least = 0 if name in ("num_cpu_blocks", "cpu_cache_bytes") else 1  # none is fine
-        if value is not None and (not integer(value) or value < least):
-            raise ValueError(f"Engine: {name} must be an integer >= {least}, got {value!r}")
-    if not isinstance(enable_prefix_caching, bool):
-        raise ValueError(f"Engine: enable_prefix_caching must be True or False, "
-                         f"got {enable_prefix_caching!r}")
-    host_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    if not number(swap_space) or not 0 <= swap_space <= 0.7 * host_gib:  # vLLM's: 70% of host
-        raise ValueError(f"Engine: swap_space must be a number of GiB in [0, {0.7 * host_gib:.1f}]"
-                         f" (70% of this host's {host_gib:.1f} GiB), got {swap_space!r}")
-    if counts["cpu_cache_bytes"] and not enable_prefix_caching:
-        raise ValueError("Engine: cpu_cache_bytes is a second tier of the prefix cache: it needs "
-                         "enable_prefix_caching=True")
-    for name, value, allowed in [("preemption_mode", preemption_mode, ("recompute", "swap")),
-                                 ("scheduling_policy", scheduling_policy, SCHEDULING_POLICIES),
-                                 ("eviction_policy", eviction_policy, EVICTION_POLICIES),
-                                 ("cpu_eviction_policy", cpu_eviction_policy or eviction_policy,
-                                  EVICTION_POLICIES),
-                                 ("attention_backend", attention_backend,
-                                  kernel.ATTENTION_BACKENDS),
-                                 ("read_policy", read_policy, READ_POLICIES)]:
-        if not isinstance(value, str) or value not in allowed:
-            raise ValueError(f"Engine: {name} must be one of {sorted(allowed)}, got {value!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("Engine: device='cuda' but no CUDA GPU is available; use device='cpu'")
-    dtype = next(model.parameters()).dtype
-    if not dtype.is_floating_point:
-        raise ValueError(f"Engine: the model's dtype {dtype} is not a floating-point type")
-    cache_dtype = kernel.check_kv_cache_dtype(kv_cache_dtype, dtype, device, attention_backend)
-    backend = kernel.ATTENTION_BACKENDS[attention_backend]
-    why = backend.unsupported(dtype, model.config.head_dim, cache_dtype)
-    for kind in {group.kind for group in model.config.kv_cache_groups}:
-        if why or kind.mask == kernel.FULL_ATTENTION:
-            continue
-        if "mask" not in inspect.signature(backend.attend).parameters:
-            why = f"its attend() takes no mask, and this model has {kind.name} layers ({kind})"
-        elif reason := backend.unsupported_mask(kind.mask):
-            why = f"this model has {kind.name} layers ({kind}): {reason}"
-    if why:
-        raise ValueError(f"Engine: attention_backend={attention_backend!r} cannot run this "
-                         f"model: {why} (attention_backend='torch' takes any)")
-    return device, backend, cache_dtype
-
-
-def make_read_policy(name, config, backend, proposer=None):
-    """Engine(read_policy=name, read_policy_config=config): READ_POLICIES[name](**config) (None
-    for "all": every block), or a ValueError naming what cannot work. A policy that thins what
-    decodes read needs a backend that reads per-head block tables
-    (kernel.AttentionBackend.per_head_tables), and no speculative decoding: its verification
-    reads every block where a decode would read a selection, which would change the output."""
-    if config is not None and not isinstance(config, dict):
-        raise ValueError(f"Engine: read_policy_config must be a dict of read_policy "
-                         f"{name!r}'s settings, or None, got {config!r}")
-    try:
-        policy = READ_POLICIES[name](**(config or {}))
-    except TypeError as e:  # a setting the policy does not take
-        raise ValueError(f"Engine: read_policy_config {config!r} does not fit read_policy "
-                         f"{name!r}: {e}") from None
-    if policy is not None and not getattr(backend, "per_head_tables", False):
-        raise ValueError(f"Engine: read_policy={name!r} reads a selection of blocks per KV head, "
-                         f"which this attention_backend does not take (per-head block tables)")
-    if policy is not None and proposer is not None:
-        raise ValueError(f"Engine: read_policy={name!r} does not run with speculative_config: "
-                         f"verifying proposals reads every block, where a decode would read a "
-                         f"selection, so speculation would change the output")
-    return policy
-
-
-def check_request(prompt, params, priority, config, scheduler, has_tokenizer=False):
-    """Engine.check_request: a prompt as a list of token ids, or a ValueError."""
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-    if params.stop and not has_tokenizer:
-        raise ValueError(f"stop={params.stop!r}: stop strings are found in the decoded text, so "
-                         "the engine needs a tokenizer: Engine(model, tokenizer=...)")
-    if not integer(priority):
-        raise ValueError(f"priority must be an int, got {priority!r}")
-    if isinstance(prompt, (torch.Tensor, np.ndarray)):  # numpy's arrays as torch's tensors
-        integral = (prompt.dtype.kind in "iu" if isinstance(prompt, np.ndarray) else not (
-            prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool))
-        if prompt.ndim != 1 or not integral:
-            raise ValueError(f"a tensor prompt must be 1-D and hold integer token ids, "
-                             f"got shape {tuple(prompt.shape)} of {prompt.dtype}")
-        prompt = prompt.tolist()
-    if not isinstance(prompt, (list, tuple)):
-        raise ValueError(f"a prompt is a list or tuple of token ids or a 1-D integer tensor, "
-                         f"got {type(prompt).__name__}")
-    prompt_token_ids = [token_id(t) for t in prompt]  # plain ints; None: not a token id
-    for name in ("logprobs", "prompt_logprobs"):
-        if (getattr(params, name) or 0) > config.vocab_size:
-            raise ValueError(f"{name}={getattr(params, name)} exceeds the vocabulary "
-                             f"({config.vocab_size})")
-    for t in params.stop_token_ids:
-        if t >= config.vocab_size:
-            raise ValueError(f"stop token id {t} is outside the vocabulary "
-                             f"[0, {config.vocab_size})")
-    if len(prompt_token_ids) == 0:
-        raise ValueError("the prompt is empty: give at least one token id")
-    for i, t in enumerate(prompt_token_ids):
-        if t is None or not 0 <= t < config.vocab_size:
-            raise ValueError(f"prompt token {i} is {prompt[i]!r}, " + (
-                "not an integer token id" if t is None else
-                f"outside the vocabulary [0, {config.vocab_size})"))
-    total = len(prompt_token_ids) + params.max_tokens
-    if total > config.max_seq_len:
-        raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
-                         f"({params.max_tokens}) = {total} exceeds the model's max_seq_len "
-                         f"({config.max_seq_len})")
-    if params.beam_width is not None and scheduler.num_lookahead_slots:
-        raise ValueError("beam search does not run with speculative decoding: use an Engine "
-                         "without speculative_config for beam_width requests")
-    # a request's sequences decode together, so they must fit in one step
-    limit = min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
-    if params.num_seqs > limit:
-        raise ValueError(f"n/beam_width ({params.num_seqs}) exceeds max_num_seqs and "
-                         f"max_num_batched_tokens (at most {limit} sequences of one request)")
-    # Worst case: every sample ends up with private blocks for all the tokens its kinds keep,
-    # computing them one at a time: so the request runs alone at least, in chunks that fit
-    a = scheduler.allocator
-    worst = params.num_seqs * a.max_blocks(total, 1)
-    if worst > a.num_blocks:
-        raise ValueError(f"the request may need {worst} KV blocks ({params.num_seqs} x {total} "
-                         f"tokens at block_size {a.block_size}, by its attention kinds) but the "
-                         f"pool has {a.num_blocks}: it could never run; use more num_blocks or "
-                         f"shorter requests")
-    return prompt_token_ids
-
-
-def token_id(t):
-    """A prompt's token id as a plain int: an integer() (numpy's and torch's too) or a 0-d
-    integer array (as numpy indexes them); None for anything else, a bool too."""
-    if isinstance(t, np.ndarray) and t.ndim == 0:
-        t = t[()]  # the array's numpy scalar
-    return int(t) if integer(t) else None
+# Appendix: the metrics
 
 
 def schedule_summary(out):

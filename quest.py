@@ -1,6 +1,5 @@
 """
-quest.py: Quest's query-aware page selection, a read policy (nanopaged.READ_POLICIES["quest"]),
-imported only when an Engine is given read_policy="quest".
+quest.py: Quest's query-aware page selection, a read policy (read_policy.READ_POLICIES["quest"]).
 
     Tang, Zhao, Zhu, Xiao, Kasikci, Han, "Quest: Query-Aware Sparsity for Efficient
     Long-Context LLM Inference", ICML 2024.  https://arxiv.org/abs/2406.10774
@@ -18,15 +17,15 @@ Its first layers read every page: their attention is the least sparse (the paper
 dense). Prefill reads every page.
 
 The rest is paging, and lives in nanopaged.py: the key bounds beside the KV cache, updated as
-keys are stored and moved with their block (ModelRunner); the shorter per-head tables that
-carry the selection to the attention backend (CausalSelfAttention.attend_selected).
+keys are stored and moved with their block (ModelRunner). read_policy.py carries the selection
+to the attention backend as shorter per-head tables (attend_selected).
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from nanopaged import as_int, integer
+from checks import as_int, integer
 
 
 def page_scores(q, key_bounds, block_tables):
@@ -79,7 +78,7 @@ class Quest:
 
     def select(self, layer, q, key_bounds, block_tables, seq_lens, block_size):
         """The blocks each decoding sequence's KV heads read at this layer (the read policy's
-        interface, nanopaged.READ_POLICIES): the budget's worth of pages of highest score, at
+        interface, read_policy.READ_POLICIES): the budget's worth of pages of highest score, at
         least the one being written; None for a dense layer."""
         if layer < self.dense_layers:
             return None

@@ -45,11 +45,12 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from fractions import Fraction
 from types import SimpleNamespace
+from unittest import mock
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, event, example, given, settings, strategies as st
+from hypothesis import HealthCheck, assume, event, example, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import checkpoints
@@ -57,6 +58,9 @@ import demo
 import kernel
 import nanopaged
 import pagetrace
+import parallel
+import read_policy
+import checks
 from kernel import HEAD_DIMS, naive_attention, paged_attention, paged_attention_torch, store_kv
 from nanopaged import (EVICTION_POLICIES, GPT, NO_BLOCK, SCHEDULING_POLICIES, BlockAllocator,
                        Engine, GPTConfig, OutOfBlocksError, SamplingParams, Sequence, chain_hash)
@@ -1903,12 +1907,12 @@ class AllocatorMachine(RuleBasedStateMachine):
 
     def compute(self, seq, fresh, num_new=None):
         """The blocks handed out fresh lose what they held; then seq's next num_new tokens are
-        written, and its full blocks from num_cached_blocks on (after a swap, all of them: fresh
+        written, and its full blocks from num_published_blocks on (after a swap, all of them: fresh
         copies) are published in each group that holds them, each beside any other block that
         holds its prefix (a twin, cached too, as in vLLM): every computed full block is
         cached."""
         self.forget(set(fresh))
-        offered = seq.num_cached_blocks
+        offered = seq.num_published_blocks
         self.cache.compute(seq, num_new)
         keys = self.keys(seq)
         for g, table in enumerate(seq.block_tables):
@@ -1916,7 +1920,7 @@ class AllocatorMachine(RuleBasedStateMachine):
                 if block_id != NO_BLOCK:
                     holders = self.published.setdefault(group_key(key, g), [])
                     holders += [] if block_id in holders else [block_id]
-        assert seq.num_cached_blocks == len(keys)
+        assert seq.num_published_blocks == len(keys)
         for g, table in enumerate(seq.block_tables):
             for key, block_id in zip(keys, table):
                 if block_id != NO_BLOCK:
@@ -2976,8 +2980,8 @@ PROMPTS = "UVWXYZ"
        device_blocks=st.integers(2, 5), tier_blocks=st.integers(1, 3),
        device=st.sampled_from(EVICTION), cpu=st.sampled_from([None, *EVICTION]))
 @example(serves=list("WXYZ"), device_blocks=2, tier_blocks=2, device="lru", cpu="mru")
-# issue 55: X's copy in the tier, used again (a CPU hit, then a device hit), is evicted before
-# the older Y's, were the device's giving up X no use of its copy
+# X's copy in the tier, used again (a CPU hit, then a device hit), is evicted before the older
+# Y's, were the device's giving up X no use of its copy
 @example(serves=["X", "Y", 4, "X", "X", "Z", 4, "W", 4, "X", "Y"], device_blocks=5,
          tier_blocks=2, device="lru", cpu=None)
 def test_the_cpu_tier_evicts_by_its_own_policy_in_the_order_of_use(
@@ -3983,7 +3987,7 @@ def tp_worker(rank, port, folder, checkpoints):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    nanopaged.init_tensor_parallel(2, timeout_s=120)
+    parallel.init_tensor_parallel(2, timeout_s=120)
     full = torch.load(os.path.join(folder, "full.pt"))
     model = GPT(TP_CONFIG).double().load_full_state_dict(full)
     results = dict(scenarios=tp_scenarios(model))
@@ -4077,7 +4081,7 @@ def tp_failure_worker(rank, port, folder):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    nanopaged.init_tensor_parallel(2, timeout_s=300, device="cpu")
+    parallel.init_tensor_parallel(2, timeout_s=300, device="cpu")
     model = GPT(TP_CONFIG).double().load_full_state_dict(
         torch.load(os.path.join(folder, "full.pt")))
     results = dict(num_blocks=Engine(model, block_size=4,
@@ -4147,7 +4151,7 @@ def test_the_process_group_backend_follows_the_engines_device(monkeypatch):
     monkeypatch.setattr(nanopaged, "tp",
                         nanopaged.SimpleNamespace(rank=0, world_size=1, failed=None))
     for device in ("cpu", "cuda", None, "cuda:1"):
-        nanopaged.init_tensor_parallel(2, device=device)
+        parallel.init_tensor_parallel(2, device=device)
     assert backends == ["gloo", "set_device(0)", "nccl", "set_device(0)", "nccl",
                         "set_device(0)", "nccl"]
 
@@ -4165,7 +4169,7 @@ def test_a_bad_tensor_parallel_launch_fails_fast(size, env, message, monkeypatch
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(ValueError, match=message):
-        nanopaged.init_tensor_parallel(size)
+        parallel.init_tensor_parallel(size)
     assert nanopaged.tp.world_size == 1 and not torch.distributed.is_initialized()
     with pytest.raises(SystemExit, match="nanopaged: error: " + message):
         demo.main(["--tensor-parallel-size", str(size)])
@@ -5148,6 +5152,61 @@ def test_prompt_logprobs_are_recorded_once_when_the_request_is_preempted(mode):
 # 10. Output processing: parallel samples and beams on copy-on-write blocks, stop tokens  (-m beam)
 
 
+UNLIKELY = math.log(0.1)  # the fork's threshold: a draw less likely than 1 in 10
+
+
+@contextlib.contextmanager
+def unlikely_draws():
+    """A fork's per-draw field, in the two places it takes: Sequence.__init__ declares it, and
+    OutputProcessor.land updates it from each Draw (the fork would edit those two places in
+    nanopaged.py; here the originals run first, then the fork's line)."""
+    real_init, real_land = Sequence.__init__, nanopaged.OutputProcessor.land
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        self.extras = {"num_unlikely": 0}  # place 1
+
+    def land(self, seq, draws):
+        real_land(self, seq, draws)
+        seq.extras["num_unlikely"] += sum(draw.logprob < UNLIKELY for draw in draws)  # place 2
+    with (mock.patch.object(Sequence, "__init__", init),
+          mock.patch.object(nanopaged.OutputProcessor, "land", land)):
+        yield
+
+
+def logprobs_under_model(model, prompt, tokens):
+    """Each of tokens' log-probability under model after prompt and the tokens before it,
+    computed contiguously (no cache)."""
+    ids = torch.tensor([prompt + tokens])
+    with torch.inference_mode():
+        logits = model(ids)[0, len(prompt) - 1:-1].double()                   # (len(tokens), V)
+    return logits.log_softmax(-1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1).tolist()
+
+
+@pytest.mark.beam
+@settings(max_examples=examples(6), deadline=None)
+@given(prompt=st.lists(st.integers(0, 31), min_size=1, max_size=8), n=st.integers(1, 3),
+       beam_width=st.integers(1, 3), seed=st.integers(0, 2**31),
+       stops=st.lists(st.integers(0, 31), max_size=3))
+def test_a_per_draw_field_sees_every_draw_of_samples_and_beams(prompt, n, beam_width, seed,
+                                                               stops):
+    """A per-draw field reaches every output: each sample's count of draws less likely than 1
+    in 10 under the model, and each finished beam's (its last token too), counted from the
+    tokens' log-probabilities computed contiguously."""
+    engine = Engine(MODEL, block_size=2, num_blocks=96)
+    sampled = SamplingParams(max_tokens=6, n=n, seed=seed, temperature=1.5, stop_token_ids=stops)
+    beams = SamplingParams(max_tokens=5, beam_width=beam_width, stop_token_ids=stops)
+    with unlikely_draws():
+        outs = engine.generate([prompt, prompt], [sampled, beams])
+    for out in outs:
+        assert out.outputs
+        for c in out.outputs:
+            logprobs = logprobs_under_model(MODEL, prompt, c.token_ids)
+            # a draw within float error of the threshold counts either way
+            assume(all(abs(lp - UNLIKELY) > 1e-6 for lp in logprobs))
+            assert c.extras == {"num_unlikely": sum(lp < UNLIKELY for lp in logprobs)}
+
+
 @pytest.mark.beam
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("model", [MODEL, LLAMA], ids=["gpt2", "llama"])
@@ -6093,7 +6152,7 @@ def test_a_step_that_fails_after_moving_blocks_leaves_them_counted_and_none_writ
 
 # What a step's plan may change of a sequence: its paging state, through the allocator; and of
 # a request, at its first admission: the stamps of its time in the queue (vLLM's) and its hits
-PAGING_STATE = {"block_tables", "num_computed_tokens", "num_cached_blocks"}
+PAGING_STATE = {"block_tables", "num_computed_tokens", "num_published_blocks"}
 ADMISSION_STATE = {"first_scheduled_time", "time_in_queue", "num_cached_tokens"}
 
 
@@ -7714,7 +7773,7 @@ def test_a_selection_becomes_per_head_tables_of_the_kept_blocks_and_their_tokens
     keep = torch.tensor(data.draw(st.lists(st.booleans(), min_size=len(seq_lens) * n_kv_head *
                                            width, max_size=len(seq_lens) * n_kv_head * width)))
     keep = keep.view(len(seq_lens), n_kv_head, width)
-    got, lens = nanopaged.selected_tables(keep, tables, torch.tensor(seq_lens, dtype=torch.int32),
+    got, lens = read_policy.selected_tables(keep, tables, torch.tensor(seq_lens, dtype=torch.int32),
                                           block_size)
     for s, seq_len in enumerate(seq_lens):
         n = nanopaged.cdiv(seq_len, block_size)
@@ -7924,7 +7983,9 @@ def test_decodes_attend_to_the_blocks_quest_selects_and_the_rest_to_all(token_bu
     backend = "torch"  # a backend that reads per-head tables
     batch = SimpleNamespace(backend=kernel.ATTENTION_BACKENDS[backend],
                             read_policy=quest.Quest(token_budget=token_budget, dense_layers=0))
-    y = layer.attend_selected(q, (k_cache, v_cache, group, {}, bounds), batch)
+    kv = nanopaged.LayerKV(k_cache=k_cache, v_cache=v_cache, group=group, scales={},
+                           key_bounds=bounds)
+    y = read_policy.attend_selected(layer, q, kv, batch)
     keys = [(k_cache.flatten(0, 1)[slots[sum(seq_lens[:s]):sum(seq_lens[:s + 1])]],
              v_cache.flatten(0, 1)[slots[sum(seq_lens[:s]):sum(seq_lens[:s + 1])]])
             for s in range(3)]                                                 # (n, nkv, hs)
@@ -9307,7 +9368,7 @@ def test_server_api_key_and_seed_as_vllm_serve_takes_them():
         assert engine.stats()["num_free_blocks"] == engine.stats()["num_blocks"]
 
 
-# What /metrics exported before prometheus_client rendered it (issue 53): each is still there
+# What /metrics exported before prometheus_client rendered it: each is still there
 SERVED_METRICS = [
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:num_requests_swapped",
     "vllm:kv_cache_usage_perc", "vllm:cpu_cache_usage_perc", "nanopaged:num_blocks",
@@ -9749,8 +9810,8 @@ def test_every_setting_generation_config_json_sets_is_a_flag_that_overrides_it(t
 class TypicalSamplingParams(SamplingParams):
     """A fork's new sampling parameter, transformers' typical_p, as its one field: what it allows,
     its flag's words, its generation_config.json key and transformers' default (a warper)."""
-    typical_p: float = nanopaged.setting(
-        1.0, "a number in (0, 1]", lambda x: nanopaged.number(x) and 0 < x <= 1, hf="typical_p",
+    typical_p: float = checks.setting(
+        1.0, "a number in (0, 1]", lambda x: checks.number(x) and 0 < x <= 1, hf="typical_p",
         hf_default=1.0, flag="keep the likeliest tokens of typical information, up to this mass")
 
 
@@ -9767,7 +9828,7 @@ def test_a_new_sampling_field_reaches_flags_requests_and_checkpoints(monkeypatch
     def apply_typical_p(scores, meta):  # the fork's step: here it only listens
         heard.extend(p.typical_p for p in meta.params)
         return scores
-    for module in (nanopaged, demo):  # as if the fork had edited SamplingParams itself
+    for module in (checks, nanopaged, demo):  # as if the fork had edited checks.py itself
         monkeypatch.setattr(module, "SamplingParams", TypicalSamplingParams)
     monkeypatch.setattr(nanopaged, "SAMPLING_STEPS", nanopaged.SAMPLING_STEPS + [apply_typical_p])
     for name in ("config.json", "model.safetensors"):
