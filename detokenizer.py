@@ -34,7 +34,7 @@ def check_stop_strings(text, num_new_chars, stop, include_in_output):
 class Detokenizer:
     """The text of each sequence as its tokens come, and the stop strings that end it. The state
     it reads lives on the sequence (seq.text and seq.text_offsets), and texts() only computes:
-    a step's run decodes, its commit keeps what the run decoded (nanopaged.py, section 11)."""
+    a step's run decodes, its commit keeps what the run decoded (nanopaged.py, section 10)."""
 
     def __init__(self, tokenizer):
         self.decode = tokenizer.decode

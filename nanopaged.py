@@ -166,7 +166,9 @@ class Sequence:
         self.index = index  # which sample or beam of its request it is
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = num_prompt_tokens
-        # Its paging state, which a step's plan changes through the allocator (section 5):
+        # Its paging state, which a step's plan changes through the allocator (section 5),
+        # each change with Journal.set (section 2), so a failed step undoes it. A field you
+        # add here and change in a plan must go through Journal.set too:
         self.num_computed_tokens = 0  # tokens whose K/V are in the cache: see the lifecycle above
         # device blocks, or CPU blocks while swapped out: a table per KV cache group (one, but
         # for models that mix attention types: section 7)
