@@ -45,6 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import checkpoints
+import connectors
 import kernel
 from checks import SamplingParams, as_int, check_engine_settings, check_request, integer
 from detokenizer import Detokenizer
@@ -524,12 +525,12 @@ class PrefixCache:
         key = seq.block_hashes[i]
         return key if group == 0 else hashlib.sha256(bytes([group]) + key).digest()
 
-    def lookup(self, seq, group=0, lower=None, unreadable=(), full=True):
+    def lookup(self, seq, group=0, lower=None, full=True):
         """For each of seq's full leading blocks (of a KV cache group), the CachedBlock that
-        holds it: this cache's, or where it lacks one, the lower tier's (the CPU's, but for its
-        blocks in unreadable); None where neither has it. full: stop at the first miss (a
-        full-attention group needs every block before its hit's end; another kind, those its
-        tokens to come see)."""
+        holds it: this cache's, or where it lacks one, the lower tier's (a connector: the CPU
+        tier, say); None where neither has it. full: stop at the first miss (a full-attention
+        group needs every block before its hit's end; another kind, those its tokens to come
+        see)."""
         found = []
         # A cached block has no logits: a sequence still owed prompt logprobs computes its whole
         # prompt (as vLLM does), and publishes its blocks for others as usual.
@@ -543,7 +544,7 @@ class PrefixCache:
             block_id = self.find(key, seq, i)
             if block_id is None and lower is not None and lower.enabled:
                 block_id, cache = lower.find(key, seq, i), lower
-            if block_id is None or cache is lower and block_id in unreadable:
+            if block_id is None:
                 if full:
                     break
                 found.append(None)
@@ -551,7 +552,7 @@ class PrefixCache:
             found.append(CachedBlock(block_id, cache))
         return found
 
-    def hit(self, seq, kinds, lower=None, unreadable=()):
+    def hit(self, seq, kinds, lower=None):
         """seq's PrefixHit: the most leading full blocks of which every KV cache group can serve
         the blocks its kind (kinds, per group) needs (hit_blocks: vLLM's hybrid rule), and per
         group a CachedBlock for each of them, this cache's or the lower tier's to copy back
@@ -559,7 +560,7 @@ class PrefixCache:
         bs = self.block_size
         # a group whose kind never skips a block needs every block of a hit: its list ends at
         # its first miss; another's runs on, None where it misses
-        found = [self.lookup(seq, g, lower, unreadable, full=not kind.skipped_blocks(len(seq), bs))
+        found = [self.lookup(seq, g, lower, full=not kind.skipped_blocks(len(seq), bs))
                  for g, kind in enumerate(kinds)]
         length = min(map(len, found))
         def served(length):  # every group finds the blocks its kind needs of the first length
@@ -1040,15 +1041,20 @@ class BlockAllocator(BlockPool):
         # cpu_cache: the CPU pool caches prefixes too, a second tier under the device's
         self.swap_pool = SwapPool(num_cpu_blocks, self, enable_prefix_caching and cpu_cache,
                                   cpu_eviction_policy or eviction_policy)
+        # where blocks go when they leave the device, and come back from: the CPU tier, if the
+        # CPU pool caches prefixes; none otherwise (the engine may hand it another)
+        self.connector = (connectors.CpuTier(self.swap_pool) if self.swap_pool.prefix_cache.enabled
+                          else connectors.Connector())
         self.kinds = list(kinds)  # per KV cache group (section 7): its layers' attention kind
         # whether any group gives blocks back as its sequences grow (not full attention alone)
         self.skips_blocks = any(kind.mask != kernel.FULL_ATTENTION for kind in self.kinds)
 
     def evict(self, copies):
-        """The device gives up a cached block: its K/V go to the CPU tier first, if it has room
-        (section 4), so that a prefix that comes back is copied in, not computed again: that
-        copy joins copies (every device take passes the BlockCopies of the change it serves)."""
-        copies.offload += self.swap_pool.offload(self.blocks[self.prefix_cache.next_victim()])
+        """The device gives up a cached block: it is offered to the connector first (the CPU
+        tier copies it, if it has room), so that a prefix that comes back is copied in, not
+        computed again. Its copy joins copies (every device take passes the BlockCopies of the
+        change it serves)."""
+        self.connector.save(self.blocks[self.prefix_cache.next_victim()], copies, evicted=True)
         return super().evict(copies)
 
     def max_blocks(self, num_tokens, chunk):
@@ -1066,14 +1072,13 @@ class BlockAllocator(BlockPool):
         return seq.block_tables
 
     def lookup(self, seq, tier=True):
-        """seq's PrefixHit in the device's prefix cache, and below it in the CPU tier's
-        (tier: whether to look there), over every KV cache group's kind (PrefixCache.hit)."""
-        lower = self.swap_pool.prefix_cache if tier else None
-        return self.prefix_cache.hit(seq, self.kinds, lower, self.swap_pool.taken)
+        """seq's PrefixHit in the device's prefix cache, and below it in the connector's (tier:
+        whether to look there), over every KV cache group's kind (PrefixCache.hit)."""
+        return self.prefix_cache.hit(seq, self.kinds, self.connector if tier else None)
 
     def num_blocks_to_allocate(self, seq):
         """Free blocks allocate(seq) takes: the device's hits that are free now, and a fresh
-        block for each of the CPU tier's (copied back)."""
+        block for each of the connector's (copied in)."""
         num_taken = 0
         for hit in self.lookup(seq).cached_blocks():
             copied_back = hit.cache is not self.prefix_cache
@@ -1099,8 +1104,8 @@ class BlockAllocator(BlockPool):
         """Give a new (or recomputing) sequence its prefix-cache hit: block tables over its
         cached leading blocks (NO_BLOCK where no token to come sees one), and num_computed_tokens
         the tokens they hold. Its other tokens get blocks chunk by chunk (allocate_slots).
-        Returns the BlockCopies it asks for: the CPU tier's hits copied back, and the tier's
-        copies of the blocks it evicts."""
+        Returns the BlockCopies it asks for: the connector's hits copied in, and its copies of
+        the blocks it evicts."""
         assert not any(seq.block_tables), f"sequence {seq.seq_id} already holds blocks"
         num_taken = self.num_blocks_to_allocate(seq)  # what an override says, too
         if num_taken > self.num_free_blocks:
@@ -1108,14 +1113,14 @@ class BlockAllocator(BlockPool):
                                    f"{self.num_free_blocks} are free")
         hit, tables = self.lookup(seq), self.journaled_tables(seq)
         length = hit.num_blocks
-        reloaded = set()  # the indices of the blocks the CPU tier serves, in any group
+        reloaded = set()  # the indices of the blocks the connector serves, in any group
         for hits in hit.blocks:
             reloaded |= {i for i, h in enumerate(hits) if h and h.cache is not self.prefix_cache}
         reloaded = sorted(reloaded)
         # The device's share of the hit is the hit it serves alone (vLLM: the local cache's hit,
         # before its connector's): looked up before a block is taken, as a block taken to copy
-        # into may evict one. It ends at or before the first block copied back, in any group
-        # (at it, under full attention alone); the CPU tier serves the rest of the hit.
+        # into may evict one. It ends at or before the first block copied in, in any group
+        # (at it, under full attention alone); the connector serves the rest of the hit.
         own = self.lookup(seq, tier=False).num_blocks if reloaded else length
         held = [h.block_id for h in hit.cached_blocks() if h.cache is self.prefix_cache]
         for block_id in held:  # share before taking, so take() cannot evict a hit
@@ -1127,8 +1132,8 @@ class BlockAllocator(BlockPool):
                     table.append(NO_BLOCK)  # no token to come sees it
                 elif h.cache is self.prefix_cache:
                     table.append(h.block_id)
-                else:  # the CPU tier's: copied back into a fresh block
-                    table.append(self.swap_pool.reload(seq, i, h.block_id, copies, g))
+                else:  # the connector's: copied into a fresh block
+                    table.append(self.connector.load(seq, i, h.block_id, copies, g))
             notify(self, "allocate", seq=seq.seq_id, request=seq.request_id,
                    table=table.tolist(), hits=length, **group_field(g))
         self.journal.set(seq, "num_computed_tokens", length * self.block_size)
@@ -1143,10 +1148,10 @@ class BlockAllocator(BlockPool):
         prefix hits held first: a block one of them takes could otherwise evict a hit that
         another's count relied on. So the request takes at most the sum of their
         num_blocks_to_allocate. Returns their BlockCopies."""
-        hits = []  # (the pool, its block) of each sequence's hit
+        hits = []  # (the device pool or the connector, its block) of each sequence's hit
         for seq in seqs:
             for h in self.lookup(seq).cached_blocks():
-                hits.append((self if h.cache is self.prefix_cache else self.swap_pool, h.block_id))
+                hits.append((self if h.cache is self.prefix_cache else self.connector, h.block_id))
         for pool, block in hits:
             pool.share(block)
         copies = BlockCopies()
@@ -1274,18 +1279,22 @@ class BlockAllocator(BlockPool):
         their last tokens, so a request admitted later in that step shares them (section 3).
         A block whose prefix another block holds already (the same tokens computed at once by
         two samples, or two prompts in flight) is cached beside it, as in vLLM: each stays its
-        sequence's own, and either serves a hit while the other is evicted."""
-        cache = self.prefix_cache
+        sequence's own, and either serves a hit while the other is evicted. Each published
+        block is offered to the connector too; returns the BlockCopies it asks for (a disk
+        store's copy, made once the step has computed the block)."""
+        cache, copies = self.prefix_cache, BlockCopies()
         num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
         num_full = num_tokens // self.block_size
         if not cache.enabled or num_full <= seq.num_published_blocks:
-            return
+            return copies
         cache.key_blocks(seq)  # the engine keyed them already; a caller of its own may not have
         for g, table in enumerate(seq.block_tables):
             for i in range(seq.num_published_blocks, num_full):
                 if table[i] != NO_BLOCK:
                     cache.publish(seq, i, table[i], g)
+                    self.connector.save(self.blocks[table[i]], copies, evicted=False)
         self.journal.set(seq, "num_published_blocks", num_full)
+        return copies
 
 # -----------------------------------------------------------------------------
 # 6. The scheduler: continuous batching in a policy's order, one step at a time. Orca:
@@ -1489,7 +1498,7 @@ class Scheduler:
         so a request admitted after it in this step can hit them (section 3)."""
         out.scheduled.append((seq, num_new))
         out.num_batched_tokens += num_new
-        self.allocator.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
+        out.copies += self.allocator.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
 
     def _append_slots(self, request, out):
         for seq in request.seqs:
@@ -2055,15 +2064,16 @@ class ModelRunner:
             self.cpu_key_bounds = torch.zeros(num_cpu_blocks, *bounds, dtype=model_dtype,
                                               pin_memory=device.type == "cuda")
         self.table_rows = []  # per KV cache group, the batch's block table rows: batch_table
+        self.connector = connectors.Connector()  # the engine hands it the allocator's
 
     def execute(self, plan, chunks):
         """Copy the blocks the plan orders, then run the step's chunks (its scheduled tokens,
         each sequence's proposals after them: step_chunks). Returns the logits (R, V) in
         logits_rows' order; or None if nothing runs."""
         self.copy_blocks(plan.copies)
-        if not chunks:
-            return None
-        return self.forward(chunks)
+        logits = self.forward(chunks) if chunks else None
+        self.connector.transfer(plan.copies, self, "computed")  # what the step computed
+        return logits
 
     def forward(self, chunks, prompt_logprobs=True):
         batch = self.prepare(chunks, prompt_logprobs)
@@ -2072,10 +2082,21 @@ class ModelRunner:
 
     def copy_blocks(self, copies):
         """A plan's BlockCopies, of the K/V and of whatever is kept beside them per block (key
-        bounds): a block's data moves wherever the block does."""
-        copy_blocks(copies, self.kv_cache, self.cpu_kv_cache, self.device)
+        bounds): a block's data moves wherever the block does. The connector reads the blocks
+        it saves before anything writes a block, and writes the blocks it loads after the swaps
+        (connectors.py)."""
+        self.connector.transfer(copies, self, "out")
+        for cache, cpu_cache in self.paged_tensors():
+            copy_blocks(copies, cache, cpu_cache, self.device)
+        self.connector.transfer(copies, self, "in")
+
+    def paged_tensors(self):
+        """Each tensor kept per block, on the device and in the CPU pool: the K/V, and the key
+        bounds if the read policy keeps them."""
+        pairs = [(self.kv_cache, self.cpu_kv_cache)]
         if self.key_bounds is not None:
-            copy_blocks(copies, self.key_bounds, self.cpu_key_bounds, self.device)
+            pairs.append((self.key_bounds, self.cpu_key_bounds))
+        return pairs
 
     def batch_table(self, g, seq_tables):
         """KV cache group g's block tables as the batch's (S, max_blocks) int32 rows, each ending
@@ -2137,14 +2158,13 @@ class ModelRunner:
 
 
 def copy_blocks(copies, cache, cpu_cache, device):
-    """A plan's BlockCopies of one paged tensor, cache (a, b, num_blocks, ...) on the device
-    and cpu_cache (num_cpu_blocks, a, b, ...), each kind in one indexing op, in an order where
-    each reads what it should: the copies to CPU memory (swap-out, offload) read their device
-    blocks before anything writes them, the copies from it (swap-in, reload) read their CPU
-    blocks before the copies to it land, and copy-on-write, last, may copy a block just swapped
-    in. They run on the step's stream, before the forward."""
-    to_cpu = copies.swap_out + copies.offload
-    from_cpu = copies.swap_in + copies.reload
+    """A plan's swaps and copies-on-write of one paged tensor, cache (a, b, num_blocks, ...) on
+    the device and cpu_cache (num_cpu_blocks, a, b, ...), each kind in one indexing op, in an
+    order where each reads what it should: swap-outs read their device blocks before anything
+    writes them, swap-ins read their CPU blocks before the swap-outs land, and copy-on-write,
+    last, may copy a block just swapped in. They run on the step's stream, before the
+    forward."""
+    to_cpu, from_cpu = copies.swap_out, copies.swap_in
     if to_cpu:
         staged = cache[:, :, [b for b, _ in to_cpu]].movedim(2, 0).contiguous()
     if from_cpu:  # (n, a, b, ...), each block by one direct non_blocking copy (DMA)
@@ -2894,7 +2914,9 @@ class Engine:
                  scheduling_policy="fcfs", eviction_policy="lru", kv_cache_dtype="auto",
                  speculative_config=None, tokenizer=None, observer=None, prefix_cache_cls=None,
                  cpu_cache_bytes: int = 0, cpu_eviction_policy=None, read_policy="all",
-                 read_policy_config=None):
+                 read_policy_config=None, connector=None, connector_config=None):
+        # connector="cpu" is the CPU tier, which cpu_cache_bytes sizes (its shorthand)
+        cpu_cache_bytes = connectors.cpu_cache_bytes(connector, connector_config, cpu_cache_bytes)
         # the annotated settings: an int held as numpy's or torch's is taken as that int
         (block_size, num_blocks, kv_cache_bytes, num_cpu_blocks, max_num_seqs,
          max_num_batched_tokens, swap_space, cpu_cache_bytes) = map(as_int, (
@@ -2936,6 +2958,13 @@ class Engine:
             num_lookahead_slots=proposer.num_speculative_tokens if proposer else 0)
         self.model_runner = ModelRunner(self.model, num_blocks, num_cpu_blocks, block_size,
                                         backend, device, dtype, reads)
+        if connector not in (None, "cpu"):  # the CPU tier is the allocator's own
+            allocator.connector = connectors.make_connector(
+                connector, connector_config, allocator=allocator, model=self.model,
+                block_shape=kv_block_shape(self.config, block_size), dtype=dtype, device=device,
+                rank=tp.rank, speculative=proposer is not None,
+                prefix_caching=enable_prefix_caching)
+        self.model_runner.connector = allocator.connector
         self.proposer = proposer and proposer.allocate_cache(num_blocks, num_cpu_blocks,
                                                              block_size, self.model_runner)
         self.kv_cache = self.model_runner.kv_cache  # (2, L, num_blocks, block_size, nkv, hs)
@@ -3011,6 +3040,7 @@ class Engine:
                 if request.is_finished:
                     notify(self, "finished", request=request.request_id)
                     del self.requests[request.request_id]
+                    self.allocator.connector.finished(request.request_id)
         finally:
             self.set_observer(observer)
         self.num_steps += 1
@@ -3082,6 +3112,7 @@ class Engine:
             raise ValueError(f"no unfinished request with id {request_id}")
         notify(self, "abort", request=request_id)
         self.scheduler.abort(self.requests.pop(request_id))
+        self.allocator.connector.finished(request_id)
 
     def check_request(self, prompt, params, priority=0):
         """Raise ValueError saying what is wrong with a request, before it takes any block. A
@@ -3160,16 +3191,16 @@ def engine_stats(engine):
     filled.pop(NO_BLOCK, None)
     num_used = a.num_blocks - a.num_free_blocks
     hits, proposer = a.prefix_cache.counts, engine.proposer
+    # the connector's counts (the CPU tier's: its blocks that hold a prefix, free or a
+    # swapped-out sequence's), and the blocks copied to it and back
+    connector = dict(num_cpu_cached_blocks=0, num_offloaded_blocks=0, num_reloaded_blocks=0)
+    connector.update(a.connector.stats())
     return dict(
         num_blocks=a.num_blocks, num_free_blocks=a.num_free_blocks,
         kv_cache_dtype=str(engine.kv_cache.dtype).removeprefix("torch."),
         num_cached_blocks=a.prefix_cache.num_evictable,  # free blocks that keep a prefix
         num_cpu_blocks=a.swap_pool.num_blocks, num_free_cpu_blocks=a.swap_pool.num_free_blocks,
-        # the CPU tier: its blocks that hold a prefix (free, or a swapped-out sequence's), and
-        # the blocks copied to it and back
-        num_cpu_cached_blocks=sum(b.hash is not None for b in a.swap_pool.blocks),
-        num_offloaded_blocks=a.swap_pool.num_offloaded_blocks,
-        num_reloaded_blocks=a.swap_pool.num_reloaded_blocks,
+        **connector,
         num_running=len(running), num_waiting=len(s.waiting), num_swapped=len(s.swapped),
         num_preemptions=s.num_preemptions,
         kv_utilization=sum(filled.values()) / (num_used * bs) if num_used else 0.0,

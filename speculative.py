@@ -170,6 +170,7 @@ class DraftProposer(Proposer):
         self.runner = ModelRunner(self.draft, num_blocks, num_cpu_blocks, block_size,
                                   target_runner.backend, target_runner.device,
                                   self.cache_dtype(target_runner.kv_cache.dtype))
+        self.runner.connector = target_runner.connector  # the CPU tier moves its blocks too
         return self
 
     def propose(self, out):

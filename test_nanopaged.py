@@ -3326,6 +3326,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         runner.kv_cache = torch.full((1, 1, a.num_blocks, block_size, 1, 1), -1)
         runner.cpu_kv_cache = torch.full((num_cpu_blocks, 1, 1, block_size, 1, 1), -1)
         runner.key_bounds = None  # no read policy: nothing else kept per block
+        runner.connector = a.connector  # the CPU tier's copies, when the pool is a tier
         # Accounting: what num_blocks_to_allocate / num_blocks_to_append promise is what is taken,
         # for a request's decodes as one (their copies on write counted together)
         real_allocate, real_slots, real_append_slots = a.allocate, a.allocate_slots, s._append_slots
