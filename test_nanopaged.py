@@ -442,7 +442,8 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, 
     from its amax times 0.5-2 (k_scale, v_scale in the batch), k and v are what it holds
     dequantized to q's dtype, and k_full, v_full what was quantized.
     masks: a kernel.Mask in the batch ("mask": full attention, a sliding window, a chunk, sinks
-    beside either; each 1, a few tokens, or any size up to past every context), else None. A
+    beside either; each 1, a few tokens, or any size up to past every context), else None; or a
+    function of the longest context that gives a strategy of masks (a fork's subclass). A
     block that holds no key a sequence's new tokens see is -1 in its table (a freed block's
     placeholder) and its slots NaN; the positions they do not see are NaN in the contiguous
     copy, and in the cache too unless another sequence needs the slot (poison_unseen=False
@@ -472,7 +473,8 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, 
         q_lens.insert(at, q_len)
         num_seqs += 1
 
-    mask = draw(masks_of(max(seq_lens))) if masks else None
+    masks = masks_of if masks is True else masks  # or a fork's: longest -> a strategy of masks
+    mask = draw(masks(max(seq_lens))) if masks else None
 
     # block tables: shuffled physical ids; sequence i > 0 may start with sequence 0's blocks
     num_blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -1066,6 +1068,66 @@ def test_every_path_rejects_a_mask_that_is_not_counts_of_positions(mask, message
             attend(*small_batch(), mask=kernel.Mask(**mask))
     with pytest.raises(AssertionError, match="mask must be a kernel.Mask"):
         paged_attention(*small_batch(), mask=4)
+
+
+class TwoChunkMask(kernel.Mask):
+    """A fork's rule, which no window, chunk and sinks express: a query sees its own chunk and
+    the one before it (sinks as Mask's; no window)."""
+
+    def first_seen(self, p):
+        start = p - p % self.chunk - self.chunk
+        return start.clamp(min=0) if isinstance(p, torch.Tensor) else max(start, 0)
+
+    def reach(self, context):  # admission's bound: two chunks
+        return min(context, self.sink + 2 * self.chunk)
+
+
+class NamedWindow(kernel.Mask):
+    """A fork's subclass that keeps Mask's rule (it adds a name) and says so: the kernels' rule
+    on its kernel_args is its own."""
+    kernel_args = kernel.Mask.kernel_args
+
+    def __str__(self):
+        return f"a window of {self.window}"
+
+
+def two_chunk_masks(longest):
+    """TwoChunkMasks of a chunk of 1, a few tokens, or up to past a context of longest, with
+    sinks or without."""
+    size = st.one_of(st.just(1), st.integers(2, 12), st.integers(1, 2 * longest))
+    return st.tuples(size, st.sampled_from([0, 0, 1, 5])).map(
+        lambda cs: TwoChunkMask(chunk=cs[0], sink=cs[1]))
+
+
+@pytest.mark.kernel
+@settings(max_examples=examples(60), deadline=None)
+@given(paged_batches(dtypes=[torch.float32], max_seq_len=60, head_dims=(16, 32),
+                     masks=two_chunk_masks))
+def test_a_mask_subclass_runs_on_the_torch_path_and_the_kernels_refuse_it(b):
+    """The torch path calls a mask's own methods: it reads what the fork's rule shows (the
+    strategy poisons the rest with NaN) and matches naive attention. The Triton and flex kernels
+    read kernel_args alone, so their launchers refuse the mask, naming its class."""
+    assert_close(paged_attention_torch(*paged_args(b), mask=b["mask"]), reference(b))
+    assert not kernel.kernels_follow(b["mask"]) and b["mask"] != kernel.Mask(*b["mask"])
+    with pytest.raises(AssertionError, match="TwoChunkMask .*the Triton kernel"):
+        paged_attention(*paged_args(b), mask=b["mask"])
+    q, k_cache, v_cache, tables, seq_lens, _, scale = paged_args(b)
+    with pytest.raises(AssertionError, match="TwoChunkMask .*flex attention"):
+        kernel.paged_attention_flex(q[:len(seq_lens)], k_cache, v_cache, tables, seq_lens, scale,
+                                    mask=b["mask"])
+
+
+@pytest.mark.kernel
+@settings(max_examples=examples(6), deadline=None)
+@given(paged_batches(dtypes=[torch.float32], max_seqs=3, max_seq_len=40, head_dims=(16,),
+                     masks=lambda longest: st.integers(1, longest).map(
+                         lambda n: NamedWindow(window=n))))
+def test_a_mask_subclass_that_declares_kernel_args_runs_on_triton(b):
+    """A subclass whose own body defines kernel_args: Triton takes it and matches naive
+    attention, which calls its (Mask's) methods."""
+    assert kernel.kernels_follow(b["mask"])
+    out = paged_attention(*paged_args(b), mask=b["mask"])
+    assert_close(out, reference(b))
 
 
 @pytest.mark.kernel
@@ -4431,11 +4493,12 @@ def naive_logits(model, tokens):
 def windowed_model(size, kinds, seed=2, dtype=torch.float64):
     """A tiny Llama-family model (head size 16, as Triton takes); layer i is windowed if
     kinds[i] is "s", chunked if "c", full if "f", with windows and chunks of size tokens, and
-    sinks beside a window if "k" (the suite's own kind). Its weights are made large enough for
-    attention to be sharp, so that which keys a token sees changes what it generates."""
+    sinks beside a window if "k" (the suite's own kind), two chunks if "t" (a test's kind, which
+    it registers). Its weights are made large enough for attention to be sharp, so that which
+    keys a token sees changes what it generates."""
     torch.manual_seed(seed)
     names = {"s": "sliding_attention", "f": "full_attention", "c": "chunked_attention",
-             "k": AttentionSinks.name}
+             "k": AttentionSinks.name, "t": TwoChunkLocal.name}
     config = GPTConfig(n_layer=len(kinds), n_head=4, n_kv_head=2, n_embd=64, vocab_size=32,
                        max_seq_len=96, rope_theta=1e4, norm="rmsnorm", mlp="swiglu", bias=False,
                        intermediate_size=48, sliding_window=size, attention_chunk_size=size,
@@ -4517,6 +4580,56 @@ def test_a_kind_a_backend_cannot_honour_is_refused_up_front_naming_both(monkeypa
         Engine(KIND_MODELS["chunked_attention"], block_size=4, num_blocks=16,
                attention_backend="no_chunks")
     Engine(WINDOWED, block_size=4, num_blocks=16, attention_backend="no_chunks")
+
+
+@dataclass(frozen=True)
+class TwoChunkLocal(nanopaged.AttentionKind):
+    """A fork's kind whose mask only the torch path honours: its own chunk and the one before."""
+    chunk: int
+    name = "two_chunk_attention"
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(config.attention_chunk_size)
+
+    @property
+    def mask(self):
+        return TwoChunkMask(chunk=self.chunk)
+
+
+@pytest.mark.model
+@pytest.mark.kernel
+def test_a_forks_mask_runs_on_torch_and_triton_and_flex_refuse_it_up_front(monkeypatch):
+    """A kind whose kernel.Mask subclass changes the rule: Triton and flex, which would apply
+    Mask's rule to its numbers, refuse it at Engine(...), naming the mask and the backend; the
+    torch path serves it as the contiguous model computes it, and gives back the blocks behind
+    two chunks. A subclass that declares its kernel_args is taken by all three."""
+    monkeypatch.setitem(nanopaged.ATTENTION_KINDS, TwoChunkLocal.name, TwoChunkLocal)
+    model = windowed_model(3, "tt", seed=4, dtype=torch.float32)
+    for backend, kernel_name in (("triton", "the Triton kernel"), ("flex", "flex attention")):
+        with pytest.raises(ValueError, match=rf"attention_backend='{backend}' cannot run this "
+                           rf"model: .*two_chunk_attention.*its mask TwoChunkMask .*{kernel_name}"):
+            Engine(model, block_size=2, num_blocks=40, attention_backend=backend)
+    engine = Engine(model, block_size=2, num_blocks=40, attention_backend="torch",
+                    max_num_batched_tokens=5)
+    prompts = [list(range(1, 14)), [8, 9], list(range(1, 9)) + [30] * 7]
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=10, temperature=0))
+    tokens, given_back = {}, 0
+    for step in stepped(engine, 100):
+        tokens |= {o.request_id: o.outputs[0].token_ids for o in step}
+        given_back += sum(seq.block_table.count(NO_BLOCK) for r in engine.scheduler.running
+                          for seq in r.seqs)
+    expected = [naive_greedy(model, p, 10) for p in prompts]
+    assert [tokens[i] for i in range(3)] == expected and given_back
+    # what a kernel reading Mask(chunk=3) would compute instead
+    assert expected != [naive_greedy(windowed_model(3, "cc", seed=4, dtype=torch.float32), p, 10)
+                        for p in prompts]
+    assert_all_blocks_free(engine)
+    monkeypatch.setattr(TwoChunkLocal, "mask", property(lambda kind: NamedWindow(window=3)))
+    for backend in ("triton", "flex", "torch"):
+        Engine(windowed_model(3, "tt", seed=4, dtype=torch.float32), block_size=2,
+               num_blocks=40, attention_backend=backend)
 
 
 @pytest.mark.model
