@@ -15,10 +15,10 @@ their lifecycle; 2. the block allocator; 3. the prefix cache; 4. the CPU pool (s
 and the prefix cache's second tier); 5. the scheduler; 6. tensor parallelism; 7. the model;
 8. the model runner; 9. sampling; 10. output processing; 11. the engine. An appendix holds the
 checks of settings and requests, and the metrics. The attention kernels live in kernel.py,
-the only file this one imports at load; checkpoint loading (checkpoints.py), speculative
-decoding's proposers (speculative.py), Quest's read policy (quest.py), text and stop strings
-(detokenizer.py) and the demo (demo.py) are each reached by one lazy import where it is
-needed.
+the only file this one imports at load; checkpoint loading (checkpoints.py), Quest's read
+policy (quest.py), text and stop strings (detokenizer.py) and the demo (demo.py) are each
+reached by one lazy import where it is needed. Speculative decoding's proposers
+(speculative.py) are reached by name: importing speculative.py registers them.
 Run `python nanopaged.py`, or `torchrun --nproc-per-node 2 nanopaged.py
 --tensor-parallel-size 2` to split the model and its KV cache across two processes.
 """
@@ -3177,6 +3177,25 @@ def samples_in_order(request):
 # CPU blocks) is preempted by recompute; a running one's preemption is counted, outside any
 # commit (Engine.rollback).
 
+# Speculative decoding's methods by name: name -> a callable (speculative_config, the target
+# model, device) that returns a proposer or raises a ValueError naming the setting that is
+# wrong. speculative.py registers "ngram" and "draft" when it is imported; a fork registers its
+# own the same way. The engine imports none of them. A proposer has num_speculative_tokens and
+# the methods of speculative.Proposer: bytes_per_block, allocate_cache, propose, verify, count.
+SPECULATIVE_METHODS = {}
+
+
+def make_proposer(config, model, device):
+    """Engine(speculative_config=config): the proposer of its method, or a ValueError."""
+    if not isinstance(config, dict):
+        raise ValueError(f"speculative_config must be a dict with a 'method', got {config!r}")
+    method = config.get("method")
+    if not isinstance(method, str) or method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config: method {method!r} is not registered: "
+                         f"SPECULATIVE_METHODS has {sorted(SPECULATIVE_METHODS)} (`import "
+                         f"speculative` registers the built-in ones, 'ngram' and 'draft')")
+    return SPECULATIVE_METHODS[method](config, model, device)
+
 
 class Engine:
     observer = None  # see notify
@@ -3204,9 +3223,8 @@ class Engine:
         self.model, self.config = model.to(device).eval(), model.config
         self.device, self.block_size = device, block_size
         proposer = None
-        if speculative_config is not None:  # the layer above, imported only when asked for
-            import speculative
-            proposer = speculative.make_proposer(speculative_config, model, device)
+        if speculative_config is not None:  # a method registered by name: see make_proposer
+            proposer = make_proposer(speculative_config, model, device)
         reads = make_read_policy(read_policy, read_policy_config, backend, proposer)  # None: all
         bytes_per_block = block_bytes(model, block_size, dtype, proposer, reads)
         kinds = [group.kind for group in self.config.kv_cache_groups]

@@ -65,6 +65,7 @@ from starlette.exceptions import HTTPException
 import checkpoints
 import demo
 import nanopaged
+import speculative  # noqa: F401  its methods, by name: --speculative-method's choices
 
 logger = logging.getLogger("nanopaged.server")
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs; the OpenAI API's top_logprobs allows 0-20

@@ -57,6 +57,7 @@ import demo
 import kernel
 import nanopaged
 import pagetrace
+import speculative
 from kernel import HEAD_DIMS, naive_attention, paged_attention, paged_attention_torch, store_kv
 from nanopaged import (EVICTION_POLICIES, GPT, NO_BLOCK, SCHEDULING_POLICIES, BlockAllocator,
                        Engine, GPTConfig, OutOfBlocksError, SamplingParams, Sequence, chain_hash)
@@ -112,6 +113,36 @@ class AttentionSinks(nanopaged.AttentionKind):
 
 nanopaged.ATTENTION_KINDS.setdefault(AttentionSinks.name, AttentionSinks)
 KINDS = sorted(nanopaged.ATTENTION_KINDS)
+
+
+# And a speculative method: a proposer that guesses one token, the same every time, for every
+# slot the scheduler reserves. Every property of speculation runs under it too, and demo.py and
+# server.py take its name as a flag.
+class FixedTokenProposer(speculative.Proposer):
+    def __init__(self, num_speculative_tokens, token):
+        super().__init__(num_speculative_tokens)
+        self.token = token
+
+    def bytes_per_block(self, block_size, kv_cache_dtype):  # no cache of its own
+        return 0
+
+    def allocate_cache(self, num_blocks, num_cpu_blocks, block_size, target_runner):
+        return self
+
+    def propose(self, out):
+        return {seq.seq_id: [self.token] * slots for seq, slots in out.lookahead}
+
+
+def fixed_token(config, model, device):
+    """{"method": "fixed_token", "num_speculative_tokens": k, "token": t (default 0)}."""
+    k = speculative.check_config(config, ("token",))
+    token = config.get("token", 0)
+    if not (nanopaged.integer(token) and 0 <= token < model.config.vocab_size):
+        raise ValueError(f"speculative_config: token must be a token id, got {token!r}")
+    return FixedTokenProposer(k, token)
+
+
+nanopaged.SPECULATIVE_METHODS.setdefault("fixed_token", fixed_token)
 
 
 # -----------------------------------------------------------------------------
@@ -7258,16 +7289,23 @@ def test_chat_without_a_template_or_jinja2_is_one_clear_error(tmp_path, monkeypa
 # left.
 
 
+# The settings of a method's variants the tests run, a function of the target model each: ngram
+# looking for shorter repeats than its defaults; a draft equal to the target (its every guess is
+# kept) and an unrelated one (few are). A method not listed runs once, with its defaults.
+SPECULATOR_VARIANTS = {
+    "ngram": {"ngram": lambda target: {"prompt_lookup_max": 3, "prompt_lookup_min": 1}},
+    "draft": {"draft=target": lambda target: {"model": target},
+              "draft=other": lambda target: {"model": LLAMA if target is MODEL else MODEL}},
+}
+SPECULATORS = [variant for method in sorted(nanopaged.SPECULATIVE_METHODS)
+               for variant in SPECULATOR_VARIANTS.get(method, [method])]
+
+
 def speculative_config(name, k, target):
-    """ngram; a draft equal to the target (its every guess is kept); an unrelated draft (few)."""
-    if name == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
-                "prompt_lookup_min": 1}
-    draft = target if name == "draft=target" else LLAMA if target is MODEL else MODEL
-    return {"method": "draft", "model": draft, "num_speculative_tokens": k}
-
-
-SPECULATORS = ["ngram", "draft=target", "draft=other"]
+    """The speculative_config of a variant in SPECULATORS ("method" or "method=variant")."""
+    method = name.partition("=")[0]
+    settings = SPECULATOR_VARIANTS.get(method, {}).get(name, lambda target: {})(target)
+    return {"method": method, "num_speculative_tokens": k, **settings}
 
 
 def checked_speculation(engine, register_cache):
@@ -7513,7 +7551,12 @@ def test_lookahead_slots_are_reserved_from_what_plain_scheduling_left_and_given_
 
 @pytest.mark.speculative
 @pytest.mark.parametrize("config, message", [
-    ({"method": "medusa", "num_speculative_tokens": 2}, "'method' one of"),
+    ({"method": "medusa", "num_speculative_tokens": 2},
+     re.escape(f"method 'medusa' is not registered: SPECULATIVE_METHODS has "
+               f"{sorted(nanopaged.SPECULATIVE_METHODS)} (`import speculative` registers")),
+    ({"method": ["ngram"], "num_speculative_tokens": 2},
+     re.escape("method ['ngram'] is not registered")),
+    ({"method": "fixed_token", "num_speculative_tokens": 2, "token": 32}, "must be a token id"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": np.bool_(True)},
@@ -7531,6 +7574,26 @@ def test_lookahead_slots_are_reserved_from_what_plain_scheduling_left_and_given_
 def test_bad_speculative_configs_are_clear_errors(config, message):
     with pytest.raises(ValueError, match=message):
         Engine(MODEL, num_blocks=16, speculative_config=config)
+
+
+@pytest.mark.speculative
+@settings(max_examples=examples(20), deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(0, 31), min_size=1, max_size=12), min_size=1,
+                        max_size=3),
+       token=st.integers(0, 31), k=st.integers(1, 4), name=st.sampled_from(["gpt2", "llama"]))
+def test_a_method_a_fork_registers_runs_by_name_and_keeps_the_targets_output(prompts, token, k,
+                                                                              name):
+    """The suite's own method, found by its name in SPECULATIVE_METHODS with its own setting:
+    the engine asks its proposer for every reserved slot, and greedy outputs are the target's."""
+    model = MODELS[name]
+    engine = Engine(model, block_size=4, num_blocks=48, speculative_config={
+        "method": "fixed_token", "num_speculative_tokens": k, "token": token})
+    assert type(engine.proposer) is FixedTokenProposer and engine.proposer.token == token
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
+    assert [o.outputs[0].token_ids for o in outs] == [naive_greedy(model, p, 8) for p in prompts]
+    s = engine.stats()
+    assert s["num_proposed_tokens"] > 0 and s["num_generated_tokens"] == 8 * len(prompts)
+    assert_all_blocks_free(engine)
 
 
 @pytest.mark.speculative
@@ -8476,6 +8539,31 @@ def test_the_demo_speculates_with_the_built_in_draft_and_says_how_much_it_kept(c
 
 
 @pytest.mark.demo
+@pytest.mark.speculative
+@pytest.mark.parametrize("method", sorted(nanopaged.SPECULATIVE_METHODS))
+def test_the_demo_speculates_by_every_registered_methods_name(method):
+    """--speculative-method takes every name in the registry (the suite's own too) and nothing
+    else; each gives the greedy tokens of the demo without speculation. A draft's folder is
+    --speculative-model, and its short spelling 'ngram' is method ngram."""
+    parser = demo.argument_parser()
+    choices = next(a.choices for a in parser._actions if a.dest == "speculative_method")
+    assert choices == sorted(nanopaged.SPECULATIVE_METHODS)
+    flags = ["--prompt", "The for statement", "--prompt", "A list", "--max-tokens", "16",
+             "--temperature", "0"]
+    plain = demo.main(flags)
+    draft = ["--speculative-model", os.path.join(os.path.dirname(demo.DEMO_MODEL), "pydoc-draft")]
+    report = demo.main(flags + ["--speculative-method", method] + (draft if method == "draft"
+                                                                     else []))
+    assert [o.outputs[0].token_ids for o in report["outputs"]] == \
+        [o.outputs[0].token_ids for o in plain["outputs"]]
+    assert report["engine"].stats()["num_proposed_tokens"] > 0
+    if method != "ngram":
+        with pytest.raises(ValueError, match="--speculative-model ngram is method ngram"):
+            demo.speculative_config(parser.parse_args(["--speculative-model", "ngram",
+                                                       "--speculative-method", method]))
+
+
+@pytest.mark.demo
 def test_readmes_python_use_runs_as_printed(tmp_path):
     """README's "Use it from Python" block, as a user would paste it, in a folder of their own
     (the built-in model reached as models/pydoc-gpt): it runs, streams, and writes its page."""
@@ -8601,6 +8689,8 @@ def test_the_demo_streams_one_request_after_another_as_tokens_arrive(capsys):
     (["--speculative-model", "ngram", "--beam-width", "2", "--prompt", "x"],
      "beam search does not run with speculative decoding"),
     (["--kv-cache-dtype", "int8"], "argument --kv-cache-dtype: invalid choice: 'int8'"),
+    (["--speculative-method", "medusa"],
+     "argument --speculative-method: invalid choice: 'medusa'"),
     (["--read-policy", "sparse"], r"read_policy must be one of \['all', 'quest'\], got 'sparse'"),
     (["--read-policy", "quest", "--read-policy-config", '{"token_budget": 0}'],
      "Quest's token_budget must be an int >= 1, got 0"),
@@ -8657,6 +8747,36 @@ def served_chat_folder(folder):
         shutil.copy(f"{demo.DEMO_MODEL}/{name}", folder / name)
     (folder / "chat_template.jinja").write_text(SERVED_CHAT_TEMPLATE)
     return folder
+
+
+@pytest.mark.server
+@pytest.mark.speculative
+def test_server_speculates_by_a_registered_methods_name_and_answers_as_without(tmp_path):
+    """--speculative-method takes its choices from the registry: the suite's own method, by
+    name, serves greedy completions token for token as Engine.generate without speculation."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    import server
+    parser = server.argument_parser()
+    assert next(a.choices for a in parser._actions if a.dest == "speculative_method") == \
+        sorted(nanopaged.SPECULATIVE_METHODS)
+    folder = served_chat_folder(tmp_path)
+    args = parser.parse_args(["--model", str(folder), "--temperature", "0",
+                              "--speculative-method", "fixed_token",
+                              "--num-speculative-tokens", "3",
+                              "--served-model-name", "pydoc-chat"])
+    model, engine, tokenizer = demo.load(args)
+    assert type(engine.proposer) is FixedTokenProposer
+    prompts = SERVED_PROMPTS[:3]
+    with served_in_thread(engine, server.served_model(args, model, engine, tokenizer)) as url:
+        client = served_client(url)
+        outs = [client.completions.create(model="pydoc-chat", prompt=p, max_tokens=16,
+                                          logprobs=0) for p in prompts]
+    ref = served_reference(model, [tokenizer.encode(p) for p in prompts],
+                           SamplingParams(max_tokens=16, temperature=0))
+    assert [o.choices[0].logprobs.tokens for o in outs] == \
+        [[served_token(t) for t in r.outputs[0].token_ids] for r in ref]
+    assert engine.stats()["num_proposed_tokens"] >= 3 * len(prompts)
 
 
 @pytest.mark.server
