@@ -9890,6 +9890,42 @@ def test_engine_loop_latency_histograms_leave_out_an_aborted_request():
     assert metrics.token_times == {}
 
 
+@pytest.mark.server
+def test_a_histogram_added_to_the_table_is_in_metrics_with_each_finished_request(tmp_path,
+                                                                                monkeypatch):
+    """A row a fork adds to server.HISTOGRAMS, and nothing else: /metrics shows it beside the
+    built-in ones, with its help and buckets, observed once for each finished request with what
+    its function reads from the request's output."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    pytest.importorskip("prometheus_client")
+    import server
+    name = "nanopaged:request_generation_tokens"
+    generated = server.RequestHistogram(
+        name, "Tokens a finished request generated, all its samples.", (1.0, 4.0, 8.0, 16.0),
+        lambda out, times: [sum(len(c.token_ids) for c in out.outputs)])
+    monkeypatch.setattr(server, "HISTOGRAMS", [*server.HISTOGRAMS, generated])
+    folder = served_chat_folder(tmp_path)
+    args = server.argument_parser().parse_args(["--model", str(folder), "--temperature", "0",
+                                                "--served-model-name", "pydoc-chat"])
+    model, engine, tokenizer = demo.load(args)
+    with served_in_thread(engine, server.served_model(args, model, engine, tokenizer)) as url:
+        client = served_client(url)
+        values = [client.completions.create(model="pydoc-chat", prompt=prompt, max_tokens=m,
+                                            n=n).usage.completion_tokens
+                  for prompt, m, n in zip(SERVED_PROMPTS, [3, 5, 12], [1, 2, 1])]
+        text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+        samples = served_metrics(url)
+    assert f"# HELP {name} {generated.documentation}" in text
+    assert samples[name + "_count"] == len(values) and samples[name + "_sum"] == sum(values)
+    for le in generated.buckets:  # cumulative: the values at most le
+        assert samples[f'{name}_bucket{{le="{le}"}}'] == sum(v <= le for v in values)
+    assert samples[f'{name}_bucket{{le="+Inf"}}'] == len(values)
+    for built_in in VLLM_BUCKETS:
+        assert f"{built_in}_count" in samples
+    assert samples["vllm:e2e_request_latency_seconds_count"] == len(values)
+
+
 @contextlib.contextmanager
 def served_in_thread(engine, served):
     """server.build_app(engine, served) under uvicorn in a thread of this process (so a test can
