@@ -145,6 +145,35 @@ def fixed_token(config, model, device):
 nanopaged.SPECULATIVE_METHODS.setdefault("fixed_token", fixed_token)
 
 
+# And a read policy, so that every property that holds for any read policy runs under one
+# nobody built in: StreamingLLM's first and recent tokens, by the block.
+class FirstAndRecentBlocks:
+    """A fork's read policy, no key bounds needed: StreamingLLM's attention sinks and recent
+    window (Xiao et al., ICLR 2024) by the block, the first blocks and the last ones, the same
+    for every KV head."""
+    needs_key_bounds = False
+
+    def __init__(self, first=1, recent=1):
+        self.first, self.recent = first, recent
+
+    def select(self, layer, q, key_bounds, block_tables, seq_lens, block_size):
+        num_blocks = (seq_lens.long() + block_size - 1) // block_size                  # (S,)
+        pos = torch.arange(block_tables.shape[1], device=q.device)                     # (W,)
+        keep = (pos < self.first) | (pos >= num_blocks[:, None] - self.recent)       # (S, W)
+        return keep[:, None]                                                        # (S, 1, W)
+
+
+nanopaged.READ_POLICIES.setdefault("first_and_recent", FirstAndRecentBlocks)
+READ_POLICY_NAMES = sorted(nanopaged.READ_POLICIES)
+# The settings each reads by in the tests, where its defaults would read every block of these
+# small models (Quest reads 1024 tokens, past two dense layers); a policy not listed runs with
+# its defaults. SELECTING: those that thin what a decode reads (all but "all"); BOUNDED: those
+# that keep key bounds.
+READ_POLICY_SETTINGS = {"quest": dict(token_budget=4, dense_layers=1)}
+SELECTING = [name for name in READ_POLICY_NAMES if nanopaged.READ_POLICIES[name]() is not None]
+BOUNDED = [name for name in SELECTING if nanopaged.READ_POLICIES[name]().needs_key_bounds]
+
+
 # -----------------------------------------------------------------------------
 # Helpers the sections share: sequences, state snapshots, tiny models and the naive
 # references they are checked against, and the Hugging Face models the tests compare with
@@ -7762,6 +7791,12 @@ def quest_engine(model=LLAMA, token_budget=4, dense_layers=1, **settings):
                   **settings)
 
 
+def policy_engine(name, model=LLAMA, **settings):
+    """An engine that reads by the read policy of that name, with its READ_POLICY_SETTINGS."""
+    return Engine(model, read_policy=name, read_policy_config=READ_POLICY_SETTINGS.get(name),
+                  **settings)
+
+
 @st.composite
 def written_keys(draw):
     """A cache's blocks written in chunks, as steps write them: (block_size, num_blocks, n_kv_head,
@@ -7906,8 +7941,11 @@ def assert_key_bounds_are_the_keys(engine, exact=True):
     """Every block a live sequence holds, on the device or swapped out to the CPU, keeps the
     min and max of the keys of its computed tokens, recomputed from K where the block is (as
     attention reads it: an 8-bit cache's dequantized with its layer's scale; one KV cache
-    group); or, not exact, bounds them. Returns how many blocks it checked."""
+    group); or, not exact, bounds them. Returns how many blocks it checked: none where the
+    engine's read policy keeps no bounds."""
     r, s, bs = engine.model_runner, engine.scheduler, engine.block_size
+    if r.key_bounds is None:
+        return 0
 
     def read(keys):  # (L, n, nkv, hs) as stored -> as attended
         return torch.stack([kernel.dequantize(k, scales.get("k_scale"), r.key_bounds.dtype)
@@ -7931,17 +7969,19 @@ def assert_key_bounds_are_the_keys(engine, exact=True):
 
 
 @pytest.mark.read_policy
+@pytest.mark.parametrize("name", SELECTING)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_key_bounds_move_with_their_blocks(
-        mode, kv_cache_dtype):
+        name, mode, kv_cache_dtype):
     """Beams and parallel samples (copy-on-write), in a pool too small for them all (preemption:
-    recompute, or swap out and in): after every step, every block a sequence holds, wherever
-    it is, keeps the bounds of its keys."""
+    recompute, or swap out and in), under every read policy that thins what decodes read: every
+    request ends and gives its blocks back; and, where the policy keeps key bounds, after every
+    step every block a sequence holds, wherever it is, keeps the bounds of its keys."""
     backend = "torch"  # a backend that reads per-head tables
-    engine = quest_engine(block_size=2, num_blocks=27, preemption_mode=mode,
-                          max_num_batched_tokens=8, attention_backend=backend,
-                          kv_cache_dtype=kv_cache_dtype)
+    engine = policy_engine(name, block_size=2, num_blocks=27, preemption_mode=mode,
+                           max_num_batched_tokens=8, attention_backend=backend,
+                           kv_cache_dtype=kv_cache_dtype)
     runner, moved = engine.model_runner, Counter()
     real_copy_blocks = runner.copy_blocks
 
@@ -7958,19 +7998,21 @@ def test_key_bounds_move_with_their_blocks(
             SamplingParams(max_tokens=10, beam_width=2)]):
         engine.add_request(prompt, params)
     checked = sum(assert_key_bounds_are_the_keys(engine) for _ in stepped(engine, 500))
-    assert checked and moved["cow"], moved
+    assert (checked > 0) == (name in BOUNDED) and moved["cow"], moved
     assert engine.stats()["num_preemptions"] and (
         mode == "recompute" or moved["swap_out"] and moved["swap_in"]), moved
     assert_all_blocks_free(engine)
 
 
 @pytest.mark.read_policy
+@pytest.mark.parametrize("name", SELECTING)
 @pytest.mark.parametrize("fail_at", [2, 5, 9, 14])
-def test_a_failed_step_leaves_bounds_that_bound_and_its_retry_the_exact_ones(fail_at,
+def test_a_failed_step_leaves_bounds_that_bound_and_its_retry_the_exact_ones(name, fail_at,
                                                                             monkeypatch):
-    """A layer raises mid-step, after earlier layers stored K and updated bounds: the step is
-    undone, its blocks' bounds still bound their computed keys, the next steps make them exact
-    again, and every request ends as in a run without the failure."""
+    """A layer raises mid-step, after earlier layers stored K (and updated bounds, where the
+    read policy keeps them): the step is undone, its blocks' bounds still bound their computed
+    keys, the next steps make them exact again, and every request ends as in a run without the
+    failure."""
     prompts = [[(5 * i + j) % 32 for j in range(4 + 3 * i)] for i in range(3)]
     params = SamplingParams(max_tokens=8, temperature=0)
     real_forward, calls = nanopaged.MLP.forward, [0]
@@ -8001,20 +8043,22 @@ def test_a_failed_step_leaves_bounds_that_bound_and_its_retry_the_exact_ones(fai
     backend = "torch"  # a backend that reads per-head tables
     settings_ = dict(block_size=2, num_blocks=16, max_num_batched_tokens=6,
                      attention_backend=backend)
-    expected, _ = run(quest_engine(**settings_))
+    expected, _ = run(policy_engine(name, **settings_))
     monkeypatch.setattr(nanopaged.MLP, "forward", forward)
-    outs, failed = run(quest_engine(**settings_))
+    outs, failed = run(policy_engine(name, **settings_))
     assert failed == 1 and outs == expected
 
 
 @pytest.mark.read_policy
 @pytest.mark.tier
-def test_key_bounds_go_to_the_cpu_tier_and_come_back_with_their_blocks():
-    """The returning conversation with the CPU tier, read by Quest: its blocks come back from
-    the tier, and every cached block on either tier keeps the bounds of its keys."""
+@pytest.mark.parametrize("name", BOUNDED)
+def test_key_bounds_go_to_the_cpu_tier_and_come_back_with_their_blocks(name):
+    """The returning conversation with the CPU tier, read by a policy that keeps key bounds:
+    its blocks come back from the tier, and every cached block on either tier keeps the bounds
+    of its keys."""
     backend = "torch"  # a backend that reads per-head tables
-    engine = quest_engine(MODEL, block_size=4, num_blocks=12, cpu_cache_bytes=64 * 4096,
-                          attention_backend=backend)
+    engine = policy_engine(name, MODEL, block_size=4, num_blocks=12, cpu_cache_bytes=64 * 4096,
+                           attention_backend=backend)
     out, _ = returning_conversation(engine)
     assert out.num_cached_tokens == 12 and engine.stats()["num_reloaded_blocks"] == 3
     r, a = engine.model_runner, engine.allocator
@@ -8122,31 +8166,50 @@ def test_decodes_attend_to_the_blocks_quest_selects_and_the_rest_to_all(token_bu
 
 
 @pytest.mark.read_policy
+@pytest.mark.parametrize("name", READ_POLICY_NAMES)
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_the_pools_count_the_key_bounds_bytes(kv_cache_dtype):
+def test_the_pools_count_the_key_bounds_bytes(name, kv_cache_dtype):
     """A byte budget buys fewer blocks when each keeps its key bounds (in the model's dtype,
-    whatever the cache's), on the device and in the CPU pool alike."""
+    whatever the cache's), on the device and in the CPU pool alike; and as many as without a
+    read policy when the policy keeps none."""
     backend = "torch"  # a backend that reads per-head tables
-    engine = quest_engine(block_size=4, num_blocks=None, kv_cache_bytes=100_000,
-                          preemption_mode="swap", swap_space=2**-10,
-                          cpu_cache_bytes=50_000, kv_cache_dtype=kv_cache_dtype,
-                          attention_backend=backend)
+    engine = policy_engine(name, block_size=4, num_blocks=None, kv_cache_bytes=100_000,
+                           preemption_mode="swap", swap_space=2**-10,
+                           cpu_cache_bytes=50_000, kv_cache_dtype=kv_cache_dtype,
+                           attention_backend=backend)
     r, c = engine.model_runner, LLAMA.config
     kv = r.kv_cache[:, :, 0].numel() * r.kv_cache.itemsize
-    bounds = 2 * c.n_layer * c.n_kv_head * c.head_dim * 8  # min and max, float64 like the model
-    assert r.key_bounds[:, :, 0].numel() * r.key_bounds.itemsize == bounds
+    bounds = 0
+    if name in BOUNDED:  # min and max, float64 like the model
+        bounds = 2 * c.n_layer * c.n_kv_head * c.head_dim * 8
+        assert r.key_bounds[:, :, 0].numel() * r.key_bounds.itemsize == bounds
+    else:
+        assert r.key_bounds is None and r.cpu_key_bounds is None
     num_blocks = 100_000 // (kv + bounds)
-    assert engine.stats()["num_blocks"] == num_blocks == r.key_bounds.shape[2]
+    assert engine.stats()["num_blocks"] == num_blocks == r.kv_cache.shape[2]
     num_cpu_blocks = min(num_blocks, 2**20 // (kv + bounds)) + 50_000 // (kv + bounds)
-    assert r.cpu_key_bounds.shape[0] == r.cpu_kv_cache.shape[0] == num_cpu_blocks
+    assert r.cpu_kv_cache.shape[0] == num_cpu_blocks
+    if name in BOUNDED:
+        assert r.key_bounds.shape[2] == num_blocks and r.cpu_key_bounds.shape[0] == num_cpu_blocks
 
 
 @pytest.mark.read_policy
 @pytest.mark.parametrize("kwargs, message", [
     (dict(read_policy="streaming"),
-     "Engine: read_policy must be one of ['all', 'quest'], got 'streaming'"),
-    (dict(read_policy=None), "Engine: read_policy must be one of ['all', 'quest'], got None"),
-    (dict(read_policy="quest", read_policy_config=[64]), "read_policy_config must be a dict"),
+     f"Engine: read_policy must be one of {READ_POLICY_NAMES}, got 'streaming'"),
+    (dict(read_policy=None), f"Engine: read_policy must be one of {READ_POLICY_NAMES}, got None"),
+    *[(dict(read_policy=name, read_policy_config=[64]), "read_policy_config must be a dict")
+      for name in READ_POLICY_NAMES],
+    *[(dict(read_policy=name, read_policy_config=dict(budget_of_nobody=64)),
+       f"read_policy_config {{'budget_of_nobody': 64}} does not fit read_policy {name!r}")
+      for name in READ_POLICY_NAMES],
+    # what cannot work with any policy that thins what decodes read
+    *[(dict(read_policy=name, attention_backend="flex"),
+       f"read_policy={name!r} reads a selection of blocks per KV head, which this "
+       "attention_backend does not take") for name in SELECTING],
+    *[(dict(read_policy=name, speculative_config=dict(method="ngram", num_speculative_tokens=2)),
+       f"read_policy={name!r} does not run with speculative_config") for name in SELECTING],
+    # Quest's own settings
     (dict(read_policy="quest", read_policy_config=dict(token_budget=0)),
      "Quest's token_budget must be an int >= 1, got 0"),
     (dict(read_policy="quest", read_policy_config=dict(token_budget=1.5)),
@@ -8155,15 +8218,6 @@ def test_the_pools_count_the_key_bounds_bytes(kv_cache_dtype):
      "Quest's token_budget must be an int >= 1, got True"),
     (dict(read_policy="quest", read_policy_config=dict(dense_layers=-1)),
      "Quest's dense_layers must be an int >= 0, got -1"),
-    (dict(read_policy="quest", read_policy_config=dict(budget=64)),
-     "read_policy_config {'budget': 64} does not fit read_policy 'quest'"),
-    (dict(read_policy="all", read_policy_config=dict(token_budget=64)),
-     "read_policy_config {'token_budget': 64} does not fit read_policy 'all'"),
-    (dict(read_policy="quest", attention_backend="flex"),
-     "read_policy='quest' reads a selection of blocks per KV head, which this "
-     "attention_backend does not take"),
-    (dict(read_policy="quest", speculative_config=dict(method="ngram", num_speculative_tokens=2)),
-     "read_policy='quest' does not run with speculative_config"),
 ])
 def test_bad_read_policy_settings_are_clear_errors(kwargs, message):
     backend = "torch"  # a backend that reads per-head tables
@@ -8171,28 +8225,11 @@ def test_bad_read_policy_settings_are_clear_errors(kwargs, message):
         Engine(MODEL, block_size=4, num_blocks=8, **{"attention_backend": backend, **kwargs})
 
 
-class FirstAndRecentBlocks:
-    """A fork's read policy, no key bounds needed: StreamingLLM's attention sinks and recent
-    window (Xiao et al., ICLR 2024) by the block, the first blocks and the last ones, the same
-    for every KV head."""
-    needs_key_bounds = False
-
-    def __init__(self, first=1, recent=1):
-        self.first, self.recent = first, recent
-
-    def select(self, layer, q, key_bounds, block_tables, seq_lens, block_size):
-        num_blocks = (seq_lens.long() + block_size - 1) // block_size                  # (S,)
-        pos = torch.arange(block_tables.shape[1], device=q.device)                     # (W,)
-        keep = (pos < self.first) | (pos >= num_blocks[:, None] - self.recent)       # (S, W)
-        return keep[:, None]                                                        # (S, 1, W)
-
-
 @pytest.mark.read_policy
 def test_a_forks_read_policy_runs_and_each_decode_reads_only_the_blocks_it_chose(monkeypatch):
-    """Registered by name with its settings, with no edit to nanopaged.py: the backend is given,
-    for each decoding sequence and KV head, the table of exactly its first and recent blocks,
-    and the engine serves every request to its end."""
-    monkeypatch.setitem(nanopaged.READ_POLICIES, "first_and_recent", FirstAndRecentBlocks)
+    """Registered by name (at the top of this file) with its settings, with no edit to
+    nanopaged.py: the backend is given, for each decoding sequence and KV head, the table of
+    exactly its first and recent blocks, and the engine serves every request to its end."""
     thinned = []
 
     def attend(q, k_cache, v_cache, meta, scale, **kwargs):
