@@ -97,11 +97,11 @@ def kernels_follow(mask):
     return mask is None or type(mask) is Mask or "kernel_args" in vars(type(mask))
 
 
-def kernels_refuse(mask, kernel):
-    """Why kernel (its name) cannot honour mask, or None (AttentionBackend.unsupported_mask)."""
+def kernels_refuse(mask, name):
+    """Why the kernel of that name cannot honour mask, or None (for unsupported_mask)."""
     if kernels_follow(mask):
         return None
-    return (f"its mask {type(mask).__name__} is a subclass of kernel.Mask, and {kernel} applies "
+    return (f"its mask {type(mask).__name__} is a subclass of kernel.Mask, and {name} applies "
             f"only Mask's own rule to kernel_args (window, chunk, sink); a subclass declares "
             f"that rule its own by defining kernel_args in its own class body")
 
