@@ -49,6 +49,7 @@ import torch.nn.functional as F  # noqa: E402
 import nanopaged  # noqa: E402
 import parallel  # noqa: E402
 import read_policy  # noqa: E402
+import speculative  # noqa: E402,F401  registers the methods bench_speculative names
 from demo import DEMO_MODEL  # noqa: E402
 from nanopaged import (GPT, EVICTION_POLICIES, BlockAllocator, Engine, GPTConfig,  # noqa: E402
                        SamplingParams, Sequence, blocks_held, cdiv, kv_block_shape, step_chunks)

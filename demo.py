@@ -23,6 +23,7 @@ import checkpoints
 import nanopaged
 import parallel
 import pagetrace
+import speculative  # noqa: F401  registers its methods in nanopaged.SPECULATIVE_METHODS
 from kernel import ATTENTION_BACKENDS
 from nanopaged import GPT, Engine, SamplingParams
 
@@ -151,7 +152,7 @@ def demo_workload(tokenizer, args):
         # a flag given is used as given (0 included, for SamplingParams to refuse); None: the mix
         n = 3 if args.n is None else args.n
         width = 3 if args.beam_width is None else args.beam_width
-        beams = i == 7 and not args.speculative_model  # beam search does not speculate
+        beams = i == 7 and not speculating(args)  # beam search does not speculate
         kind = dict(n=n) if i == 3 else dict(beam_width=width) if beams else {}
         max_tokens = (32, 64, 128, 192)[i % 4] if args.max_tokens is None else args.max_tokens
         params.append(SamplingParams(max_tokens=max_tokens, seed=args.seed + i,
@@ -258,17 +259,33 @@ class _ArgumentParser(argparse.ArgumentParser):
         sys.exit(f"nanopaged: error: {message}")
 
 
+def speculating(args):
+    """The method --speculative-method or --speculative-model names, or None."""
+    if args.speculative_model == "ngram":  # the short spelling of --speculative-method ngram
+        return "ngram"
+    if args.speculative_model is not None:
+        return args.speculative_method or "draft"
+    return args.speculative_method
+
+
 def speculative_config(args):
-    """Engine's speculative_config from --speculative-model and --num-speculative-tokens."""
-    if args.speculative_model is None:
+    """Engine's speculative_config from --speculative-method, --speculative-model and
+    --num-speculative-tokens: the method, k, and the model a folder holds as "model"."""
+    method = speculating(args)
+    if method is None:
         if args.num_speculative_tokens is not None:
-            raise ValueError("--num-speculative-tokens needs --speculative-model")
+            raise ValueError("--num-speculative-tokens needs --speculative-model or "
+                             "--speculative-method")
         return None
+    if args.speculative_model == "ngram" and args.speculative_method not in (None, "ngram"):
+        raise ValueError(f"--speculative-model ngram is method ngram, and --speculative-method "
+                         f"says {args.speculative_method}: give one of them")
     k = 4 if args.num_speculative_tokens is None else args.num_speculative_tokens
-    if args.speculative_model == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k}
-    draft = GPT.from_pretrained(args.speculative_model, dtype=args.dtype, device=args.device)
-    return {"method": "draft", "model": draft, "num_speculative_tokens": k}
+    config = {"method": method, "num_speculative_tokens": k}
+    if args.speculative_model not in (None, "ngram"):
+        config["model"] = GPT.from_pretrained(args.speculative_model, dtype=args.dtype,
+                                              device=args.device)
+    return config
 
 
 def add_engine_flags(p):
@@ -315,10 +332,14 @@ def add_engine_flags(p):
     p.add_argument("--attention-backend",
                    help=f"a name in kernel.ATTENTION_BACKENDS ({', '.join(ATTENTION_BACKENDS)};"
                    " default triton on a GPU, torch on a CPU)")
+    p.add_argument("--speculative-method", choices=sorted(nanopaged.SPECULATIVE_METHODS),
+                   help="speculative decoding by a method in nanopaged.SPECULATIVE_METHODS "
+                   "(ngram: guesses from each sequence's own text; draft: a draft model, "
+                   "--speculative-model; default: draft when --speculative-model is a folder)")
     p.add_argument("--speculative-model", metavar="ngram|PATH",
-                   help="speculative decoding: 'ngram' guesses from each sequence's own text "
-                   "(prompt lookup), a folder is a draft model with the same vocabulary "
-                   "(models/pydoc-draft for the built-in model)")
+                   help="speculative decoding: 'ngram' is --speculative-method ngram; a folder "
+                   "is a model with the same vocabulary, the method's 'model' (the draft: "
+                   "models/pydoc-draft for the built-in model)")
     p.add_argument("--num-speculative-tokens", type=int,
                    help="tokens guessed per sequence per step (default: 4)")
     p.add_argument("--device", help="cpu or cuda (default: cuda if available)")
@@ -483,9 +504,10 @@ def report(args, engine, tokenizer, prompts, params, outputs, summary, snapshot,
           f"{summary['num_blocks']} blocks; a contiguous cache reserving "
           f"max_seq_len={engine.config.max_seq_len} per sequence holds "
           f"{summary['contiguous_capacity']} in the same memory")
-    if args.speculative_model:
+    if speculating(args):
         s = engine.stats()
-        print(f"speculative decoding ({args.speculative_model}): {s['num_accepted_tokens']} of "
+        label = args.speculative_model or args.speculative_method
+        print(f"speculative decoding ({label}): {s['num_accepted_tokens']} of "
               f"{s['num_proposed_tokens']} guessed tokens accepted "
               f"({100 * s['num_accepted_tokens'] / max(1, s['num_proposed_tokens']):.0f}%)")
 

@@ -45,6 +45,11 @@ NO_LIMIT = 2**31 - 1  # a window or chunk no context reaches: full attention, to
 
 
 class Mask(NamedTuple):
+    """The rule above. A fork may subclass it and override first_seen (and reach) for a rule of
+    its own: the torch path calls these methods, but the Triton and flex kernels read only
+    kernel_args and apply the rule above to them. So they refuse a subclass (kernels_follow)
+    unless its own class body defines kernel_args, which says "the kernels' rule on these
+    numbers is my rule". Masks of two classes are never equal, whatever their fields."""
     window: int | None = None  # the last `window` positions
     chunk: int | None = None  # p's own chunk of `chunk` positions
     sink: int = 0  # the first `sink` positions, whatever else
@@ -70,8 +75,35 @@ class Mask(NamedTuple):
     def kernel_args(self):  # what the Triton kernel takes: ints, NO_LIMIT for none
         return self.window or NO_LIMIT, self.chunk or NO_LIMIT, self.sink
 
+    # A tuple equals any tuple of the same fields: a fork's rule would pass for full attention,
+    # or share a torch-path plan with a Mask of the same numbers. The class is part of the rule.
+    def __eq__(self, other):
+        return type(self) is type(other) and tuple.__eq__(self, other)
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return hash((type(self), tuple(self)))
+
 
 FULL_ATTENTION = Mask()
+
+
+def kernels_follow(mask):
+    """Whether the kernels' rule on mask.kernel_args (window, chunk, sink) is mask's own rule:
+    mask is None, a Mask, or of a subclass whose own body defines kernel_args. A subclass of
+    such a subclass says so again: it may have changed the rule."""
+    return mask is None or type(mask) is Mask or "kernel_args" in vars(type(mask))
+
+
+def kernels_refuse(mask, name):
+    """Why the kernel of that name cannot honour mask, or None (for unsupported_mask)."""
+    if kernels_follow(mask):
+        return None
+    return (f"its mask {type(mask).__name__} is a subclass of kernel.Mask, and {name} applies "
+            f"only Mask's own rule to kernel_args (window, chunk, sink); a subclass declares "
+            f"that rule its own by defining kernel_args in its own class body")
 
 
 def check_mask(mask):
@@ -373,6 +405,7 @@ def check_launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, num_
         assert t.device == q.device, f"{name} is on {t.device}, q on {q.device}"
     assert k_cache.device == v_cache.device == q.device, "q and the caches must share a device"
     check_tables(block_tables, seq_lens, n_kv_head, mask)
+    assert kernels_follow(mask), kernels_refuse(mask, "the Triton kernel")
     assert cu_seqlens_q.shape == (num_seqs + 1,), "cu_seqlens_q is [num_seqs + 1]"
     assert q.stride(2) == k_cache.stride(3) == v_cache.stride(3) == 1, "head_dim must be contiguous"
     assert block_tables.stride(-1) == 1 and cu_seqlens_q.is_contiguous()
@@ -848,6 +881,7 @@ def paged_attention_flex(q, k_cache, v_cache, block_tables, seq_lens, scale, mas
     0 * NaN would spoil the result; the other slots a mask hides in a block it reads hold real
     K/V, which stay. Opt-in: paged_attention_torch(..., decode_attention=paged_attention_flex)."""
     global _flex
+    assert kernels_follow(mask), kernels_refuse(mask, "flex attention")
     from torch.nn.attention.flex_attention import flex_attention
     if _flex is None:
         _flex = torch.compile(flex_attention, dynamic=True)
@@ -1008,13 +1042,16 @@ def _flex_attend(q, k_cache, v_cache, meta, scale, mask=None):
                                  decode_attention=paged_attention_flex, mask=mask)
 
 
+# Which masks each honours: the torch path calls a mask's own methods, so it takes any; Triton
+# and flex read kernel_args alone, so they take a Mask or a subclass that says its rule is theirs
 ATTENTION_BACKENDS = {
     "triton": AttentionBackend(store_kv, _triton_attend, _triton_unsupported,
+                               lambda mask: kernels_refuse(mask, "the Triton kernel"),
                                per_head_tables=True),
     "torch": AttentionBackend(store_kv_torch, _torch_attend, per_head_tables=True),
     # decodes read the cache in place with flex_attention (compiled on first use), the rest
     # as the torch path does; its block mask takes one table per sequence
     "flex": AttentionBackend(store_kv_torch, _flex_attend, lambda dtype, head_dim, kv: (
         "flex attention reads the cache in place: it takes no 8-bit cache"
-        if kv in FP8_DTYPES else None)),
+        if kv in FP8_DTYPES else None), lambda mask: kernels_refuse(mask, "flex attention")),
 }

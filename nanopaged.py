@@ -21,8 +21,9 @@ import nothing of it: kernel.py (the attention kernels), checks.py (SamplingPara
 checks of settings and requests), parallel.py (tensor parallelism's primitives),
 read_policy.py and quest.py (which blocks a decode reads), checkpoints.py (Hugging Face
 folders) and detokenizer.py (text and stop strings). Capabilities over the core import it and
-register themselves by name: speculative.py's proposers (SPECULATIVE_METHODS). This file
-imports nothing above it, except where `python nanopaged.py` hands its __main__ to demo.py.
+register themselves by name: speculative.py's proposers (SPECULATIVE_METHODS; `import
+speculative` registers the built-in ones). This file imports nothing above it, except where
+`python nanopaged.py` hands its __main__ to demo.py.
 Run `python nanopaged.py`, or `torchrun --nproc-per-node 2 nanopaged.py
 --tensor-parallel-size 2` to split the model and its KV cache across two processes.
 """
@@ -2902,6 +2903,25 @@ def samples_in_order(request):
 # CPU blocks) is preempted by recompute; a running one's preemption is counted, outside any
 # commit (Engine.rollback).
 
+# Speculative decoding's methods by name: name -> a callable (speculative_config, the target
+# model, device) that returns a proposer or raises a ValueError naming the setting that is
+# wrong. speculative.py registers "ngram" and "draft" when it is imported; a fork registers its
+# own the same way. The engine imports none of them. A proposer has num_speculative_tokens and
+# the methods of speculative.Proposer: bytes_per_block, allocate_cache, propose, verify, count.
+SPECULATIVE_METHODS = {}
+
+
+def make_proposer(config, model, device):
+    """Engine(speculative_config=config): the proposer of its method, or a ValueError."""
+    if not isinstance(config, dict):
+        raise ValueError(f"speculative_config must be a dict with a 'method', got {config!r}")
+    method = config.get("method")
+    if not isinstance(method, str) or method not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config: method {method!r} is not registered: "
+                         f"SPECULATIVE_METHODS has {sorted(SPECULATIVE_METHODS)} (`import "
+                         f"speculative` registers the built-in ones, 'ngram' and 'draft')")
+    return SPECULATIVE_METHODS[method](config, model, device)
+
 
 class Engine:
     observer = None  # see notify
@@ -2935,9 +2955,8 @@ class Engine:
         self.model, self.config = model.to(device).eval(), model.config
         self.device, self.block_size = device, block_size
         proposer = None
-        if speculative_config is not None:  # the layer above, imported only when asked for
-            import speculative
-            proposer = speculative.make_proposer(speculative_config, model, device)
+        if speculative_config is not None:  # a method registered by name: see make_proposer
+            proposer = make_proposer(speculative_config, model, device)
         reads = make_read_policy(read_policy, read_policy_config, backend, proposer)  # None: all
         bytes_per_block = block_bytes(model, block_size, dtype, proposer, reads)
         kinds = [group.kind for group in self.config.kv_cache_groups]

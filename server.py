@@ -65,6 +65,7 @@ from starlette.exceptions import HTTPException
 import checkpoints
 import demo
 import nanopaged
+import speculative  # noqa: F401  its methods, by name: --speculative-method's choices
 
 logger = logging.getLogger("nanopaged.server")
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs; the OpenAI API's top_logprobs allows 0-20
@@ -629,18 +630,50 @@ FINISHED_REASONS = ("stop", "length", "abort", "error")  # abort: the client lef
 METRICS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # what generate_latest writes
 
 
+class RequestHistogram(typing.NamedTuple):
+    name: str
+    documentation: str  # the HELP line
+    buckets: tuple
+    # (a finished request's last RequestOutput, the times the loop had each step's tokens of
+    # it) -> the values to observe: one for a figure of the request, one a gap, or none
+    values: typing.Callable
+
+
+# Every histogram /metrics shows, each observed when a request finishes (see ServerMetrics). A
+# fork adds its own here, before the server starts: it is made and observed as these are.
+HISTOGRAMS = [
+    RequestHistogram(
+        "vllm:time_to_first_token_seconds", "Seconds from a request's arrival to its first "
+        "token, of each finished request.", TTFT_BUCKETS,
+        lambda out, times: [out.metrics.first_token_time - out.metrics.arrival_time]),
+    RequestHistogram(
+        "vllm:inter_token_latency_seconds", "Seconds between two steps that gave a request "
+        "tokens, of each finished request.", ITL_BUCKETS,
+        # the first tokens have no gap before them
+        lambda out, times: [later - earlier for earlier, later in zip(times, times[1:])]),
+    RequestHistogram(
+        "vllm:request_queue_time_seconds", "Seconds from a request's arrival to its first "
+        "scheduling, of each finished request.", REQUEST_BUCKETS,
+        lambda out, times: [out.metrics.time_in_queue]),
+    RequestHistogram(
+        "vllm:e2e_request_latency_seconds", "Seconds from a request's arrival to its last "
+        "token, of each finished request.", REQUEST_BUCKETS,
+        lambda out, times: [out.metrics.finished_time - out.metrics.arrival_time]),
+]
+
+
 class ServerMetrics:
     """What /metrics shows, in a prometheus_client registry of the server's own (a test runs
     several servers in one process, whose figures the default registry would mix), every sample
     labelled with the model's name. Two kinds of figures:
     - counts the engine keeps (queues, pool, prefix cache, tokens) and the loop's finished
       requests: read between two steps when /metrics asks, and rendered by collect();
-    - latency histograms of the requests that finished, each observed once, in the loop's
-      thread, when it finishes: from its RequestMetrics (the engine's stamps: time to first
-      token, time in the queue, end to end), and its inter-token latencies, the gaps between
-      the steps that gave it tokens, stamped when the loop had those tokens (whenever the
-      client is sent them: --stream-interval). vLLM observes a first token and a gap as they
-      come; held to the finish here, a request aborted or failed is in none of them.
+    - the histograms of HISTOGRAMS, of the requests that finished, each observed once, in
+      the loop's thread, when it finishes: from its RequestMetrics (the engine's stamps: time
+      to first token, time in the queue, end to end), and its inter-token latencies, the gaps
+      between the steps that gave it tokens, stamped when the loop had those tokens (whenever
+      the client is sent them: --stream-interval). vLLM observes a first token and a gap as
+      they come; held to the finish here, a request aborted or failed is in none of them.
     The histograms may be a step ahead of the counts: they are not read at one moment.
     A request counts once, whatever its n (vLLM v1 counts each sample as a request): its
     samples get their tokens in the same steps."""
@@ -652,23 +685,14 @@ class ServerMetrics:
         self.registry = prometheus_client.CollectorRegistry()
         self.stats = None  # what the scrape in progress renders: see render
         self.registry.register(self)  # collect(), below
-        self.time_to_first_token = self.histogram(
-            "vllm:time_to_first_token_seconds", "Seconds from a request's arrival to its first "
-            "token, of each finished request.", TTFT_BUCKETS)
-        self.inter_token_latency = self.histogram(
-            "vllm:inter_token_latency_seconds", "Seconds between two steps that gave a request "
-            "tokens, of each finished request.", ITL_BUCKETS)
-        self.queue_time = self.histogram(
-            "vllm:request_queue_time_seconds", "Seconds from a request's arrival to its first "
-            "scheduling, of each finished request.", REQUEST_BUCKETS)
-        self.e2e_latency = self.histogram(
-            "vllm:e2e_request_latency_seconds", "Seconds from a request's arrival to its last "
-            "token, of each finished request.", REQUEST_BUCKETS)
+        # (its row of HISTOGRAMS, the histogram of this server's model) for each row
+        self.histograms = [(row, self.histogram(row)) for row in HISTOGRAMS]
         # request_id -> when the loop had each step's tokens of it, until it finishes
         self.token_times = defaultdict(list)
 
-    def histogram(self, name, documentation, buckets):
-        return prometheus_client.Histogram(name, documentation, ["model_name"], buckets=buckets,
+    def histogram(self, row):
+        return prometheus_client.Histogram(row.name, row.documentation, ["model_name"],
+                                           buckets=row.buckets,
                                            registry=self.registry).labels(self.model_name)
 
     def tokens_handed_out(self, request_ids, now):  # in the engine loop's thread
@@ -678,13 +702,10 @@ class ServerMetrics:
             self.token_times[request_id].append(now)
 
     def request_finished(self, out):  # in the engine loop's thread; out: its last output
-        m = out.metrics
-        self.time_to_first_token.observe(m.first_token_time - m.arrival_time)
-        self.queue_time.observe(m.time_in_queue)
-        self.e2e_latency.observe(m.finished_time - m.arrival_time)
         times = self.token_times.pop(out.request_id, [])
-        for earlier, later in zip(times, times[1:]):  # the first tokens have no gap before
-            self.inter_token_latency.observe(later - earlier)
+        for row, histogram in self.histograms:
+            for value in row.values(out, times):
+                histogram.observe(value)
 
     def forget(self, request_id):  # aborted, or failed: it is in no histogram
         self.token_times.pop(request_id, None)

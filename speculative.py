@@ -1,6 +1,7 @@
 """
-speculative.py: speculative decoding's proposers, imported only when an Engine is given a
-speculative_config.
+speculative.py: speculative decoding's proposers. Importing it registers its methods, "ngram"
+and "draft", in nanopaged.SPECULATIVE_METHODS, where Engine(speculative_config={"method": name,
+...}) finds them; demo.py and server.py import it, and so does a script that speculates.
 
     Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative Decoding",
     ICML 2023.  Chen et al., "Accelerating Large Language Model Decoding with Speculative
@@ -36,22 +37,18 @@ greedy or seeded, with or without speculation, and whatever the batch-mates.
 
 import math
 
+import nanopaged
 from nanopaged import GPT, Chunk, ModelRunner, as_int, integer, kv_block_shape, step_chunks, tp
 
-METHODS = ("ngram", "draft")
 
-
-def make_proposer(config, model, device):
-    """The proposer a speculative_config asks for, or a ValueError naming what is wrong.
-    ngram: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
-    "prompt_lookup_min": m}; draft: {"method": "draft", "model": a GPT, "num_speculative_tokens":
-    k}, the draft with the target's vocabulary and context length."""
-    if not isinstance(config, dict) or config.get("method") not in METHODS:
-        raise ValueError(f"speculative_config must be a dict with 'method' one of {METHODS}, "
-                         f"got {config!r}")
-    allowed = {"method", "num_speculative_tokens"} | (
-        {"prompt_lookup_max", "prompt_lookup_min"} if config["method"] == "ngram" else {"model"})
-    if unknown := set(config) - allowed:
+def check_config(config, settings):
+    """What every method's speculative_config shares: its keys are "method",
+    "num_speculative_tokens" and the method's settings; num_speculative_tokens is an int >= 1;
+    no tensor parallelism. Returns num_speculative_tokens, or raises a ValueError naming what
+    is wrong. A fork's method calls it too."""
+    allowed = {"method", "num_speculative_tokens", *settings}
+    unknown = set(config) - allowed
+    if unknown:
         raise ValueError(f"speculative_config: unknown keys {sorted(unknown)} for method "
                          f"{config['method']!r} (it takes {sorted(allowed)})")
     k = as_int(config.get("num_speculative_tokens"))
@@ -61,32 +58,50 @@ def make_proposer(config, model, device):
     if tp.world_size > 1:
         raise ValueError("speculative_config: speculative decoding under tensor parallelism is "
                          "not supported")
-    if config["method"] == "ngram":
-        n = as_int(config.get("prompt_lookup_max", 4))
-        m = as_int(config.get("prompt_lookup_min", 2))
-        if not (integer(n) and integer(m) and 1 <= m <= n):
-            raise ValueError(f"speculative_config: need ints prompt_lookup_max >= "
-                             f"prompt_lookup_min >= 1, got {n!r} and {m!r}")
-        return NgramProposer(k, n, m)
-    draft, target = config.get("model"), model.config
-    if not isinstance(draft, GPT):
+    return k
+
+
+def ngram(config, model, device):
+    """{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+    "prompt_lookup_min": m}: prompt lookup, any model."""
+    k = check_config(config, ("prompt_lookup_max", "prompt_lookup_min"))
+    n = as_int(config.get("prompt_lookup_max", 4))
+    m = as_int(config.get("prompt_lookup_min", 2))
+    if not (integer(n) and integer(m) and 1 <= m <= n):
+        raise ValueError(f"speculative_config: need ints prompt_lookup_max >= "
+                         f"prompt_lookup_min >= 1, got {n!r} and {m!r}")
+    return NgramProposer(k, n, m)
+
+
+def draft(config, model, device):
+    """{"method": "draft", "model": a GPT, "num_speculative_tokens": k}: the draft with the
+    target's vocabulary, attention kind and context length."""
+    k = check_config(config, ("model",))
+    draft_model, target = config.get("model"), model.config
+    if not isinstance(draft_model, GPT):
         raise ValueError(f"speculative_config: 'model' must be a GPT (the draft), "
-                         f"got {type(draft).__name__}")
-    if draft.config.vocab_size != target.vocab_size:  # the same token ids
+                         f"got {type(draft_model).__name__}")
+    if draft_model.config.vocab_size != target.vocab_size:  # the same token ids
         raise ValueError(f"speculative_config: the draft's vocab_size is "
-                         f"{draft.config.vocab_size}, the target's {target.vocab_size}: a draft "
-                         f"must share the target's vocabulary")
-    kinds = {group.kind for group in draft.config.kv_cache_groups + target.kv_cache_groups}
+                         f"{draft_model.config.vocab_size}, the target's {target.vocab_size}: "
+                         f"a draft must share the target's vocabulary")
+    groups = draft_model.config.kv_cache_groups + target.kv_cache_groups
+    kinds = {group.kind for group in groups}
     if len(kinds) > 1:
         raise ValueError(f"speculative_config: a draft model and its target need one attention "
                          f"kind, the same (their block tables are the same, and keep the blocks "
                          f"the target's kind needs), got {sorted(map(str, kinds))}; method "
                          f"'ngram' serves any model")
-    if draft.config.max_seq_len < target.max_seq_len:  # and every position
+    if draft_model.config.max_seq_len < target.max_seq_len:  # and every position
         raise ValueError(f"speculative_config: the draft's max_seq_len "
-                         f"{draft.config.max_seq_len} is shorter than the target's "
+                         f"{draft_model.config.max_seq_len} is shorter than the target's "
                          f"{target.max_seq_len}")
-    return DraftProposer(draft.to(device).eval(), k)
+    return DraftProposer(draft_model.to(device).eval(), k)
+
+
+# The methods this file gives, by the names speculative_config uses
+nanopaged.SPECULATIVE_METHODS["ngram"] = ngram
+nanopaged.SPECULATIVE_METHODS["draft"] = draft
 
 
 def ngram_proposal(tokens, max_n, min_n, k):

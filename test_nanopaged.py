@@ -54,13 +54,14 @@ from hypothesis import HealthCheck, assume, event, example, given, settings, str
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import checkpoints
+import checks
 import demo
 import kernel
 import nanopaged
 import pagetrace
 import parallel
 import read_policy
-import checks
+import speculative
 from kernel import HEAD_DIMS, naive_attention, paged_attention, paged_attention_torch, store_kv
 from nanopaged import (EVICTION_POLICIES, GPT, NO_BLOCK, SCHEDULING_POLICIES, BlockAllocator,
                        Engine, GPTConfig, OutOfBlocksError, SamplingParams, Sequence, chain_hash)
@@ -116,6 +117,65 @@ class AttentionSinks(nanopaged.AttentionKind):
 
 nanopaged.ATTENTION_KINDS.setdefault(AttentionSinks.name, AttentionSinks)
 KINDS = sorted(nanopaged.ATTENTION_KINDS)
+
+
+# And a speculative method: a proposer that guesses one token, the same every time, for every
+# slot the scheduler reserves. Every property of speculation runs under it too, and demo.py and
+# server.py take its name as a flag.
+class FixedTokenProposer(speculative.Proposer):
+    def __init__(self, num_speculative_tokens, token):
+        super().__init__(num_speculative_tokens)
+        self.token = token
+
+    def bytes_per_block(self, block_size, kv_cache_dtype):  # no cache of its own
+        return 0
+
+    def allocate_cache(self, num_blocks, num_cpu_blocks, block_size, target_runner):
+        return self
+
+    def propose(self, out):
+        return {seq.seq_id: [self.token] * slots for seq, slots in out.lookahead}
+
+
+def fixed_token(config, model, device):
+    """{"method": "fixed_token", "num_speculative_tokens": k, "token": t (default 0)}."""
+    k = speculative.check_config(config, ("token",))
+    token = config.get("token", 0)
+    if not (nanopaged.integer(token) and 0 <= token < model.config.vocab_size):
+        raise ValueError(f"speculative_config: token must be a token id, got {token!r}")
+    return FixedTokenProposer(k, token)
+
+
+nanopaged.SPECULATIVE_METHODS.setdefault("fixed_token", fixed_token)
+
+
+# And a read policy, so that every property that holds for any read policy runs under one
+# nobody built in: StreamingLLM's first and recent tokens, by the block.
+class FirstAndRecentBlocks:
+    """A fork's read policy, no key bounds needed: StreamingLLM's attention sinks and recent
+    window (Xiao et al., ICLR 2024) by the block, the first blocks and the last ones, the same
+    for every KV head."""
+    needs_key_bounds = False
+
+    def __init__(self, first=1, recent=1):
+        self.first, self.recent = first, recent
+
+    def select(self, layer, q, key_bounds, block_tables, seq_lens, block_size):
+        num_blocks = (seq_lens.long() + block_size - 1) // block_size                  # (S,)
+        pos = torch.arange(block_tables.shape[1], device=q.device)                     # (W,)
+        keep = (pos < self.first) | (pos >= num_blocks[:, None] - self.recent)       # (S, W)
+        return keep[:, None]                                                        # (S, 1, W)
+
+
+nanopaged.READ_POLICIES.setdefault("first_and_recent", FirstAndRecentBlocks)
+READ_POLICY_NAMES = sorted(nanopaged.READ_POLICIES)
+# The settings each reads by in the tests, where its defaults would read every block of these
+# small models (Quest reads 1024 tokens, past two dense layers); a policy not listed runs with
+# its defaults. SELECTING: those that thin what a decode reads (all but "all"); BOUNDED: those
+# that keep key bounds.
+READ_POLICY_SETTINGS = {"quest": dict(token_budget=4, dense_layers=1)}
+SELECTING = [name for name in READ_POLICY_NAMES if nanopaged.READ_POLICIES[name]() is not None]
+BOUNDED = [name for name in SELECTING if nanopaged.READ_POLICIES[name]().needs_key_bounds]
 
 
 # -----------------------------------------------------------------------------
@@ -446,7 +506,8 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, 
     from its amax times 0.5-2 (k_scale, v_scale in the batch), k and v are what it holds
     dequantized to q's dtype, and k_full, v_full what was quantized.
     masks: a kernel.Mask in the batch ("mask": full attention, a sliding window, a chunk, sinks
-    beside either; each 1, a few tokens, or any size up to past every context), else None. A
+    beside either; each 1, a few tokens, or any size up to past every context), else None; or a
+    function of the longest context that gives a strategy of masks (a fork's subclass). A
     block that holds no key a sequence's new tokens see is -1 in its table (a freed block's
     placeholder) and its slots NaN; the positions they do not see are NaN in the contiguous
     copy, and in the cache too unless another sequence needs the slot (poison_unseen=False
@@ -476,7 +537,8 @@ def paged_batches(draw, dtypes, max_seqs=4, max_seq_len=150, decode_only=False, 
         q_lens.insert(at, q_len)
         num_seqs += 1
 
-    mask = draw(masks_of(max(seq_lens))) if masks else None
+    masks = masks_of if masks is True else masks  # or a fork's: longest -> a strategy of masks
+    mask = draw(masks(max(seq_lens))) if masks else None
 
     # block tables: shuffled physical ids; sequence i > 0 may start with sequence 0's blocks
     num_blocks_per_seq = [-(-n // block_size) for n in seq_lens]
@@ -1070,6 +1132,66 @@ def test_every_path_rejects_a_mask_that_is_not_counts_of_positions(mask, message
             attend(*small_batch(), mask=kernel.Mask(**mask))
     with pytest.raises(AssertionError, match="mask must be a kernel.Mask"):
         paged_attention(*small_batch(), mask=4)
+
+
+class TwoChunkMask(kernel.Mask):
+    """A fork's rule, which no window, chunk and sinks express: a query sees its own chunk and
+    the one before it (sinks as Mask's; no window)."""
+
+    def first_seen(self, p):
+        start = p - p % self.chunk - self.chunk
+        return start.clamp(min=0) if isinstance(p, torch.Tensor) else max(start, 0)
+
+    def reach(self, context):  # admission's bound: two chunks
+        return min(context, self.sink + 2 * self.chunk)
+
+
+class NamedWindow(kernel.Mask):
+    """A fork's subclass that keeps Mask's rule (it adds a name) and says so: the kernels' rule
+    on its kernel_args is its own."""
+    kernel_args = kernel.Mask.kernel_args
+
+    def __str__(self):
+        return f"a window of {self.window}"
+
+
+def two_chunk_masks(longest):
+    """TwoChunkMasks of a chunk of 1, a few tokens, or up to past a context of longest, with
+    sinks or without."""
+    size = st.one_of(st.just(1), st.integers(2, 12), st.integers(1, 2 * longest))
+    return st.tuples(size, st.sampled_from([0, 0, 1, 5])).map(
+        lambda cs: TwoChunkMask(chunk=cs[0], sink=cs[1]))
+
+
+@pytest.mark.kernel
+@settings(max_examples=examples(60), deadline=None)
+@given(paged_batches(dtypes=[torch.float32], max_seq_len=60, head_dims=(16, 32),
+                     masks=two_chunk_masks))
+def test_a_mask_subclass_runs_on_the_torch_path_and_the_kernels_refuse_it(b):
+    """The torch path calls a mask's own methods: it reads what the fork's rule shows (the
+    strategy poisons the rest with NaN) and matches naive attention. The Triton and flex kernels
+    read kernel_args alone, so their launchers refuse the mask, naming its class."""
+    assert_close(paged_attention_torch(*paged_args(b), mask=b["mask"]), reference(b))
+    assert not kernel.kernels_follow(b["mask"]) and b["mask"] != kernel.Mask(*b["mask"])
+    with pytest.raises(AssertionError, match="TwoChunkMask .*the Triton kernel"):
+        paged_attention(*paged_args(b), mask=b["mask"])
+    q, k_cache, v_cache, tables, seq_lens, _, scale = paged_args(b)
+    with pytest.raises(AssertionError, match="TwoChunkMask .*flex attention"):
+        kernel.paged_attention_flex(q[:len(seq_lens)], k_cache, v_cache, tables, seq_lens, scale,
+                                    mask=b["mask"])
+
+
+@pytest.mark.kernel
+@settings(max_examples=examples(6), deadline=None)
+@given(paged_batches(dtypes=[torch.float32], max_seqs=3, max_seq_len=40, head_dims=(16,),
+                     masks=lambda longest: st.integers(1, longest).map(
+                         lambda n: NamedWindow(window=n))))
+def test_a_mask_subclass_that_declares_kernel_args_runs_on_triton(b):
+    """A subclass whose own body defines kernel_args: Triton takes it and matches naive
+    attention, which calls its (Mask's) methods."""
+    assert kernel.kernels_follow(b["mask"])
+    out = paged_attention(*paged_args(b), mask=b["mask"])
+    assert_close(out, reference(b))
 
 
 @pytest.mark.kernel
@@ -4436,11 +4558,12 @@ def naive_logits(model, tokens):
 def windowed_model(size, kinds, seed=2, dtype=torch.float64):
     """A tiny Llama-family model (head size 16, as Triton takes); layer i is windowed if
     kinds[i] is "s", chunked if "c", full if "f", with windows and chunks of size tokens, and
-    sinks beside a window if "k" (the suite's own kind). Its weights are made large enough for
-    attention to be sharp, so that which keys a token sees changes what it generates."""
+    sinks beside a window if "k" (the suite's own kind), two chunks if "t" (a test's kind, which
+    it registers). Its weights are made large enough for attention to be sharp, so that which
+    keys a token sees changes what it generates."""
     torch.manual_seed(seed)
     names = {"s": "sliding_attention", "f": "full_attention", "c": "chunked_attention",
-             "k": AttentionSinks.name}
+             "k": AttentionSinks.name, "t": TwoChunkLocal.name}
     config = GPTConfig(n_layer=len(kinds), n_head=4, n_kv_head=2, n_embd=64, vocab_size=32,
                        max_seq_len=96, rope_theta=1e4, norm="rmsnorm", mlp="swiglu", bias=False,
                        intermediate_size=48, sliding_window=size, attention_chunk_size=size,
@@ -4522,6 +4645,57 @@ def test_a_kind_a_backend_cannot_honour_is_refused_up_front_naming_both(monkeypa
         Engine(KIND_MODELS["chunked_attention"], block_size=4, num_blocks=16,
                attention_backend="no_chunks")
     Engine(WINDOWED, block_size=4, num_blocks=16, attention_backend="no_chunks")
+
+
+@dataclass(frozen=True)
+class TwoChunkLocal(nanopaged.AttentionKind):
+    """A fork's kind whose mask only the torch path honours: its own chunk and the one before."""
+    chunk: int
+    name = "two_chunk_attention"
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(config.attention_chunk_size)
+
+    @property
+    def mask(self):
+        return TwoChunkMask(chunk=self.chunk)
+
+
+@pytest.mark.model
+@pytest.mark.kernel
+def test_a_forks_mask_runs_on_torch_and_triton_and_flex_refuse_it_up_front(monkeypatch):
+    """A kind whose kernel.Mask subclass changes the rule: Triton and flex, which would apply
+    Mask's rule to its numbers, refuse it at Engine(...), naming the mask and the backend; the
+    torch path serves it as the contiguous model computes it, and gives back the blocks behind
+    two chunks. A subclass that declares its kernel_args is taken by all three."""
+    monkeypatch.setitem(nanopaged.ATTENTION_KINDS, TwoChunkLocal.name, TwoChunkLocal)
+    model = windowed_model(3, "tt", seed=4, dtype=torch.float32)
+    for backend, kernel_name in (("triton", "the Triton kernel"), ("flex", "flex attention")):
+        refused = (rf"attention_backend='{backend}' cannot run this model: "
+                   rf".*two_chunk_attention.*its mask TwoChunkMask .*{kernel_name}")
+        with pytest.raises(ValueError, match=refused):
+            Engine(model, block_size=2, num_blocks=40, attention_backend=backend)
+    engine = Engine(model, block_size=2, num_blocks=40, attention_backend="torch",
+                    max_num_batched_tokens=5)
+    prompts = [list(range(1, 14)), [8, 9], list(range(1, 9)) + [30] * 7]
+    for prompt in prompts:
+        engine.add_request(prompt, SamplingParams(max_tokens=10, temperature=0))
+    tokens, given_back = {}, 0
+    for step in stepped(engine, 100):
+        tokens |= {o.request_id: o.outputs[0].token_ids for o in step}
+        given_back += sum(seq.block_table.count(NO_BLOCK) for r in engine.scheduler.running
+                          for seq in r.seqs)
+    expected = [naive_greedy(model, p, 10) for p in prompts]
+    assert [tokens[i] for i in range(3)] == expected and given_back
+    # what a kernel reading Mask(chunk=3) would compute instead
+    assert expected != [naive_greedy(windowed_model(3, "cc", seed=4, dtype=torch.float32), p, 10)
+                        for p in prompts]
+    assert_all_blocks_free(engine)
+    monkeypatch.setattr(TwoChunkLocal, "mask", property(lambda kind: NamedWindow(window=3)))
+    for backend in ("triton", "flex", "torch"):
+        Engine(windowed_model(3, "tt", seed=4, dtype=torch.float32), block_size=2,
+               num_blocks=40, attention_backend=backend)
 
 
 @pytest.mark.model
@@ -7204,16 +7378,23 @@ def test_chat_without_a_template_or_jinja2_is_one_clear_error(tmp_path, monkeypa
 # left.
 
 
+# The settings of a method's variants the tests run, a function of the target model each: ngram
+# looking for shorter repeats than its defaults; a draft equal to the target (its every guess is
+# kept) and an unrelated one (few are). A method not listed runs once, with its defaults.
+SPECULATOR_VARIANTS = {
+    "ngram": {"ngram": lambda target: {"prompt_lookup_max": 3, "prompt_lookup_min": 1}},
+    "draft": {"draft=target": lambda target: {"model": target},
+              "draft=other": lambda target: {"model": LLAMA if target is MODEL else MODEL}},
+}
+SPECULATORS = [variant for method in sorted(nanopaged.SPECULATIVE_METHODS)
+               for variant in SPECULATOR_VARIANTS.get(method, [method])]
+
+
 def speculative_config(name, k, target):
-    """ngram; a draft equal to the target (its every guess is kept); an unrelated draft (few)."""
-    if name == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
-                "prompt_lookup_min": 1}
-    draft = target if name == "draft=target" else LLAMA if target is MODEL else MODEL
-    return {"method": "draft", "model": draft, "num_speculative_tokens": k}
-
-
-SPECULATORS = ["ngram", "draft=target", "draft=other"]
+    """The speculative_config of a variant in SPECULATORS ("method" or "method=variant")."""
+    method = name.partition("=")[0]
+    settings = SPECULATOR_VARIANTS.get(method, {}).get(name, lambda target: {})(target)
+    return {"method": method, "num_speculative_tokens": k, **settings}
 
 
 def checked_speculation(engine, register_cache):
@@ -7459,7 +7640,12 @@ def test_lookahead_slots_are_reserved_from_what_plain_scheduling_left_and_given_
 
 @pytest.mark.speculative
 @pytest.mark.parametrize("config, message", [
-    ({"method": "medusa", "num_speculative_tokens": 2}, "'method' one of"),
+    ({"method": "medusa", "num_speculative_tokens": 2},
+     re.escape(f"method 'medusa' is not registered: SPECULATIVE_METHODS has "
+               f"{sorted(nanopaged.SPECULATIVE_METHODS)} (`import speculative` registers")),
+    ({"method": ["ngram"], "num_speculative_tokens": 2},
+     re.escape("method ['ngram'] is not registered")),
+    ({"method": "fixed_token", "num_speculative_tokens": 2, "token": 32}, "must be a token id"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
     ({"method": "ngram", "num_speculative_tokens": True}, "num_speculative_tokens must be"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": np.bool_(True)},
@@ -7477,6 +7663,26 @@ def test_lookahead_slots_are_reserved_from_what_plain_scheduling_left_and_given_
 def test_bad_speculative_configs_are_clear_errors(config, message):
     with pytest.raises(ValueError, match=message):
         Engine(MODEL, num_blocks=16, speculative_config=config)
+
+
+@pytest.mark.speculative
+@settings(max_examples=examples(20), deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(0, 31), min_size=1, max_size=12), min_size=1,
+                        max_size=3),
+       token=st.integers(0, 31), k=st.integers(1, 4), name=st.sampled_from(["gpt2", "llama"]))
+def test_a_method_a_fork_registers_runs_by_name_and_keeps_the_targets_output(prompts, token, k,
+                                                                              name):
+    """The suite's own method, found by its name in SPECULATIVE_METHODS with its own setting:
+    the engine asks its proposer for every reserved slot, and greedy outputs are the target's."""
+    model = MODELS[name]
+    engine = Engine(model, block_size=4, num_blocks=48, speculative_config={
+        "method": "fixed_token", "num_speculative_tokens": k, "token": token})
+    assert type(engine.proposer) is FixedTokenProposer and engine.proposer.token == token
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
+    assert [o.outputs[0].token_ids for o in outs] == [naive_greedy(model, p, 8) for p in prompts]
+    s = engine.stats()
+    assert s["num_proposed_tokens"] > 0 and s["num_generated_tokens"] == 8 * len(prompts)
+    assert_all_blocks_free(engine)
 
 
 @pytest.mark.speculative
@@ -7645,6 +7851,12 @@ def quest_engine(model=LLAMA, token_budget=4, dense_layers=1, **settings):
                   **settings)
 
 
+def policy_engine(name, model=LLAMA, **settings):
+    """An engine that reads by the read policy of that name, with its READ_POLICY_SETTINGS."""
+    return Engine(model, read_policy=name, read_policy_config=READ_POLICY_SETTINGS.get(name),
+                  **settings)
+
+
 @st.composite
 def written_keys(draw):
     """A cache's blocks written in chunks, as steps write them: (block_size, num_blocks, n_kv_head,
@@ -7789,8 +8001,11 @@ def assert_key_bounds_are_the_keys(engine, exact=True):
     """Every block a live sequence holds, on the device or swapped out to the CPU, keeps the
     min and max of the keys of its computed tokens, recomputed from K where the block is (as
     attention reads it: an 8-bit cache's dequantized with its layer's scale; one KV cache
-    group); or, not exact, bounds them. Returns how many blocks it checked."""
+    group); or, not exact, bounds them. Returns how many blocks it checked: none where the
+    engine's read policy keeps no bounds."""
     r, s, bs = engine.model_runner, engine.scheduler, engine.block_size
+    if r.key_bounds is None:
+        return 0
 
     def read(keys):  # (L, n, nkv, hs) as stored -> as attended
         return torch.stack([kernel.dequantize(k, scales.get("k_scale"), r.key_bounds.dtype)
@@ -7814,17 +8029,19 @@ def assert_key_bounds_are_the_keys(engine, exact=True):
 
 
 @pytest.mark.read_policy
+@pytest.mark.parametrize("name", SELECTING)
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_key_bounds_move_with_their_blocks(
-        mode, kv_cache_dtype):
+        name, mode, kv_cache_dtype):
     """Beams and parallel samples (copy-on-write), in a pool too small for them all (preemption:
-    recompute, or swap out and in): after every step, every block a sequence holds, wherever
-    it is, keeps the bounds of its keys."""
+    recompute, or swap out and in), under every read policy that thins what decodes read: every
+    request ends and gives its blocks back; and, where the policy keeps key bounds, after every
+    step every block a sequence holds, wherever it is, keeps the bounds of its keys."""
     backend = "torch"  # a backend that reads per-head tables
-    engine = quest_engine(block_size=2, num_blocks=27, preemption_mode=mode,
-                          max_num_batched_tokens=8, attention_backend=backend,
-                          kv_cache_dtype=kv_cache_dtype)
+    engine = policy_engine(name, block_size=2, num_blocks=27, preemption_mode=mode,
+                           max_num_batched_tokens=8, attention_backend=backend,
+                           kv_cache_dtype=kv_cache_dtype)
     runner, moved = engine.model_runner, Counter()
     real_copy_blocks = runner.copy_blocks
 
@@ -7841,19 +8058,21 @@ def test_key_bounds_move_with_their_blocks(
             SamplingParams(max_tokens=10, beam_width=2)]):
         engine.add_request(prompt, params)
     checked = sum(assert_key_bounds_are_the_keys(engine) for _ in stepped(engine, 500))
-    assert checked and moved["cow"], moved
+    assert (checked > 0) == (name in BOUNDED) and moved["cow"], moved
     assert engine.stats()["num_preemptions"] and (
         mode == "recompute" or moved["swap_out"] and moved["swap_in"]), moved
     assert_all_blocks_free(engine)
 
 
 @pytest.mark.read_policy
+@pytest.mark.parametrize("name", SELECTING)
 @pytest.mark.parametrize("fail_at", [2, 5, 9, 14])
-def test_a_failed_step_leaves_bounds_that_bound_and_its_retry_the_exact_ones(fail_at,
+def test_a_failed_step_leaves_bounds_that_bound_and_its_retry_the_exact_ones(name, fail_at,
                                                                             monkeypatch):
-    """A layer raises mid-step, after earlier layers stored K and updated bounds: the step is
-    undone, its blocks' bounds still bound their computed keys, the next steps make them exact
-    again, and every request ends as in a run without the failure."""
+    """A layer raises mid-step, after earlier layers stored K (and updated bounds, where the
+    read policy keeps them): the step is undone, its blocks' bounds still bound their computed
+    keys, the next steps make them exact again, and every request ends as in a run without the
+    failure."""
     prompts = [[(5 * i + j) % 32 for j in range(4 + 3 * i)] for i in range(3)]
     params = SamplingParams(max_tokens=8, temperature=0)
     real_forward, calls = nanopaged.MLP.forward, [0]
@@ -7884,20 +8103,22 @@ def test_a_failed_step_leaves_bounds_that_bound_and_its_retry_the_exact_ones(fai
     backend = "torch"  # a backend that reads per-head tables
     settings_ = dict(block_size=2, num_blocks=16, max_num_batched_tokens=6,
                      attention_backend=backend)
-    expected, _ = run(quest_engine(**settings_))
+    expected, _ = run(policy_engine(name, **settings_))
     monkeypatch.setattr(nanopaged.MLP, "forward", forward)
-    outs, failed = run(quest_engine(**settings_))
+    outs, failed = run(policy_engine(name, **settings_))
     assert failed == 1 and outs == expected
 
 
 @pytest.mark.read_policy
 @pytest.mark.tier
-def test_key_bounds_go_to_the_cpu_tier_and_come_back_with_their_blocks():
-    """The returning conversation with the CPU tier, read by Quest: its blocks come back from
-    the tier, and every cached block on either tier keeps the bounds of its keys."""
+@pytest.mark.parametrize("name", BOUNDED)
+def test_key_bounds_go_to_the_cpu_tier_and_come_back_with_their_blocks(name):
+    """The returning conversation with the CPU tier, read by a policy that keeps key bounds:
+    its blocks come back from the tier, and every cached block on either tier keeps the bounds
+    of its keys."""
     backend = "torch"  # a backend that reads per-head tables
-    engine = quest_engine(MODEL, block_size=4, num_blocks=12, cpu_cache_bytes=64 * 4096,
-                          attention_backend=backend)
+    engine = policy_engine(name, MODEL, block_size=4, num_blocks=12, cpu_cache_bytes=64 * 4096,
+                           attention_backend=backend)
     out, _ = returning_conversation(engine)
     assert out.num_cached_tokens == 12 and engine.stats()["num_reloaded_blocks"] == 3
     r, a = engine.model_runner, engine.allocator
@@ -8007,31 +8228,50 @@ def test_decodes_attend_to_the_blocks_quest_selects_and_the_rest_to_all(token_bu
 
 
 @pytest.mark.read_policy
+@pytest.mark.parametrize("name", READ_POLICY_NAMES)
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_the_pools_count_the_key_bounds_bytes(kv_cache_dtype):
+def test_the_pools_count_the_key_bounds_bytes(name, kv_cache_dtype):
     """A byte budget buys fewer blocks when each keeps its key bounds (in the model's dtype,
-    whatever the cache's), on the device and in the CPU pool alike."""
+    whatever the cache's), on the device and in the CPU pool alike; and as many as without a
+    read policy when the policy keeps none."""
     backend = "torch"  # a backend that reads per-head tables
-    engine = quest_engine(block_size=4, num_blocks=None, kv_cache_bytes=100_000,
-                          preemption_mode="swap", swap_space=2**-10,
-                          cpu_cache_bytes=50_000, kv_cache_dtype=kv_cache_dtype,
-                          attention_backend=backend)
+    engine = policy_engine(name, block_size=4, num_blocks=None, kv_cache_bytes=100_000,
+                           preemption_mode="swap", swap_space=2**-10,
+                           cpu_cache_bytes=50_000, kv_cache_dtype=kv_cache_dtype,
+                           attention_backend=backend)
     r, c = engine.model_runner, LLAMA.config
     kv = r.kv_cache[:, :, 0].numel() * r.kv_cache.itemsize
-    bounds = 2 * c.n_layer * c.n_kv_head * c.head_dim * 8  # min and max, float64 like the model
-    assert r.key_bounds[:, :, 0].numel() * r.key_bounds.itemsize == bounds
+    bounds = 0
+    if name in BOUNDED:  # min and max, float64 like the model
+        bounds = 2 * c.n_layer * c.n_kv_head * c.head_dim * 8
+        assert r.key_bounds[:, :, 0].numel() * r.key_bounds.itemsize == bounds
+    else:
+        assert r.key_bounds is None and r.cpu_key_bounds is None
     num_blocks = 100_000 // (kv + bounds)
-    assert engine.stats()["num_blocks"] == num_blocks == r.key_bounds.shape[2]
+    assert engine.stats()["num_blocks"] == num_blocks == r.kv_cache.shape[2]
     num_cpu_blocks = min(num_blocks, 2**20 // (kv + bounds)) + 50_000 // (kv + bounds)
-    assert r.cpu_key_bounds.shape[0] == r.cpu_kv_cache.shape[0] == num_cpu_blocks
+    assert r.cpu_kv_cache.shape[0] == num_cpu_blocks
+    if name in BOUNDED:
+        assert r.key_bounds.shape[2] == num_blocks and r.cpu_key_bounds.shape[0] == num_cpu_blocks
 
 
 @pytest.mark.read_policy
 @pytest.mark.parametrize("kwargs, message", [
     (dict(read_policy="streaming"),
-     "Engine: read_policy must be one of ['all', 'quest'], got 'streaming'"),
-    (dict(read_policy=None), "Engine: read_policy must be one of ['all', 'quest'], got None"),
-    (dict(read_policy="quest", read_policy_config=[64]), "read_policy_config must be a dict"),
+     f"Engine: read_policy must be one of {READ_POLICY_NAMES}, got 'streaming'"),
+    (dict(read_policy=None), f"Engine: read_policy must be one of {READ_POLICY_NAMES}, got None"),
+    *[(dict(read_policy=name, read_policy_config=[64]), "read_policy_config must be a dict")
+      for name in READ_POLICY_NAMES],
+    *[(dict(read_policy=name, read_policy_config=dict(budget_of_nobody=64)),
+       f"read_policy_config {{'budget_of_nobody': 64}} does not fit read_policy {name!r}")
+      for name in READ_POLICY_NAMES],
+    # what cannot work with any policy that thins what decodes read
+    *[(dict(read_policy=name, attention_backend="flex"),
+       f"read_policy={name!r} reads a selection of blocks per KV head, which this "
+       "attention_backend does not take") for name in SELECTING],
+    *[(dict(read_policy=name, speculative_config=dict(method="ngram", num_speculative_tokens=2)),
+       f"read_policy={name!r} does not run with speculative_config") for name in SELECTING],
+    # Quest's own settings
     (dict(read_policy="quest", read_policy_config=dict(token_budget=0)),
      "Quest's token_budget must be an int >= 1, got 0"),
     (dict(read_policy="quest", read_policy_config=dict(token_budget=1.5)),
@@ -8040,15 +8280,6 @@ def test_the_pools_count_the_key_bounds_bytes(kv_cache_dtype):
      "Quest's token_budget must be an int >= 1, got True"),
     (dict(read_policy="quest", read_policy_config=dict(dense_layers=-1)),
      "Quest's dense_layers must be an int >= 0, got -1"),
-    (dict(read_policy="quest", read_policy_config=dict(budget=64)),
-     "read_policy_config {'budget': 64} does not fit read_policy 'quest'"),
-    (dict(read_policy="all", read_policy_config=dict(token_budget=64)),
-     "read_policy_config {'token_budget': 64} does not fit read_policy 'all'"),
-    (dict(read_policy="quest", attention_backend="flex"),
-     "read_policy='quest' reads a selection of blocks per KV head, which this "
-     "attention_backend does not take"),
-    (dict(read_policy="quest", speculative_config=dict(method="ngram", num_speculative_tokens=2)),
-     "read_policy='quest' does not run with speculative_config"),
 ])
 def test_bad_read_policy_settings_are_clear_errors(kwargs, message):
     backend = "torch"  # a backend that reads per-head tables
@@ -8056,28 +8287,11 @@ def test_bad_read_policy_settings_are_clear_errors(kwargs, message):
         Engine(MODEL, block_size=4, num_blocks=8, **{"attention_backend": backend, **kwargs})
 
 
-class FirstAndRecentBlocks:
-    """A fork's read policy, no key bounds needed: StreamingLLM's attention sinks and recent
-    window (Xiao et al., ICLR 2024) by the block, the first blocks and the last ones, the same
-    for every KV head."""
-    needs_key_bounds = False
-
-    def __init__(self, first=1, recent=1):
-        self.first, self.recent = first, recent
-
-    def select(self, layer, q, key_bounds, block_tables, seq_lens, block_size):
-        num_blocks = (seq_lens.long() + block_size - 1) // block_size                  # (S,)
-        pos = torch.arange(block_tables.shape[1], device=q.device)                     # (W,)
-        keep = (pos < self.first) | (pos >= num_blocks[:, None] - self.recent)       # (S, W)
-        return keep[:, None]                                                        # (S, 1, W)
-
-
 @pytest.mark.read_policy
 def test_a_forks_read_policy_runs_and_each_decode_reads_only_the_blocks_it_chose(monkeypatch):
-    """Registered by name with its settings, with no edit to nanopaged.py: the backend is given,
-    for each decoding sequence and KV head, the table of exactly its first and recent blocks,
-    and the engine serves every request to its end."""
-    monkeypatch.setitem(nanopaged.READ_POLICIES, "first_and_recent", FirstAndRecentBlocks)
+    """Registered by name (at the top of this file) with its settings, with no edit to
+    nanopaged.py: the backend is given, for each decoding sequence and KV head, the table of
+    exactly its first and recent blocks, and the engine serves every request to its end."""
     thinned = []
 
     def attend(q, k_cache, v_cache, meta, scale, **kwargs):
@@ -8424,6 +8638,31 @@ def test_the_demo_speculates_with_the_built_in_draft_and_says_how_much_it_kept(c
 
 
 @pytest.mark.demo
+@pytest.mark.speculative
+@pytest.mark.parametrize("method", sorted(nanopaged.SPECULATIVE_METHODS))
+def test_the_demo_speculates_by_every_registered_methods_name(method):
+    """--speculative-method takes every name in the registry (the suite's own too) and nothing
+    else; each gives the greedy tokens of the demo without speculation. A draft's folder is
+    --speculative-model, and its short spelling 'ngram' is method ngram."""
+    parser = demo.argument_parser()
+    choices = next(a.choices for a in parser._actions if a.dest == "speculative_method")
+    assert choices == sorted(nanopaged.SPECULATIVE_METHODS)
+    flags = ["--prompt", "The for statement", "--prompt", "A list", "--max-tokens", "16",
+             "--temperature", "0"]
+    plain = demo.main(flags)
+    draft = ["--speculative-model", os.path.join(os.path.dirname(demo.DEMO_MODEL), "pydoc-draft")]
+    report = demo.main(flags + ["--speculative-method", method] + (draft if method == "draft"
+                                                                     else []))
+    assert [o.outputs[0].token_ids for o in report["outputs"]] == \
+        [o.outputs[0].token_ids for o in plain["outputs"]]
+    assert report["engine"].stats()["num_proposed_tokens"] > 0
+    if method != "ngram":
+        with pytest.raises(ValueError, match="--speculative-model ngram is method ngram"):
+            demo.speculative_config(parser.parse_args(["--speculative-model", "ngram",
+                                                       "--speculative-method", method]))
+
+
+@pytest.mark.demo
 def test_readmes_python_use_runs_as_printed(tmp_path):
     """README's "Use it from Python" block, as a user would paste it, in a folder of their own
     (the built-in model reached as models/pydoc-gpt): it runs, streams, and writes its page."""
@@ -8549,6 +8788,8 @@ def test_the_demo_streams_one_request_after_another_as_tokens_arrive(capsys):
     (["--speculative-model", "ngram", "--beam-width", "2", "--prompt", "x"],
      "beam search does not run with speculative decoding"),
     (["--kv-cache-dtype", "int8"], "argument --kv-cache-dtype: invalid choice: 'int8'"),
+    (["--speculative-method", "medusa"],
+     "argument --speculative-method: invalid choice: 'medusa'"),
     (["--read-policy", "sparse"], r"read_policy must be one of \['all', 'quest'\], got 'sparse'"),
     (["--read-policy", "quest", "--read-policy-config", '{"token_budget": 0}'],
      "Quest's token_budget must be an int >= 1, got 0"),
@@ -8605,6 +8846,36 @@ def served_chat_folder(folder):
         shutil.copy(f"{demo.DEMO_MODEL}/{name}", folder / name)
     (folder / "chat_template.jinja").write_text(SERVED_CHAT_TEMPLATE)
     return folder
+
+
+@pytest.mark.server
+@pytest.mark.speculative
+def test_server_speculates_by_a_registered_methods_name_and_answers_as_without(tmp_path):
+    """--speculative-method takes its choices from the registry: the suite's own method, by
+    name, serves greedy completions token for token as Engine.generate without speculation."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    import server
+    parser = server.argument_parser()
+    assert next(a.choices for a in parser._actions if a.dest == "speculative_method") == \
+        sorted(nanopaged.SPECULATIVE_METHODS)
+    folder = served_chat_folder(tmp_path)
+    args = parser.parse_args(["--model", str(folder), "--temperature", "0",
+                              "--speculative-method", "fixed_token",
+                              "--num-speculative-tokens", "3",
+                              "--served-model-name", "pydoc-chat"])
+    model, engine, tokenizer = demo.load(args)
+    assert type(engine.proposer) is FixedTokenProposer
+    prompts = SERVED_PROMPTS[:3]
+    with served_in_thread(engine, server.served_model(args, model, engine, tokenizer)) as url:
+        client = served_client(url)
+        outs = [client.completions.create(model="pydoc-chat", prompt=p, max_tokens=16,
+                                          logprobs=0) for p in prompts]
+    ref = served_reference(model, [tokenizer.encode(p) for p in prompts],
+                           SamplingParams(max_tokens=16, temperature=0))
+    assert [o.choices[0].logprobs.tokens for o in outs] == \
+        [[served_token(t) for t in r.outputs[0].token_ids] for r in ref]
+    assert engine.stats()["num_proposed_tokens"] >= 3 * len(prompts)
 
 
 @pytest.mark.server
@@ -9716,6 +9987,42 @@ def test_engine_loop_latency_histograms_leave_out_an_aborted_request():
                       "vllm:e2e_request_latency_seconds_count": 1,
                       "vllm:inter_token_latency_seconds_count": whole.max_tokens - 1}
     assert metrics.token_times == {}
+
+
+@pytest.mark.server
+def test_a_histogram_added_to_the_table_is_in_metrics_with_each_finished_request(tmp_path,
+                                                                                monkeypatch):
+    """A row a fork adds to server.HISTOGRAMS, and nothing else: /metrics shows it beside the
+    built-in ones, with its help and buckets, observed once for each finished request with what
+    its function reads from the request's output."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    pytest.importorskip("prometheus_client")
+    import server
+    name = "nanopaged:request_generation_tokens"
+    generated = server.RequestHistogram(
+        name, "Tokens a finished request generated, all its samples.", (1.0, 4.0, 8.0, 16.0),
+        lambda out, times: [sum(len(c.token_ids) for c in out.outputs)])
+    monkeypatch.setattr(server, "HISTOGRAMS", [*server.HISTOGRAMS, generated])
+    folder = served_chat_folder(tmp_path)
+    args = server.argument_parser().parse_args(["--model", str(folder), "--temperature", "0",
+                                                "--served-model-name", "pydoc-chat"])
+    model, engine, tokenizer = demo.load(args)
+    with served_in_thread(engine, server.served_model(args, model, engine, tokenizer)) as url:
+        client = served_client(url)
+        values = [client.completions.create(model="pydoc-chat", prompt=prompt, max_tokens=m,
+                                            n=n).usage.completion_tokens
+                  for prompt, m, n in zip(SERVED_PROMPTS, [3, 5, 12], [1, 2, 1])]
+        text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+        samples = served_metrics(url)
+    assert f"# HELP {name} {generated.documentation}" in text
+    assert samples[name + "_count"] == len(values) and samples[name + "_sum"] == sum(values)
+    for le in generated.buckets:  # cumulative: the values at most le
+        assert samples[f'{name}_bucket{{le="{le}"}}'] == sum(v <= le for v in values)
+    assert samples[f'{name}_bucket{{le="+Inf"}}'] == len(values)
+    for built_in in VLLM_BUCKETS:
+        assert f"{built_in}_count" in samples
+    assert samples["vllm:e2e_request_latency_seconds_count"] == len(values)
 
 
 @contextlib.contextmanager
