@@ -991,7 +991,7 @@ def naive_attention(q, k, v, cu_seqlens_q, seq_lens, scale, mask=None, keep=None
 # -----------------------------------------------------------------------------
 # Attention backends by name: how a layer stores its new K/V and reads its context. The engine
 # picks one when it is built (Engine(attention_backend=...)) and every step's batch carries it.
-# A new backend is one function and one entry (README: Making it yours).
+# A new backend is one function and one entry (RECIPES.md: an attention backend).
 
 
 @dataclass(frozen=True)

@@ -1014,7 +1014,7 @@ class ChunkedLocalAttention(AttentionKind):
         return kernel.Mask(chunk=self.chunk)
 
 
-# layer_types names -> kinds: a fork registers its own (README: a new attention kind)
+# layer_types names -> kinds: a fork registers its own (RECIPES.md: an attention kind)
 ATTENTION_KINDS = {kind.name: kind for kind in (FullAttention, SlidingWindow,
                                                  ChunkedLocalAttention)}
 

@@ -55,6 +55,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import checkpoints
 import checks
+import connectors
 import demo
 import kernel
 import nanopaged
@@ -97,7 +98,7 @@ EVICTION_POLICIES.setdefault("fifo", lambda block: block.cached_at)
 SCHEDULING, EVICTION = sorted(SCHEDULING_POLICIES), sorted(EVICTION_POLICIES)
 
 
-# And an attention kind (README's recipe): StreamingLLM's attention sinks (Xiao et al., ICLR
+# And an attention kind (RECIPES.md's): StreamingLLM's attention sinks (Xiao et al., ICLR
 # 2024), the first few tokens beside a sliding window, whose blocks are kept. One class and one
 # entry: every property that holds for any kind runs under it too.
 @dataclass(frozen=True)
@@ -4271,8 +4272,8 @@ def test_the_process_group_backend_follows_the_engines_device(monkeypatch):
                         lambda backend, **kw: backends.append(backend))
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 2)
-    monkeypatch.setattr(nanopaged, "tp",
-                        nanopaged.SimpleNamespace(rank=0, world_size=1, failed=None))
+    for name in ("rank", "world_size", "failed"):  # each put back as it is after the test
+        monkeypatch.setattr(parallel.tp, name, getattr(parallel.tp, name))
     for device in ("cpu", "cuda", None, "cuda:1"):
         parallel.init_tensor_parallel(2, device=device)
     assert backends == ["gloo", "set_device(0)", "nccl", "set_device(0)", "nccl",
@@ -4625,7 +4626,7 @@ def test_windowed_models_generate_like_naive_contiguous(mix, size, kinds):
 
 @pytest.mark.model
 def test_a_kind_a_backend_cannot_honour_is_refused_up_front_naming_both(monkeypatch):
-    """A backend written without masks (its attend takes none: README's recipe) still serves
+    """A backend written without masks (its attend takes none: RECIPES.md's) still serves
     every model of full attention; for a model with another kind it is a clear error up front,
     naming the backend and the kind. So is one whose unsupported_mask refuses a kind's mask."""
     def attend(q, k_cache, v_cache, meta, scale, **scales):
@@ -5883,24 +5884,24 @@ def test_an_engine_takes_its_parts_by_class():
 
 
 @pytest.mark.engine
-def test_the_recipes_in_the_readme_run_as_written():
-    readme = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")).read()
-    section = readme.split("\n## Making it yours\n", 1)[1].split("\n## ", 1)[0]
-    recipes = re.findall(r"```python\n(.*?)```", section, re.S)
-    assert len(recipes) == 5
+def test_the_recipes_run_as_written():
+    recipes_md = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RECIPES.md")
+    recipes = re.findall(r"```python\n(.*?)```", open(recipes_md).read(), re.S)
+    assert len(recipes) == 6
     registries = (SCHEDULING_POLICIES, EVICTION_POLICIES, kernel.ATTENTION_BACKENDS,
-                  nanopaged.ATTENTION_KINDS, nanopaged.READ_POLICIES)
+                  nanopaged.ATTENTION_KINDS, nanopaged.READ_POLICIES, connectors.CONNECTORS)
     saved = [dict(r) for r in registries]
     steps = list(nanopaged.LOGITS_STEPS), list(nanopaged.SAMPLING_STEPS)
     try:
         for code in recipes:
-            exec(compile(code, "README.md", "exec"), {"__name__": "recipe"})
+            exec(compile(code, "RECIPES.md", "exec"), {"__name__": "recipe"})
         # each recipe registered what it shows, in the one place it names, and nothing else
         assert "deepest_first" in EVICTION_POLICIES and "sdpa" in kernel.ATTENTION_BACKENDS
-        assert nanopaged.ATTENTION_KINDS["sink_attention"] is not AttentionSinks  # the README's
+        assert nanopaged.ATTENTION_KINDS["sink_attention"] is not AttentionSinks  # the recipe's
         policies = nanopaged.READ_POLICIES
         assert set(policies) == set(saved[4]) | {"sink_and_recent"}
         assert policies["sink_and_recent"]().needs_key_bounds is False
+        assert set(connectors.CONNECTORS) == set(saved[5]) | {"dict"}
         assert dict(SCHEDULING_POLICIES) == saved[0] and nanopaged.LOGITS_STEPS == steps[0]
         assert nanopaged.SAMPLING_STEPS[:-1] == steps[1]
         assert nanopaged.SAMPLING_STEPS[-1].__name__ == "apply_epsilon_cutoff"
