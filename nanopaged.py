@@ -285,7 +285,7 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None = None  # per token, with SamplingParams.logprobs
     text: str | None = None  # decoded, cut at a stop string: with an Engine tokenizer
     stop_reason: int | str | None = None  # the stop token id or string that ended it
-    extras: dict = field(default_factory=dict)  # the sample's per-draw fields (Sequence.extras)
+    extras: dict | None = None  # the sample's per-draw fields (Sequence.extras), if it keeps any
 
 
 @dataclass(slots=True)
@@ -420,21 +420,25 @@ class PhysicalBlock:
 @dataclass
 class BlockCopies:
     """The block copies a change to the tables asks for, each (source, destination): the change
-    returns them, the step's plan carries them, and the run makes them before the forward
-    (copy_blocks). Blocks of the device pool, or of the CPU pool (section 4) where named so."""
+    returns them, the step's plan carries them, and the run makes them (copy_blocks, and the
+    connector's transfer). Blocks of the device pool, of the CPU pool (section 4), or the
+    connector's handles (connectors.py), where named so."""
     cow: list = field(default_factory=list)  # (src, dst) device blocks: copy-on-write
     swap_out: list = field(default_factory=list)  # (device, cpu block): a preempted sequence's
     swap_in: list = field(default_factory=list)  # (cpu, device block): its way back
-    offload: list = field(default_factory=list)  # (device, cpu block): an evicted prefix's
-    reload: list = field(default_factory=list)  # (cpu, device block): a hit in the CPU tier
+    offload: list = field(default_factory=list)  # (device block, handle): to the connector
+    reload: list = field(default_factory=list)  # (handle, device block): a connector's hit
 
     def __iadd__(self, other):
-        for f in fields(self):
-            getattr(self, f.name).extend(getattr(other, f.name))
+        for name in BLOCK_COPY_KINDS:  # a decode step adds one per sequence: no fields() call
+            getattr(self, name).extend(getattr(other, name))
         return self
 
     def __bool__(self):
-        return any(getattr(self, f.name) for f in fields(self))
+        return any(getattr(self, name) for name in BLOCK_COPY_KINDS)
+
+
+BLOCK_COPY_KINDS = tuple(f.name for f in fields(BlockCopies))
 
 
 # -----------------------------------------------------------------------------
@@ -1274,20 +1278,21 @@ class BlockAllocator(BlockPool):
                 table[i] = NO_BLOCK
                 notify(self, "skip", seq=seq.seq_id, index=i, **group_field(g))
 
-    def cache_full_blocks(self, seq, num_tokens=None):
+    def cache_full_blocks(self, seq, num_tokens=None, copies=None):
         """Publish seq's full blocks among its first num_tokens (by default its computed ones)
         to the prefix cache. The engine's one call is in the plan of the step that computes
         their last tokens, so a request admitted later in that step shares them (section 3).
         A block whose prefix another block holds already (the same tokens computed at once by
         two samples, or two prompts in flight) is cached beside it, as in vLLM: each stays its
         sequence's own, and either serves a hit while the other is evicted. Each published
-        block is offered to the connector too; returns the BlockCopies it asks for (a disk
-        store's copy, made once the step has computed the block)."""
-        cache, copies = self.prefix_cache, BlockCopies()
+        block is offered to the connector too: the copies it asks for (a disk store's, made
+        once the step has computed the block) join copies, the plan's BlockCopies."""
+        cache = self.prefix_cache
         num_tokens = seq.num_computed_tokens if num_tokens is None else num_tokens
         num_full = num_tokens // self.block_size
         if not cache.enabled or num_full <= seq.num_published_blocks:
-            return copies
+            return
+        copies = BlockCopies() if copies is None else copies
         cache.key_blocks(seq)  # the engine keyed them already; a caller of its own may not have
         for g, table in enumerate(seq.block_tables):
             for i in range(seq.num_published_blocks, num_full):
@@ -1295,7 +1300,6 @@ class BlockAllocator(BlockPool):
                     cache.publish(seq, i, table[i], g)
                     self.connector.save(self.blocks[table[i]], copies, evicted=False)
         self.journal.set(seq, "num_published_blocks", num_full)
-        return copies
 
 # -----------------------------------------------------------------------------
 # 6. The scheduler: continuous batching in a policy's order, one step at a time. Orca:
@@ -1499,7 +1503,7 @@ class Scheduler:
         so a request admitted after it in this step can hit them (section 3)."""
         out.scheduled.append((seq, num_new))
         out.num_batched_tokens += num_new
-        out.copies += self.allocator.cache_full_blocks(seq, seq.num_computed_tokens + num_new)
+        self.allocator.cache_full_blocks(seq, seq.num_computed_tokens + num_new, out.copies)
 
     def _append_slots(self, request, out):
         for seq in request.seqs:
@@ -2479,20 +2483,13 @@ class SampleUpdate(NamedTuple):
     stop_reason: int | str | None = None
 
 
-class Draw(NamedTuple):
-    """One token as it was drawn, as OutputProcessor.land receives every draw."""
-    token: int
-    # its log-probability: under the model for a sample (before penalties and temperature), as
-    # vLLM's logprobs; for a beam, the one the search ranks by (after the logits steps)
-    logprob: float
-
-
 class BeamCandidate(NamedTuple):
     """A one-token extension of a live beam that the search keeps: a next beam, or a
     hypothesis."""
     parent: int  # the index of the beam it extends
-    draw: Draw
-    score: float  # the cumulative log-probability with the draw
+    token: int
+    logprob: float  # the token's own, as the search ranks it (after the logits steps)
+    score: float  # the cumulative log-probability with the token
 
 
 class BeamHypothesis(NamedTuple):
@@ -2662,7 +2659,7 @@ class OutputProcessor:
         decode, beams = self.detokenizer.decode, request.seqs
         return step._replace(
             hypotheses=[h._replace(text=decode(h.token_ids)) for h in step.hypotheses],
-            texts=[decode(beams[c.parent].output_token_ids + [c.draw.token])
+            texts=[decode(beams[c.parent].output_token_ids + [c.token])
                    for c in step.survivors])
 
     def prompt_logprob_entries(self, owed, logits, requests):
@@ -2712,17 +2709,18 @@ class OutputProcessor:
             self.scheduler.remove_finished()
         return result.ready
 
-    def land(self, seq, draws):
+    def land(self, seq, tokens, logprobs):
         """Where every draw lands, a sample's, a beam's or a finished hypothesis's: its tokens
-        join the sequence, its new full blocks are keyed, and the tokens counted. A fork that
-        keeps a per-draw field declares it in Sequence.extras and updates it here, from each
-        Draw; outputs carry it."""
-        seq.token_ids += [draw.token for draw in draws]
+        join the sequence, its new full blocks are keyed, and the tokens counted. logprobs: each
+        token's log-probability, under the model for a sample (as vLLM's logprobs), as the
+        search ranks it for a beam. A fork that keeps a per-draw field declares it in
+        Sequence.extras and updates it here; outputs carry it."""
+        seq.token_ids += tokens
         self.allocator.prefix_cache.key_blocks(seq)
-        self.num_generated_tokens += len(draws)
+        self.num_generated_tokens += len(tokens)
 
     def apply_sample(self, seq, update, proposal):
-        self.land(seq, [Draw(t, lp) for t, lp in zip(update.tokens, update.logprobs)])
+        self.land(seq, update.tokens, update.logprobs)
         for logprob in update.logprobs:
             seq.cumulative_logprob += logprob
         if update.entries is not None:
@@ -2746,7 +2744,7 @@ class OutputProcessor:
         beams = request.seqs
         for candidate, hypothesis in zip(step.ended, step.hypotheses):
             ended = beams[candidate.parent].fork(None, 0)  # a copy of the beam, holding no block
-            self.land(ended, [candidate.draw])
+            self.land(ended, [candidate.token], [candidate.logprob])
             request.hypotheses.append(hypothesis._replace(extras=ended.extras))
         if step.done:  # the survivors' tokens were drawn too, and the search ends with them
             self.num_generated_tokens += len(step.survivors)
@@ -2765,7 +2763,8 @@ class OutputProcessor:
             if i not in chosen:
                 self.allocator.free(seq)
         for i, (seq, candidate) in enumerate(zip(survivors, step.survivors)):
-            self.land(seq, [candidate.draw])  # after every fork, so no child copies a new token
+            # after every fork, so no child copies a new token
+            self.land(seq, [candidate.token], [candidate.logprob])
             seq.cumulative_logprob = candidate.score
             if step.texts is not None:
                 seq.text = step.texts[i]
@@ -2811,7 +2810,7 @@ def beam_search_step(request, logits, stops, eos_token_ids=frozenset()):
     picks, ended, hypotheses = [], [], []
     for rank, (score, flat, logprob) in enumerate(candidates):
         parent, token = divmod(flat, V)
-        candidate = BeamCandidate(parent=parent, draw=Draw(token, logprob), score=score)
+        candidate = BeamCandidate(parent=parent, token=token, logprob=logprob, score=score)
         if (token in stops or last) and rank < width:
             ended.append(candidate)
             hypotheses.append(BeamHypothesis(beams[parent].output_token_ids + [token], score,
@@ -2838,12 +2837,12 @@ def request_output(request, detokenizer=None):
         outputs = [CompletionOutput(index=i, token_ids=list(h.token_ids),
                                     finish_reason=h.finish_reason,
                                     cumulative_logprob=h.cumulative_logprob, text=h.text,
-                                    extras=dict(h.extras))
+                                    extras=dict(h.extras) if h.extras else None)
                    for i, h in enumerate(best[:params.beam_width])]
     elif params.beam_width is not None:  # the live beams, best first
         outputs = [CompletionOutput(index=i, token_ids=seq.output_token_ids, finish_reason=None,
                                     cumulative_logprob=seq.cumulative_logprob, text=seq.text,
-                                    extras=dict(seq.extras))
+                                    extras=dict(seq.extras) if seq.extras else None)
                    for i, seq in enumerate(request.seqs)]
     else:
         samples = samples_in_order(request)
@@ -2869,7 +2868,7 @@ def sample_output(seq, params, detokenizer=None, delta=False):
         index=seq.index, token_ids=seq.token_ids[seq.num_prompt_tokens + tokens:],
         finish_reason=seq.finish_reason, cumulative_logprob=seq.cumulative_logprob,
         logprobs=None if params.logprobs is None else seq.logprobs[tokens:], text=text,
-        stop_reason=seq.stop_reason, extras=dict(seq.extras))
+        stop_reason=seq.stop_reason, extras=dict(seq.extras) if seq.extras else None)
     if delta:
         seq.num_reported_tokens += len(out.token_ids)
         seq.num_reported_chars += len(text or "")

@@ -5334,7 +5334,7 @@ UNLIKELY = math.log(0.1)  # the fork's threshold: a draw less likely than 1 in 1
 @contextlib.contextmanager
 def unlikely_draws():
     """A fork's per-draw field, in the two places it takes: Sequence.__init__ declares it, and
-    OutputProcessor.land updates it from each Draw (the fork would edit those two places in
+    OutputProcessor.land updates it from each draw (the fork would edit those two places in
     nanopaged.py; here the originals run first, then the fork's line)."""
     real_init, real_land = Sequence.__init__, nanopaged.OutputProcessor.land
 
@@ -5342,9 +5342,9 @@ def unlikely_draws():
         real_init(self, *args, **kwargs)
         self.extras = {"num_unlikely": 0}  # place 1
 
-    def land(self, seq, draws):
-        real_land(self, seq, draws)
-        seq.extras["num_unlikely"] += sum(draw.logprob < UNLIKELY for draw in draws)  # place 2
+    def land(self, seq, tokens, logprobs):
+        real_land(self, seq, tokens, logprobs)
+        seq.extras["num_unlikely"] += sum(logprob < UNLIKELY for logprob in logprobs)  # place 2
     with (mock.patch.object(Sequence, "__init__", init),
           mock.patch.object(nanopaged.OutputProcessor, "land", land)):
         yield
