@@ -62,7 +62,9 @@ class Connector:
         """The request is done (finished or aborted): hold nothing for it."""
 
     def stats(self):
-        """Counts for Engine.stats(), by name."""
+        """Counts for Engine.stats(), by name: num_offloaded_blocks and num_reloaded_blocks, the
+        blocks copied to it and back; num_staged_blocks, the blocks it holds for requests in
+        flight (none once they are done)."""
         return {}
 
 

@@ -3211,7 +3211,8 @@ def engine_stats(engine):
     hits, proposer = a.prefix_cache.counts, engine.proposer
     # the connector's counts (the CPU tier's: its blocks that hold a prefix, free or a
     # swapped-out sequence's), and the blocks copied to it and back
-    connector = dict(num_cpu_cached_blocks=0, num_offloaded_blocks=0, num_reloaded_blocks=0)
+    connector = dict(num_cpu_cached_blocks=0, num_offloaded_blocks=0, num_reloaded_blocks=0,
+                     num_staged_blocks=0)  # staged: held for requests in flight
     connector.update(a.connector.stats())
     return dict(
         num_blocks=a.num_blocks, num_free_blocks=a.num_free_blocks,

@@ -36,6 +36,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import typing
@@ -3331,6 +3332,134 @@ def test_the_cpu_tier_changes_no_output_and_counts_the_copies_it_makes(
             prefixes |= keys_of(tokens[:n], block_size)
     cached_kv_is_recomputed_kv(engine, prefixes)
     event(f"reloaded: {engine.stats()['num_reloaded_blocks'] > 0}")
+
+
+# -- connectors: where blocks go when they leave the device, and come back from  (-m tier)
+
+
+class SuiteStore(connectors.Connector):
+    """The suite's own connector, so that every property over connectors runs under one nobody
+    built in: each published block's K/V and key bounds, kept by its key in a dict, copied in
+    on a hit."""
+    enabled = True
+
+    def __init__(self, facts):
+        self.allocator, self.kept = facts.allocator, {}  # key -> (tokens, index), tensors
+        self.num_reloaded_blocks = 0  # journaled: a failed step's loads are not counted
+
+    def find(self, key, seq, i):
+        bs = self.allocator.block_size
+        kept = self.kept.get(key)
+        return key if kept and kept[0] == (tuple(seq.token_ids[i * bs:(i + 1) * bs]), i) else None
+
+    def load(self, seq, i, handle, copies, group=0):
+        block_id = self.allocator.take(copies)
+        copies.reload.append((handle, block_id))
+        self.allocator.journal.set(self, "num_reloaded_blocks", self.num_reloaded_blocks + 1)
+        return block_id
+
+    def stats(self):
+        return dict(num_reloaded_blocks=self.num_reloaded_blocks)
+
+    def save(self, block, copies, evicted):
+        if not evicted:
+            copies.offload.append((block.block_id, (block.hash, block.token_ids,
+                                                    block.logical_index)))
+
+    def transfer(self, copies, runner, stage):
+        tensors = [cache for cache, _ in runner.paged_tensors()]
+        if stage == "in":
+            for key, block_id in copies.reload:
+                for cache, data in zip(tensors, self.kept[key][1]):
+                    cache[:, :, block_id] = data
+        elif stage == "computed":
+            for block_id, (key, tokens, index) in copies.offload:
+                data = [cache[:, :, block_id].clone() for cache in tensors]
+                self.kept[key] = (tokens, index), data
+
+
+connectors.CONNECTORS["suite_store"] = SuiteStore
+
+# What a connector needs to be built in a test (a size, a folder of the test's own): a
+# connector not named here takes none
+CONNECTOR_SETTINGS = {
+    "cpu": lambda engine, folder: {"cpu_cache_bytes": 6 * bytes_per_block(engine)},
+}
+
+
+def served_connectors():  # every registered connector that serves within one process
+    return sorted(name for name, make in connectors.CONNECTORS.items()
+                  if not getattr(make, "needs_peer", False))
+
+
+@pytest.mark.tier
+@pytest.mark.parametrize("name", served_connectors())
+@settings(max_examples=examples(12), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chats=conversation_rounds(), block_size=st.sampled_from([1, 2, 4]),
+       spare=st.integers(0, 4), mode=st.sampled_from(["recompute", "swap"]),
+       sampled=st.booleans(), kind=st.sampled_from(sorted(PAGED_MODELS)),
+       fail_at=st.sets(st.tuples(st.integers(1, 30), st.sampled_from(["out", "in", "computed"])),
+                       max_size=2))
+def test_every_connector_changes_no_output_and_holds_nothing_after(
+        name, chats, block_size, spare, mode, sampled, kind, fail_at):
+    """Conversations that come back to a small device pool, with preemption in both modes and
+    transfers that fail (at a stage of a step's run: the step fails, its plan is undone, and the
+    next step computes the same tokens), on a model of each attention kind and a hybrid: greedy
+    or seeded outputs through every registered connector equal those of an engine without one;
+    afterwards no block is held, and every cached block holds the K/V its tokens produce (so no
+    block a failed load touched kept a prefix)."""
+    num_convs, rounds = chats
+    model = PAGED_MODELS[kind]
+    longest = 6 * 5 + 3 * 4  # every round's new tokens and answers
+    worst = Engine(model, block_size=block_size, num_blocks=1024).allocator.max_blocks(
+        longest, 1) + 1
+    engine_settings = dict(block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
+                           max_num_batched_tokens=8, max_num_seqs=3)
+
+    def serve(engine):
+        histories, answers = [[] for _ in range(num_convs)], []
+        for turns in rounds:
+            ids = [engine.add_request(histories[c] + new, SamplingParams(
+                max_tokens=3, temperature=1.0 if sampled else 0, seed=len(answers) + i))
+                for i, (c, new) in enumerate(turns)]
+            outputs = {}
+            for _ in range(300):  # bounded: see drain
+                if not engine.requests:
+                    break
+                try:
+                    outputs.update({o.request_id: o for o in engine.step()})
+                except RuntimeError as e:
+                    assert "injected" in str(e)
+            for request_id, (c, new) in zip(ids, turns):
+                answer = outputs[request_id].outputs[0].token_ids
+                histories[c] += new + answer
+                answers.append(answer)
+        return answers, histories
+
+    expected, _ = serve(Engine(model, **engine_settings))
+    with tempfile.TemporaryDirectory() as folder:
+        config = CONNECTOR_SETTINGS.get(name, lambda engine, folder: {})(
+            Engine(model, **engine_settings), folder)
+        engine = Engine(model, **engine_settings, connector=name, connector_config=config)
+        connector, calls = engine.allocator.connector, Counter()
+        real_transfer = connector.transfer
+
+        def transfer(copies, runner, stage):  # fails at the chosen calls of each stage
+            calls[stage] += 1
+            if (calls[stage], stage) in fail_at:
+                raise RuntimeError(f"injected into the connector's transfer at stage {stage}")
+            return real_transfer(copies, runner, stage)
+        with mock.patch.object(connector, "transfer", transfer):
+            answers, histories = serve(engine)
+        assert answers == expected
+        assert_all_blocks_free(engine)
+        assert engine.stats()["num_staged_blocks"] == 0
+        prefixes = {}
+        for tokens in histories:
+            for n in range(len(tokens) + 1):
+                prefixes |= keys_of(tokens[:n], block_size)
+        cached_kv_is_recomputed_kv(engine, prefixes)
+        event(f"{name} reloaded: {engine.stats()['num_reloaded_blocks'] > 0}")
 
 
 # -----------------------------------------------------------------------------
