@@ -1739,6 +1739,62 @@ def test_metrics_are_set_once_even_when_a_request_is_preempted(mode):
         assert o.num_cached_tokens == 0
 
 
+@st.composite
+def prefills_preempted_midway(draw):
+    """Short prompts that decode long, then a long prompt prefilled in chunks of a small budget,
+    on a pool that has room for all of them at its admission but not once the decoders grow:
+    a decoder's new block preempts it (it comes last) between two chunks, before its first
+    token. Returns the requests [(prompt, max_tokens)] and the engine's arguments."""
+    block_size = draw(st.sampled_from([2, 4]))
+    decoders = draw(st.lists(st.tuples(st.lists(st.integers(0, 31), min_size=1, max_size=4),
+                                       st.integers(8, 20)), min_size=1, max_size=2))
+    prompt = draw(st.lists(st.integers(0, 31), min_size=12, max_size=30))
+    requests = decoders + [(prompt, draw(st.integers(1, 3)))]
+    room = sum(-(-(len(p) + 1) // block_size) for p, _ in decoders)  # the decoders' first tokens
+    need = max(room + -(-(len(prompt) + 1) // block_size),  # all at the prompt's admission
+               max(-(-(len(p) + m) // block_size) for p, m in requests))  # the largest alone
+    return requests, dict(block_size=block_size, num_blocks=need + draw(st.integers(0, 2)),
+                          max_num_batched_tokens=draw(st.integers(3, 5)),
+                          preemption_mode=draw(st.sampled_from(["recompute"] * 2 + ["swap"])))
+
+
+@pytest.mark.engine
+@settings(max_examples=examples(40), deadline=None)
+@given(case=prefills_preempted_midway())
+@example(case=([([1, 2], 16), ([(7 * j) % 32 for j in range(16)], 2)],
+               dict(block_size=4, num_blocks=10, max_num_batched_tokens=4,
+                    preemption_mode="recompute")))
+def test_a_request_preempted_before_its_first_token_keeps_its_first_stamps(case):
+    """A request's first schedule and the prompt tokens the prefix cache served it are those of
+    its first admission, also when it is preempted midway through a chunked prefill and admitted
+    again (its chunks then cached): its queue time ends before its first preemption, and its
+    num_cached_tokens is its first allocation's hit. Outputs are naive greedy's."""
+    requests, engine_args = case
+    engine, firsts, midway = None, {}, []  # firsts: request -> (its first hit, first preempt)
+
+    def observe(e):
+        if e["event"] == "allocate" and "group" not in e:
+            firsts.setdefault(e["request"], [e["hits"] * engine.block_size, None])
+        elif e["event"] == "preempt":
+            first = firsts[e["request"]]
+            first[1] = first[1] or time.perf_counter()
+            seq = engine.requests[e["request"]].seqs[0]
+            midway.append(e["mode"] == "recompute" and not seq.num_output_tokens)
+    engine = Engine(MODEL, observer=observe, **engine_args)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0))
+           for p, m in requests]
+    outputs = drain(engine)
+    for i, (prompt, max_tokens) in zip(ids, requests):
+        o, (hit, preempted) = outputs[i], firsts[i]
+        assert o.outputs[0].token_ids == naive_greedy(MODEL, prompt, max_tokens)
+        m = o.metrics
+        assert m.arrival_time < m.first_scheduled_time < m.first_token_time < m.finished_time
+        assert m.time_in_queue == m.first_scheduled_time - m.arrival_time
+        assert preempted is None or m.first_scheduled_time < preempted
+        assert o.num_cached_tokens == hit
+    event(f"preempted by recompute before its first token: {any(midway)}")
+
+
 @pytest.mark.engine
 def test_a_fork_goes_on_apart_from_its_parent_in_every_field_your_copy_adds():
     """A sample forked from its parent shares what was generated so far, but no container: a
