@@ -5814,6 +5814,19 @@ def engine_state(engine):
     return state_of(engine)
 
 
+# What Engine.stats() says of where blocks and requests are: a failed step's undo may change it
+# (it preempts the requests whose blocks the step wrote over), and nothing else in stats()
+WHERE_THINGS_ARE = {"num_free_blocks", "num_cached_blocks", "num_free_cpu_blocks",
+                    "num_cpu_cached_blocks", "num_running", "num_waiting", "num_swapped",
+                    "num_preemptions", "kv_utilization", "num_logical_blocks"}
+
+
+def counts_of(engine):
+    """Engine.stats() but where things are: what the steps that stood counted (copies to and from
+    the CPU tier, hits, tokens), which a failed step leaves as it found them."""
+    return {k: v for k, v in engine.stats().items() if k not in WHERE_THINGS_ARE}
+
+
 @pytest.mark.engine
 def test_a_failing_request_does_not_strand_its_batch_mates(monkeypatch):
     """A failure after the forward (here a stop check that raises for one request) leaves the
@@ -5887,6 +5900,11 @@ FAILURE_POINTS = [(nanopaged.Scheduler, "schedule"), (BlockAllocator, "allocate"
 @example(requests=[([0] * 7, 1, "greedy")] * 2, point=(nanopaged.Scheduler, "schedule"), call=4,
          after=False, block_size=1, spare=0, mode="recompute", caching=True, tier=3,
          scheduling="fcfs", eviction="lfu")
+# a step that fails just after its plan's first offload to the CPU tier: the copy is undone, and
+# so is its count
+@example(requests=[([0] * 7, 1, "greedy")] * 2, point=(nanopaged.SwapPool, "offload"), call=1,
+         after=True, block_size=1, spare=0, mode="recompute", caching=True, tier=3,
+         scheduling="fcfs", eviction="lfu")
 def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, after, block_size,
                                                       spare, mode, caching, tier, scheduling,
                                                       eviction):
@@ -5914,7 +5932,7 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
         for _ in range(300):  # a bound, so a stalled engine fails instead of hanging
             if not engine.requests and engine.observer_error is None:  # (the next step raises it)
                 break
-            before = engine_state(engine)
+            before, counts = engine_state(engine), counts_of(engine)
             held_or_cached.clear()
             for pool in (engine.allocator, engine.allocator.swap_pool):
                 held_or_cached.update((pool, b.block_id) for b in pool.blocks
@@ -5923,6 +5941,7 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
                 outputs.update({o.request_id: o for o in engine.step()})
             except RuntimeError as e:
                 assert "injected" in str(e) and inject and not failures
+                assert counts_of(engine) == counts  # whatever it wrote over
                 failures += 1
                 if not taken:  # it overwrote no block that was held or cached: exactly as before
                     assert engine_state(engine) == before
@@ -5980,6 +5999,93 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
         mp.setattr(Engine, "rollback", engine_rollback)
         assert_same_but_rounding(run(Engine(MODEL, **settings_), inject=True), expected)
     event(f"failed: {bool(fired)}, exactly as before: {bool(exact)}")
+
+
+# What a step's plan can do beside computing: give a cached block up to the CPU tier, copy a
+# shared block on write, swap a request out or in, publish a block it fills
+PLAN_EVENTS = {"offload", "cow", "swap_out", "swap_in", "publish"}
+
+
+@pytest.mark.engine
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(warm=st.lists(st.lists(st.integers(0, 15), min_size=2, max_size=6), min_size=2,
+                     max_size=4),
+       prompts=st.lists(st.lists(st.integers(16, 31), min_size=1, max_size=5), min_size=2,
+                        max_size=3),
+       block_size=st.sampled_from([2, 3]), spare=st.integers(0, 2), tier=st.integers(2, 6),
+       pick=st.integers(0, 2**16), after=st.booleans())
+def test_a_failure_at_any_point_of_a_step_that_offloads_copies_swaps_and_publishes_counts_nothing(
+        warm, prompts, block_size, spare, tier, pick, after):
+    """Prompts served one at a time leave the device's pool full of cached blocks; then requests
+    of two sampled samples each grow together past a tight pool: a step's plan evicts cached
+    blocks into the CPU tier, copies shared blocks on write, swaps requests out or in and
+    publishes the blocks it fills. Of a run without failures, the step whose plan did the most
+    of these is chosen, and a failure is raised before or after one of the calls that step made
+    (drawn from all of them, at every point a step can fail). The failed step leaves every
+    count as it found them (the tier's copies, hits, tokens), and the run's outputs are those
+    of the run without the failure."""
+    points = [p for p in FAILURE_POINTS if p[0] is not UserObserver]  # its error waits a step
+    params = [SamplingParams(max_tokens=4, temperature=1.0, seed=i, n=2,
+                             logits_processors=[UserProcessor()]) for i in range(len(prompts))]
+    worst = max(2 * -(-(len(p) + 4) // block_size) for p in prompts)
+    per_block = bytes_per_block(Engine(MODEL, block_size=block_size, num_blocks=1))
+    settings_ = dict(block_size=block_size, num_blocks=worst + spare, preemption_mode="swap",
+                     max_num_batched_tokens=8, max_num_seqs=6, tokenizer=UserTokenizer(),
+                     cpu_cache_bytes=tier * per_block)
+
+    def run(fail_at=None):
+        """The warm-up, then the requests together; a call to a point is (point, its call number
+        in the run). Returns the outputs, and the log of the steps of the second part: (step,
+        call) for each call, (step, event name) for each event of paging, in order."""
+        engine, log, calls, step = Engine(MODEL, **settings_), [], Counter(), [None]
+
+        def wrapped(i, real):
+            def call(*args, **kwargs):
+                calls[i] += 1
+                log.append((step[0], (i, calls[i])))
+                if fail_at == (i, calls[i], False):
+                    raise RuntimeError("injected")
+                result = real(*args, **kwargs)
+                if fail_at == (i, calls[i], True):
+                    raise RuntimeError("injected")
+                return result
+            return call
+        with pytest.MonkeyPatch.context() as mp:
+            for i, (owner, name) in enumerate(points):
+                mp.setattr(owner, name, wrapped(i, getattr(owner, name)))
+            for prompt in warm:
+                engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+            engine.set_observer(lambda e: log.append((step[0], e["event"])))
+            ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+            outputs, failed = {}, []
+            for step[0] in range(300):  # bounded: see drain
+                if not engine.requests:
+                    break
+                counts = counts_of(engine)
+                try:
+                    outputs.update({o.request_id: o for o in engine.step()})
+                except RuntimeError as e:
+                    assert "injected" in str(e) and fail_at and not failed
+                    assert counts_of(engine) == counts
+                    failed.append(step[0])
+        assert not engine.requests and failed == ([failed[0]] if fail_at else [])
+        assert_all_blocks_free(engine)
+        return [[c.token_ids for c in outputs[i].outputs] for i in ids], log, failed
+
+    expected, log, _ = run()
+    done = {}  # step -> what its plan did
+    for step, what in log:
+        if what in PLAN_EVENTS:
+            done.setdefault(step, set()).add(what.removesuffix("_in").removesuffix("_out"))
+    chosen = max(done, key=lambda step: (len(done[step]), -step))
+    in_step = [(j, what) for j, (step, what) in enumerate(log) if step == chosen]
+    j, (i, n) = [(j, what) for j, what in in_step if isinstance(what, tuple)][pick % sum(
+        isinstance(what, tuple) for _, what in in_step)]
+    outputs, _, failed = run(fail_at=(i, n, after))
+    assert outputs == expected and failed == [chosen]
+    offloaded = any(what == "offload" and k < j for k, what in in_step)
+    event(f"plan did: {sorted(done[chosen])}")
+    event(f"failed after an offload in the same plan: {offloaded}")
 
 
 @pytest.mark.engine
