@@ -7674,6 +7674,60 @@ def test_proposed_and_accepted_counts_are_what_the_acceptance_rule_implies(specu
     assert list(tokens.values()) == [naive_greedy(model, p, 12) for p in prompts]
 
 
+def model_ending_at(eos_token_id):  # LLAMA (its weights shared), with an end token
+    model = copy.copy(LLAMA)
+    model.config = dataclasses.replace(LLAMA.config, eos_token_id=eos_token_id)
+    return model
+
+
+@pytest.mark.speculative
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompt=st.lists(st.integers(0, 31), min_size=2, max_size=8), k=st.integers(1, 4),
+       speculator=st.sampled_from(["draft=target", *SPECULATORS]), at=st.integers(1, 11),
+       stop=st.sampled_from(["stop_token_ids", "eos", "stop"]))
+@example(prompt=[1, 2, 3, 1, 2, 3, 1], k=3, speculator="draft=target", at=2,
+         stop="stop_token_ids")
+def test_the_accepted_count_holds_where_a_stop_ends_a_sample_on_a_guess(prompt, k, speculator,
+                                                                        at, stop):
+    """A stop the draft can guess: a token the target itself draws (the first at or after a
+    drawn place that it had not drawn before), as a stop token id, as the model's end token, or
+    its letter as a stop string. The sample ends there; each guess counts as accepted while it
+    equals the tokens the sample kept, so a stop kept on an accepted guess counts as accepted
+    too (the kept tokens are not the accepted ones plus one there: nothing is drawn after it).
+    LLAMA, whose greedy outputs vary (MODEL's mostly repeat one token)."""
+    def name(t):  # what the stop matches
+        return UserTokenizer().decode([t]) if stop == "stop" else t
+    plain = naive_greedy(LLAMA, prompt, 12)
+    new = [j for j in range(at, 12) if name(plain[j]) not in {name(t) for t in plain[:j]}]
+    end = new[0] if new else min(j for j in range(12) if name(plain[j]) == name(plain[at]))
+    token = plain[end]
+    model = model_ending_at(token) if stop == "eos" else LLAMA
+    params = SamplingParams(max_tokens=12, temperature=0,
+                            stop_token_ids=[token] if stop == "stop_token_ids" else None,
+                            stop=[name(token)] if stop == "stop" else None)
+    engine = Engine(model, block_size=2, num_blocks=64, tokenizer=UserTokenizer(),
+                    speculative_config=speculative_config(speculator, k, model))
+    guesses, propose = [], engine.proposer.propose
+
+    def recorded(out):
+        proposals = propose(out)
+        guesses.extend((seq.num_output_tokens, proposals[seq.seq_id])
+                       for seq, _ in out.lookahead if seq.seq_id in proposals)
+        return proposals
+    engine.proposer.propose = recorded
+    (out,) = engine.generate([prompt], params)
+    tokens = out.outputs[0].token_ids
+    assert tokens == plain[:end + 1] and out.outputs[0].finish_reason == "stop"
+    accepted = sum(next((j for j, (g, t) in enumerate(zip(guess, tokens[done:])) if g != t),
+                        min(len(guess), len(tokens) - done)) for done, guess in guesses)
+    s = engine.stats()
+    assert s["num_proposed_tokens"] == sum(len(g) for _, g in guesses)
+    assert s["num_accepted_tokens"] == accepted
+    on_a_guess = any(done <= end < done + len(guess) and guess[:end + 1 - done] == tokens[done:]
+                     for done, guess in guesses)
+    event(f"a stop ended the sample on an accepted guess: {on_a_guess}")
+
+
 @pytest.mark.speculative
 @settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mix=request_mixes(), speculator=st.sampled_from(SPECULATORS), k=st.integers(1, 4))
