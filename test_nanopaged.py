@@ -9395,6 +9395,60 @@ def test_server_bad_field_is_a_400_naming_it_and_reaches_no_engine(served, endpo
     assert create(model="pydoc-chat", **good).usage.completion_tokens == 4
 
 
+def served_post(url, route, body):
+    """The status and JSON answer of a POST, an error's included."""
+    request = urllib.request.Request(url + route, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.server
+def test_server_reads_null_as_unset_in_every_optional_field(served):
+    """Clients that write every field send null for those they leave unset (vLLM reads them so):
+    each optional field of a request's model (a fork's new sampling field too), each field this
+    server refuses a value for, and each of stream_options', sent as null alone and all at once,
+    gives the answer of the request without it. A required field sent as null is a 400."""
+    import server
+    url, _, _ = served
+    completion, chat = server.request_models()
+    goods = {"/v1/completions": (completion, dict(prompt="Lambdas", max_tokens=3)),
+             "/v1/chat/completions": (chat, dict(messages=[{"role": "user", "content": "Lambdas"}],
+                                                 max_tokens=3)),
+             "/tokenize": (server.TokenizeRequest, dict(prompt="Lambdas é"))}
+
+    def answer(route, body):  # what does not change from one request to the next (the hit)
+        status, out = served_post(url, route, body)
+        assert status == 200, out
+        if route == "/tokenize":
+            return out
+        usage = {k: v for k, v in out["usage"].items() if k != "prompt_tokens_details"}
+        return [c.get("text", c.get("message")) for c in out["choices"]], usage
+    for route, (model, good) in goods.items():
+        plain = answer(route, good)
+        optional = [name for name, f in model.model_fields.items()
+                    if not f.is_required() and name not in good]
+        unsupported = sorted(server.UNSUPPORTED) if route != "/tokenize" else []
+        for name in optional + unsupported:
+            assert answer(route, good | {name: None}) == plain, name
+        assert answer(route, good | dict.fromkeys(optional + unsupported)) == plain
+        required = [name for name, f in model.model_fields.items() if f.is_required()]
+        for name in required:
+            status, out = served_post(url, route, good | {name: None})
+            assert status == 400 and out["error"]["param"] == name
+    streamed = dict(goods["/v1/completions"][1], stream=True)
+    request = urllib.request.Request(url + "/v1/completions", json.dumps(streamed).encode(),
+                                     {"Content-Type": "application/json"})
+    for options in [{}, dict.fromkeys(server.StreamOptions.model_fields)]:
+        body = json.dumps(streamed | dict(stream_options=options)).encode()
+        with urllib.request.urlopen(request, body, timeout=30) as response:
+            events = response.read().decode().split("\n\n")
+        assert events[-2:] == ["data: [DONE]", ""] and len(events) == 5  # no usage chunk
+
+
 @pytest.mark.server
 def test_server_ignores_fields_it_does_not_know_and_logs_one_line_naming_them(served):
     """vLLM's reading: a field nobody here defines (a newer API's, a typo) changes nothing and
