@@ -9181,6 +9181,53 @@ def test_server_tokenizes_and_detokenizes_as_vllms_routes(served):
     assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "tokens"
 
 
+@pytest.mark.server
+@pytest.mark.parametrize("template", ["<s> $A", "<s> $A </s>"])
+def test_server_tokenize_adds_special_tokens_only_when_asked(tmp_path, template):
+    """A folder whose tokenizer.json adds special tokens (a BOS, or a BOS and an EOS: built here
+    with tokenizers, nothing downloaded): /tokenize adds them by default and with
+    add_special_tokens true, never with false, and the rest is the same tokens; its count is
+    a completion's prompt_tokens for the same text (lm-eval counts context tokens so). Drawn:
+    texts of the vocabulary's words."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("fastapi")
+    import server
+    served_chat_folder(tmp_path)
+    words = [f"w{i}" for i in range(3, 40)]
+    special = {"<s>": 1, "</s>": 2}
+    vocab = {"[UNK]": 0, **special} | {w: i for i, w in enumerate(words, 3)}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.add_special_tokens(list(special))
+    backend.post_processor = tokenizers.processors.TemplateProcessing(
+        single=template, special_tokens=list(special.items()))
+    backend.save(str(tmp_path / "tokenizer.json"))
+    args = server.argument_parser().parse_args(["--model", str(tmp_path), "--temperature", "0"])
+    model, engine, tokenizer = demo.load(args)
+    added = [special[t] for t in template.split() if t in special]
+    assert tokenizer.encode("w3") != tokenizer.encode("w3", add_special_tokens=False)
+    with served_in_thread(engine, server.served_model(args, model, engine, tokenizer)) as url:
+
+        @settings(max_examples=examples(20), deadline=None, database=None)
+        @given(text=st.lists(st.sampled_from(words), min_size=1, max_size=8).map(" ".join))
+        def check(text):
+            asked = {flag: served_post(url, "/tokenize", dict(prompt=text) | (
+                {} if flag is None else dict(add_special_tokens=flag)))
+                for flag in (None, True, False)}
+            assert {status for status, _ in asked.values()} == {200}
+            plain, with_special = asked[False][1]["tokens"], asked[True][1]["tokens"]
+            assert asked[None][1] == asked[True][1]
+            assert not set(plain) & set(special.values())
+            assert sorted(t for t in with_special if t in special.values()) == sorted(added)
+            assert [t for t in with_special if t not in special.values()] == plain
+            assert plain == tokenizer.encode(text, add_special_tokens=False)
+            assert all(out["count"] == len(out["tokens"]) for _, out in asked.values())
+            status, out = served_post(url, "/v1/completions",
+                                      dict(prompt=text, max_tokens=1))
+            assert status == 200 and out["usage"]["prompt_tokens"] == len(with_special)
+        check()
+
+
 LM_EVAL_RUN = """
 import json, sys
 import lm_eval
