@@ -733,7 +733,8 @@ class ServerMetrics:
             (counter, "vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of "
              "number of queried tokens.", queried),
             (counter, "vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of "
-             "cached tokens.", hits),
+             "cached tokens, and, as vLLM counts, leading blocks no later token sees (chunked "
+             "attention's chunks before the last), cached or not.", hits),
             (gauge, "vllm:gpu_prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens, "
              "since the start.", hits / queried if queried else 0.0),
             (gauge, "nanopaged:cpu_cache_blocks", "CPU blocks that hold a cached prefix (the "

@@ -2864,6 +2864,34 @@ def test_after_a_failed_step_the_prefix_cache_holds_only_what_its_tokens_produce
     event(f"failed: {calls[0] >= at}")
 
 
+@pytest.mark.prefix_cache
+@settings(max_examples=examples(30), deadline=None)
+@given(kind=st.sampled_from(sorted(PAGED_MODELS)), block_size=st.sampled_from([1, 2, 3, 4]),
+       prompt=st.lists(st.integers(0, 31), min_size=1, max_size=40), caching=st.booleans())
+@example(kind="chunked_attention", block_size=1, prompt=[3] * 20, caching=True)
+def test_on_an_empty_cache_a_requests_hit_is_the_leading_blocks_no_later_token_sees(
+        kind, block_size, prompt, caching):
+    """num_cached_tokens counts the prompt tokens a request did not compute at its first
+    admission, as vLLM counts them: the prefix cache's hit, and with it the leading whole blocks
+    no token from the hit's end on sees under any of the model's kinds (under chunked local
+    attention, the chunks before the last), cached or not. On an empty cache, with prefix caching
+    on, it is those blocks alone; with it off, nothing. stats()' hit tokens (/metrics' hits)
+    count the same; the output is naive greedy's."""
+    model = PAGED_MODELS[kind]
+    engine = Engine(model, block_size=block_size, num_blocks=64, enable_prefix_caching=caching)
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0))
+    masks = [k.mask for k in engine.allocator.kinds]
+
+    def unseen(n):  # whether no token from position n * block_size on sees blocks 0 to n - 1
+        p = n * block_size
+        return all(m.first_seen(p) >= p and not (n and m.sink) for m in masks)
+    most = (len(prompt) - 1) // block_size  # the last prompt token is computed
+    skipped = max(n for n in range(most + 1) if unseen(n)) * block_size if caching else 0
+    assert out.num_cached_tokens == engine.stats()["prefix_cache_hit_tokens"] == skipped
+    assert out.outputs[0].token_ids == naive_greedy(model, prompt, 2)
+    event(f"counted tokens no later token sees: {skipped > 0}")
+
+
 # -----------------------------------------------------------------------------
 # 4. The swap pool: CPU blocks, sized in bytes  (-m allocator)
 #
