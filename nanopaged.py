@@ -259,7 +259,9 @@ class Request:
         self.finished_seqs = []  # parallel samples that finished
         self.hypotheses = []  # beam search: the finished hypotheses (BeamHypothesis)
         self.metrics = RequestMetrics(arrival_time=time.perf_counter())
-        self.num_cached_tokens = 0  # prompt tokens the prefix cache held at the first admission
+        # prompt tokens not computed at the first admission: the prefix cache's hit, which
+        # counts the leading blocks no later token sees (chunked attention's), as vLLM's
+        self.num_cached_tokens = 0
         self.num_preemptions = 0  # counted in one place: Scheduler.count_preemption
         self.seed = None  # sampled requests: token t of sample i draws from (seed, i, t)
         self.prompt_logprobs = seq.prompt_logprobs  # the same list, filled by the prefill
@@ -298,7 +300,9 @@ class RequestOutput:
     metrics: RequestMetrics  # as of this output (frozen: later steps replace the request's)
     num_preemptions: int
     finished: bool = True  # step() also returns unfinished requests that gained a token
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # prompt tokens served from the prefix cache, and with them (as vLLM counts) the leading
+    # blocks no later token sees, cached or not: chunked attention's chunks before the last
+    num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with prompt_logprobs
 
     @property

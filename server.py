@@ -59,7 +59,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 from starlette.exceptions import HTTPException
 
 import checkpoints
@@ -82,6 +82,19 @@ LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM sends this for a token the mod
 
 class RequestBody(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def null_is_unset(cls, data):
+        """null for an optional field that takes no null is the field left out, as vLLM reads
+        it: clients that write every field send null for those they leave unset. A field that
+        takes null keeps it (a completion's max_tokens: the room left), and a required one is
+        still a 400."""
+        if not isinstance(data, dict):
+            return data
+        unset = {name for name, f in cls.model_fields.items()
+                 if not f.is_required() and type(None) not in typing.get_args(f.annotation)}
+        return {k: v for k, v in data.items() if v is not None or k not in unset}
 
 
 class StreamOptions(RequestBody):
@@ -741,7 +754,8 @@ class ServerMetrics:
             (counter, "vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of "
              "number of queried tokens.", queried),
             (counter, "vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of "
-             "cached tokens.", hits),
+             "cached tokens, and, as vLLM counts, leading blocks no later token sees (chunked "
+             "attention's chunks before the last), cached or not.", hits),
             (gauge, "vllm:gpu_prefix_cache_hit_rate", "Prefix cache hits / queries, in tokens, "
              "since the start.", hits / queried if queried else 0.0),
             (gauge, "nanopaged:cpu_cache_blocks", "CPU blocks that hold a cached prefix (the "

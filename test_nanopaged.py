@@ -1867,6 +1867,62 @@ def test_metrics_are_set_once_even_when_a_request_is_preempted(mode):
         assert o.num_cached_tokens == 0
 
 
+@st.composite
+def prefills_preempted_midway(draw):
+    """Short prompts that decode long, then a long prompt prefilled in chunks of a small budget,
+    on a pool that has room for all of them at its admission but not once the decoders grow:
+    a decoder's new block preempts it (it comes last) between two chunks, before its first
+    token. Returns the requests [(prompt, max_tokens)] and the engine's arguments."""
+    block_size = draw(st.sampled_from([2, 4]))
+    decoders = draw(st.lists(st.tuples(st.lists(st.integers(0, 31), min_size=1, max_size=4),
+                                       st.integers(8, 20)), min_size=1, max_size=2))
+    prompt = draw(st.lists(st.integers(0, 31), min_size=12, max_size=30))
+    requests = decoders + [(prompt, draw(st.integers(1, 3)))]
+    room = sum(-(-(len(p) + 1) // block_size) for p, _ in decoders)  # the decoders' first tokens
+    need = max(room + -(-(len(prompt) + 1) // block_size),  # all at the prompt's admission
+               max(-(-(len(p) + m) // block_size) for p, m in requests))  # the largest alone
+    return requests, dict(block_size=block_size, num_blocks=need + draw(st.integers(0, 2)),
+                          max_num_batched_tokens=draw(st.integers(3, 5)),
+                          preemption_mode=draw(st.sampled_from(["recompute"] * 2 + ["swap"])))
+
+
+@pytest.mark.engine
+@settings(max_examples=examples(40), deadline=None)
+@given(case=prefills_preempted_midway())
+@example(case=([([1, 2], 16), ([(7 * j) % 32 for j in range(16)], 2)],
+               dict(block_size=4, num_blocks=10, max_num_batched_tokens=4,
+                    preemption_mode="recompute")))
+def test_a_request_preempted_before_its_first_token_keeps_its_first_stamps(case):
+    """A request's first schedule and the prompt tokens the prefix cache served it are those of
+    its first admission, also when it is preempted midway through a chunked prefill and admitted
+    again (its chunks then cached): its queue time ends before its first preemption, and its
+    num_cached_tokens is its first allocation's hit. Outputs are naive greedy's."""
+    requests, engine_args = case
+    engine, firsts, midway = None, {}, []  # firsts: request -> (its first hit, first preempt)
+
+    def observe(e):
+        if e["event"] == "allocate" and "group" not in e:
+            firsts.setdefault(e["request"], [e["hits"] * engine.block_size, None])
+        elif e["event"] == "preempt":
+            first = firsts[e["request"]]
+            first[1] = first[1] or time.perf_counter()
+            seq = engine.requests[e["request"]].seqs[0]
+            midway.append(e["mode"] == "recompute" and not seq.num_output_tokens)
+    engine = Engine(MODEL, observer=observe, **engine_args)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=m, temperature=0))
+           for p, m in requests]
+    outputs = drain(engine)
+    for i, (prompt, max_tokens) in zip(ids, requests):
+        o, (hit, preempted) = outputs[i], firsts[i]
+        assert o.outputs[0].token_ids == naive_greedy(MODEL, prompt, max_tokens)
+        m = o.metrics
+        assert m.arrival_time < m.first_scheduled_time < m.first_token_time < m.finished_time
+        assert m.time_in_queue == m.first_scheduled_time - m.arrival_time
+        assert preempted is None or m.first_scheduled_time < preempted
+        assert o.num_cached_tokens == hit
+    event(f"preempted by recompute before its first token: {any(midway)}")
+
+
 @pytest.mark.engine
 def test_a_fork_goes_on_apart_from_its_parent_in_every_field_your_copy_adds():
     """A sample forked from its parent shares what was generated so far, but no container: a
@@ -2934,6 +2990,34 @@ def test_after_a_failed_step_the_prefix_cache_holds_only_what_its_tokens_produce
         prefixes |= keys_of(t, block_size)
     cached_kv_is_recomputed_kv(engine, prefixes)
     event(f"failed: {calls[0] >= at}")
+
+
+@pytest.mark.prefix_cache
+@settings(max_examples=examples(30), deadline=None)
+@given(kind=st.sampled_from(sorted(PAGED_MODELS)), block_size=st.sampled_from([1, 2, 3, 4]),
+       prompt=st.lists(st.integers(0, 31), min_size=1, max_size=40), caching=st.booleans())
+@example(kind="chunked_attention", block_size=1, prompt=[3] * 20, caching=True)
+def test_on_an_empty_cache_a_requests_hit_is_the_leading_blocks_no_later_token_sees(
+        kind, block_size, prompt, caching):
+    """num_cached_tokens counts the prompt tokens a request did not compute at its first
+    admission, as vLLM counts them: the prefix cache's hit, and with it the leading whole blocks
+    no token from the hit's end on sees under any of the model's kinds (under chunked local
+    attention, the chunks before the last), cached or not. On an empty cache, with prefix caching
+    on, it is those blocks alone; with it off, nothing. stats()' hit tokens (/metrics' hits)
+    count the same; the output is naive greedy's."""
+    model = PAGED_MODELS[kind]
+    engine = Engine(model, block_size=block_size, num_blocks=64, enable_prefix_caching=caching)
+    (out,) = engine.generate([prompt], SamplingParams(max_tokens=2, temperature=0))
+    masks = [k.mask for k in engine.allocator.kinds]
+
+    def unseen(n):  # whether no token from position n * block_size on sees blocks 0 to n - 1
+        p = n * block_size
+        return all(m.first_seen(p) >= p and not (n and m.sink) for m in masks)
+    most = (len(prompt) - 1) // block_size  # the last prompt token is computed
+    skipped = max(n for n in range(most + 1) if unseen(n)) * block_size if caching else 0
+    assert out.num_cached_tokens == engine.stats()["prefix_cache_hit_tokens"] == skipped
+    assert out.outputs[0].token_ids == naive_greedy(model, prompt, 2)
+    event(f"counted tokens no later token sees: {skipped > 0}")
 
 
 # -----------------------------------------------------------------------------
@@ -6122,6 +6206,19 @@ def engine_state(engine):
     return state_of(engine)
 
 
+# What Engine.stats() says of where blocks and requests are: a failed step's undo may change it
+# (it preempts the requests whose blocks the step wrote over), and nothing else in stats()
+WHERE_THINGS_ARE = {"num_free_blocks", "num_cached_blocks", "num_free_cpu_blocks",
+                    "num_cpu_cached_blocks", "num_running", "num_waiting", "num_swapped",
+                    "num_preemptions", "kv_utilization", "num_logical_blocks"}
+
+
+def counts_of(engine):
+    """Engine.stats() but where things are: what the steps that stood counted (copies to and from
+    the CPU tier, hits, tokens), which a failed step leaves as it found them."""
+    return {k: v for k, v in engine.stats().items() if k not in WHERE_THINGS_ARE}
+
+
 @pytest.mark.engine
 def test_a_failing_request_does_not_strand_its_batch_mates(monkeypatch):
     """A failure after the forward (here a stop check that raises for one request) leaves the
@@ -6195,6 +6292,11 @@ FAILURE_POINTS = [(nanopaged.Scheduler, "schedule"), (BlockAllocator, "allocate"
 @example(requests=[([0] * 7, 1, "greedy")] * 2, point=(nanopaged.Scheduler, "schedule"), call=4,
          after=False, block_size=1, spare=0, mode="recompute", caching=True, tier=3,
          scheduling="fcfs", eviction="lfu")
+# a step that fails just after its plan's first offload to the CPU tier: the copy is undone, and
+# so is its count
+@example(requests=[([0] * 7, 1, "greedy")] * 2, point=(nanopaged.SwapPool, "offload"), call=1,
+         after=True, block_size=1, spare=0, mode="recompute", caching=True, tier=3,
+         scheduling="fcfs", eviction="lfu")
 def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, after, block_size,
                                                       spare, mode, caching, tier, scheduling,
                                                       eviction):
@@ -6222,7 +6324,7 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
         for _ in range(300):  # a bound, so a stalled engine fails instead of hanging
             if not engine.requests and engine.observer_error is None:  # (the next step raises it)
                 break
-            before = engine_state(engine)
+            before, counts = engine_state(engine), counts_of(engine)
             held_or_cached.clear()
             for pool in (engine.allocator, engine.allocator.swap_pool):
                 held_or_cached.update((pool, b.block_id) for b in pool.blocks
@@ -6231,6 +6333,7 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
                 outputs.update({o.request_id: o for o in engine.step()})
             except RuntimeError as e:
                 assert "injected" in str(e) and inject and not failures
+                assert counts_of(engine) == counts  # whatever it wrote over
                 failures += 1
                 if not taken:  # it overwrote no block that was held or cached: exactly as before
                     assert engine_state(engine) == before
@@ -6288,6 +6391,93 @@ def test_a_failure_anywhere_in_a_step_changes_nothing(requests, point, call, aft
         mp.setattr(Engine, "rollback", engine_rollback)
         assert_same_but_rounding(run(Engine(MODEL, **settings_), inject=True), expected)
     event(f"failed: {bool(fired)}, exactly as before: {bool(exact)}")
+
+
+# What a step's plan can do beside computing: give a cached block up to the CPU tier, copy a
+# shared block on write, swap a request out or in, publish a block it fills
+PLAN_EVENTS = {"offload", "cow", "swap_out", "swap_in", "publish"}
+
+
+@pytest.mark.engine
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(warm=st.lists(st.lists(st.integers(0, 15), min_size=2, max_size=6), min_size=2,
+                     max_size=4),
+       prompts=st.lists(st.lists(st.integers(16, 31), min_size=1, max_size=5), min_size=2,
+                        max_size=3),
+       block_size=st.sampled_from([2, 3]), spare=st.integers(0, 2), tier=st.integers(2, 6),
+       pick=st.integers(0, 2**16), after=st.booleans())
+def test_a_failure_at_any_point_of_a_step_that_offloads_copies_swaps_and_publishes_counts_nothing(
+        warm, prompts, block_size, spare, tier, pick, after):
+    """Prompts served one at a time leave the device's pool full of cached blocks; then requests
+    of two sampled samples each grow together past a tight pool: a step's plan evicts cached
+    blocks into the CPU tier, copies shared blocks on write, swaps requests out or in and
+    publishes the blocks it fills. Of a run without failures, the step whose plan did the most
+    of these is chosen, and a failure is raised before or after one of the calls that step made
+    (drawn from all of them, at every point a step can fail). The failed step leaves every
+    count as it found them (the tier's copies, hits, tokens), and the run's outputs are those
+    of the run without the failure."""
+    points = [p for p in FAILURE_POINTS if p[0] is not UserObserver]  # its error waits a step
+    params = [SamplingParams(max_tokens=4, temperature=1.0, seed=i, n=2,
+                             logits_processors=[UserProcessor()]) for i in range(len(prompts))]
+    worst = max(2 * -(-(len(p) + 4) // block_size) for p in prompts)
+    per_block = bytes_per_block(Engine(MODEL, block_size=block_size, num_blocks=1))
+    settings_ = dict(block_size=block_size, num_blocks=worst + spare, preemption_mode="swap",
+                     max_num_batched_tokens=8, max_num_seqs=6, tokenizer=UserTokenizer(),
+                     cpu_cache_bytes=tier * per_block)
+
+    def run(fail_at=None):
+        """The warm-up, then the requests together; a call to a point is (point, its call number
+        in the run). Returns the outputs, and the log of the steps of the second part: (step,
+        call) for each call, (step, event name) for each event of paging, in order."""
+        engine, log, calls, step = Engine(MODEL, **settings_), [], Counter(), [None]
+
+        def wrapped(i, real):
+            def call(*args, **kwargs):
+                calls[i] += 1
+                log.append((step[0], (i, calls[i])))
+                if fail_at == (i, calls[i], False):
+                    raise RuntimeError("injected")
+                result = real(*args, **kwargs)
+                if fail_at == (i, calls[i], True):
+                    raise RuntimeError("injected")
+                return result
+            return call
+        with pytest.MonkeyPatch.context() as mp:
+            for i, (owner, name) in enumerate(points):
+                mp.setattr(owner, name, wrapped(i, getattr(owner, name)))
+            for prompt in warm:
+                engine.generate([prompt], SamplingParams(max_tokens=1, temperature=0))
+            engine.set_observer(lambda e: log.append((step[0], e["event"])))
+            ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+            outputs, failed = {}, []
+            for step[0] in range(300):  # bounded: see drain
+                if not engine.requests:
+                    break
+                counts = counts_of(engine)
+                try:
+                    outputs.update({o.request_id: o for o in engine.step()})
+                except RuntimeError as e:
+                    assert "injected" in str(e) and fail_at and not failed
+                    assert counts_of(engine) == counts
+                    failed.append(step[0])
+        assert not engine.requests and failed == ([failed[0]] if fail_at else [])
+        assert_all_blocks_free(engine)
+        return [[c.token_ids for c in outputs[i].outputs] for i in ids], log, failed
+
+    expected, log, _ = run()
+    done = {}  # step -> what its plan did
+    for step, what in log:
+        if what in PLAN_EVENTS:
+            done.setdefault(step, set()).add(what.removesuffix("_in").removesuffix("_out"))
+    chosen = max(done, key=lambda step: (len(done[step]), -step))
+    in_step = [(j, what) for j, (step, what) in enumerate(log) if step == chosen]
+    j, (i, n) = [(j, what) for j, what in in_step if isinstance(what, tuple)][pick % sum(
+        isinstance(what, tuple) for _, what in in_step)]
+    outputs, _, failed = run(fail_at=(i, n, after))
+    assert outputs == expected and failed == [chosen]
+    offloaded = any(what == "offload" and k < j for k, what in in_step)
+    event(f"plan did: {sorted(done[chosen])}")
+    event(f"failed after an offload in the same plan: {offloaded}")
 
 
 @pytest.mark.engine
@@ -7908,6 +8098,60 @@ def test_proposed_and_accepted_counts_are_what_the_acceptance_rule_implies(specu
     assert list(tokens.values()) == [naive_greedy(model, p, 12) for p in prompts]
 
 
+def model_ending_at(eos_token_id):  # LLAMA (its weights shared), with an end token
+    model = copy.copy(LLAMA)
+    model.config = dataclasses.replace(LLAMA.config, eos_token_id=eos_token_id)
+    return model
+
+
+@pytest.mark.speculative
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(prompt=st.lists(st.integers(0, 31), min_size=2, max_size=8), k=st.integers(1, 4),
+       speculator=st.sampled_from(["draft=target", *SPECULATORS]), at=st.integers(1, 11),
+       stop=st.sampled_from(["stop_token_ids", "eos", "stop"]))
+@example(prompt=[1, 2, 3, 1, 2, 3, 1], k=3, speculator="draft=target", at=2,
+         stop="stop_token_ids")
+def test_the_accepted_count_holds_where_a_stop_ends_a_sample_on_a_guess(prompt, k, speculator,
+                                                                        at, stop):
+    """A stop the draft can guess: a token the target itself draws (the first at or after a
+    drawn place that it had not drawn before), as a stop token id, as the model's end token, or
+    its letter as a stop string. The sample ends there; each guess counts as accepted while it
+    equals the tokens the sample kept, so a stop kept on an accepted guess counts as accepted
+    too (the kept tokens are not the accepted ones plus one there: nothing is drawn after it).
+    LLAMA, whose greedy outputs vary (MODEL's mostly repeat one token)."""
+    def name(t):  # what the stop matches
+        return UserTokenizer().decode([t]) if stop == "stop" else t
+    plain = naive_greedy(LLAMA, prompt, 12)
+    new = [j for j in range(at, 12) if name(plain[j]) not in {name(t) for t in plain[:j]}]
+    end = new[0] if new else min(j for j in range(12) if name(plain[j]) == name(plain[at]))
+    token = plain[end]
+    model = model_ending_at(token) if stop == "eos" else LLAMA
+    params = SamplingParams(max_tokens=12, temperature=0,
+                            stop_token_ids=[token] if stop == "stop_token_ids" else None,
+                            stop=[name(token)] if stop == "stop" else None)
+    engine = Engine(model, block_size=2, num_blocks=64, tokenizer=UserTokenizer(),
+                    speculative_config=speculative_config(speculator, k, model))
+    guesses, propose = [], engine.proposer.propose
+
+    def recorded(out):
+        proposals = propose(out)
+        guesses.extend((seq.num_output_tokens, proposals[seq.seq_id])
+                       for seq, _ in out.lookahead if seq.seq_id in proposals)
+        return proposals
+    engine.proposer.propose = recorded
+    (out,) = engine.generate([prompt], params)
+    tokens = out.outputs[0].token_ids
+    assert tokens == plain[:end + 1] and out.outputs[0].finish_reason == "stop"
+    accepted = sum(next((j for j, (g, t) in enumerate(zip(guess, tokens[done:])) if g != t),
+                        min(len(guess), len(tokens) - done)) for done, guess in guesses)
+    s = engine.stats()
+    assert s["num_proposed_tokens"] == sum(len(g) for _, g in guesses)
+    assert s["num_accepted_tokens"] == accepted
+    on_a_guess = any(done <= end < done + len(guess) and guess[:end + 1 - done] == tokens[done:]
+                     for done, guess in guesses)
+    event(f"a stop ended the sample on an accepted guess: {on_a_guess}")
+
+
 @pytest.mark.speculative
 @settings(max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(mix=request_mixes(), speculator=st.sampled_from(SPECULATORS), k=st.integers(1, 4))
@@ -9428,6 +9672,53 @@ def test_server_tokenizes_and_detokenizes_as_vllms_routes(served):
     assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "tokens"
 
 
+@pytest.mark.server
+@pytest.mark.parametrize("template", ["<s> $A", "<s> $A </s>"])
+def test_server_tokenize_adds_special_tokens_only_when_asked(tmp_path, template):
+    """A folder whose tokenizer.json adds special tokens (a BOS, or a BOS and an EOS: built here
+    with tokenizers, nothing downloaded): /tokenize adds them by default and with
+    add_special_tokens true, never with false, and the rest is the same tokens; its count is
+    a completion's prompt_tokens for the same text (lm-eval counts context tokens so). Drawn:
+    texts of the vocabulary's words."""
+    tokenizers = pytest.importorskip("tokenizers")
+    pytest.importorskip("fastapi")
+    import server
+    served_chat_folder(tmp_path)
+    words = [f"w{i}" for i in range(3, 40)]
+    special = {"<s>": 1, "</s>": 2}
+    vocab = {"[UNK]": 0, **special} | {w: i for i, w in enumerate(words, 3)}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    backend.add_special_tokens(list(special))
+    backend.post_processor = tokenizers.processors.TemplateProcessing(
+        single=template, special_tokens=list(special.items()))
+    backend.save(str(tmp_path / "tokenizer.json"))
+    args = server.argument_parser().parse_args(["--model", str(tmp_path), "--temperature", "0"])
+    model, engine, tokenizer = demo.load(args)
+    added = [special[t] for t in template.split() if t in special]
+    assert tokenizer.encode("w3") != tokenizer.encode("w3", add_special_tokens=False)
+    with served_in_thread(engine, server.served_model(args, model, engine, tokenizer)) as url:
+
+        @settings(max_examples=examples(20), deadline=None, database=None)
+        @given(text=st.lists(st.sampled_from(words), min_size=1, max_size=8).map(" ".join))
+        def check(text):
+            asked = {flag: served_post(url, "/tokenize", dict(prompt=text) | (
+                {} if flag is None else dict(add_special_tokens=flag)))
+                for flag in (None, True, False)}
+            assert {status for status, _ in asked.values()} == {200}
+            plain, with_special = asked[False][1]["tokens"], asked[True][1]["tokens"]
+            assert asked[None][1] == asked[True][1]
+            assert not set(plain) & set(special.values())
+            assert sorted(t for t in with_special if t in special.values()) == sorted(added)
+            assert [t for t in with_special if t not in special.values()] == plain
+            assert plain == tokenizer.encode(text, add_special_tokens=False)
+            assert all(out["count"] == len(out["tokens"]) for _, out in asked.values())
+            status, out = served_post(url, "/v1/completions",
+                                      dict(prompt=text, max_tokens=1))
+            assert status == 200 and out["usage"]["prompt_tokens"] == len(with_special)
+        check()
+
+
 LM_EVAL_RUN = """
 import json, sys
 import lm_eval
@@ -9640,6 +9931,60 @@ def test_server_bad_field_is_a_400_naming_it_and_reaches_no_engine(served, endpo
         create(model="gpt-4o", **good)
     assert e.value.param == "model" and e.value.code == "model_not_found"
     assert create(model="pydoc-chat", **good).usage.completion_tokens == 4
+
+
+def served_post(url, route, body):
+    """The status and JSON answer of a POST, an error's included."""
+    request = urllib.request.Request(url + route, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.server
+def test_server_reads_null_as_unset_in_every_optional_field(served):
+    """Clients that write every field send null for those they leave unset (vLLM reads them so):
+    each optional field of a request's model (a fork's new sampling field too), each field this
+    server refuses a value for, and each of stream_options', sent as null alone and all at once,
+    gives the answer of the request without it. A required field sent as null is a 400."""
+    import server
+    url, _, _ = served
+    completion, chat = server.request_models()
+    goods = {"/v1/completions": (completion, dict(prompt="Lambdas", max_tokens=3)),
+             "/v1/chat/completions": (chat, dict(messages=[{"role": "user", "content": "Lambdas"}],
+                                                 max_tokens=3)),
+             "/tokenize": (server.TokenizeRequest, dict(prompt="Lambdas é"))}
+
+    def answer(route, body):  # what does not change from one request to the next (the hit)
+        status, out = served_post(url, route, body)
+        assert status == 200, out
+        if route == "/tokenize":
+            return out
+        usage = {k: v for k, v in out["usage"].items() if k != "prompt_tokens_details"}
+        return [c.get("text", c.get("message")) for c in out["choices"]], usage
+    for route, (model, good) in goods.items():
+        plain = answer(route, good)
+        optional = [name for name, f in model.model_fields.items()
+                    if not f.is_required() and name not in good]
+        unsupported = sorted(server.UNSUPPORTED) if route != "/tokenize" else []
+        for name in optional + unsupported:
+            assert answer(route, good | {name: None}) == plain, name
+        assert answer(route, good | dict.fromkeys(optional + unsupported)) == plain
+        required = [name for name, f in model.model_fields.items() if f.is_required()]
+        for name in required:
+            status, out = served_post(url, route, good | {name: None})
+            assert status == 400 and out["error"]["param"] == name
+    streamed = dict(goods["/v1/completions"][1], stream=True)
+    request = urllib.request.Request(url + "/v1/completions", json.dumps(streamed).encode(),
+                                     {"Content-Type": "application/json"})
+    for options in [{}, dict.fromkeys(server.StreamOptions.model_fields)]:
+        body = json.dumps(streamed | dict(stream_options=options)).encode()
+        with urllib.request.urlopen(request, body, timeout=30) as response:
+            events = response.read().decode().split("\n\n")
+        assert events[-2:] == ["data: [DONE]", ""] and len(events) == 5  # no usage chunk
 
 
 @pytest.mark.server
