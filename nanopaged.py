@@ -482,7 +482,7 @@ class HitCounts:  # the hit rate is hit_tokens / queried_tokens
 
 class CachedBlock(NamedTuple):  # a leading block of a sequence, found in a prefix cache
     block_id: int
-    cache: "PrefixCache"  # the device's, or the CPU tier's (copied back into a fresh block)
+    cache: object  # the device's PrefixCache, or the connector (copied into a fresh block)
 
 
 class PrefixHit(NamedTuple):
@@ -746,20 +746,22 @@ class BlockPool:
         self.prefix_cache.rebuild()
 
 
-# One pool of CPU blocks serves both, as one pool of device blocks serves sequences and the
-# prefix cache: a block a swapped-out sequence holds is held, a cached block nobody holds is
-# free, and a swap-out takes blocks the way a device allocation does, evicting cached ones by
-# the tier's policy when none holding nothing is left. So a preempted sequence always has the
-# room it had without the tier, the tier has all the room nobody's swap needs, and no memory is
-# set aside for either. A cached block the device evicts is copied to a CPU block first, under
-# the same key, if the pool has room and does not hold that prefix yet (offload); a swapped-out
-# sequence's full blocks are cached there too, as they move. A lookup walks the device's cache,
-# then this one; a block found here is copied back into a fresh device block (reload), in the
-# step that admits its request, before the forward. The copies are the plan's, made in the run.
-# The tier's order follows use, as the device's does: a copy is used when it is written, when
-# it is copied back, and when the device gives up a block it already holds a copy of (the
-# device used that block since; vLLM's CPU offloading touches it), and each use frees it anew,
-# for the tier's policy to score (so under "lru" the copy used last is evicted last).
+# The CPU pool is swap space and, when the engine has a CPU tier (the connector "cpu",
+# connectors.py), the prefix cache's second tier. One pool of CPU blocks serves both, as one pool
+# of device blocks serves sequences and the prefix cache: a block a swapped-out sequence holds is
+# held, a cached block nobody holds is free, and a swap-out takes blocks the way a device
+# allocation does, evicting cached ones by the tier's policy when none holding nothing is left. So
+# a preempted sequence always has the room it had without the tier, the tier has all the room
+# nobody's swap needs, and no memory is set aside for either. A cached block the device evicts is
+# copied to a CPU block first, under the same key, if the pool has room and does not hold that
+# prefix yet (offload); a swapped-out sequence's full blocks are cached there too, as they move. A
+# lookup walks the device's cache, then this one; a block found here is copied back into a fresh
+# device block (reload), in the step that admits its request, before the forward. The copies are
+# the plan's, made in the run (connectors.CpuTier.transfer). The tier's order follows use, as the
+# device's does: a copy is used when it is written, when it is copied back, and when the device
+# gives up a block it already holds a copy of (the device used that block since; vLLM's CPU
+# offloading touches it), and each use frees it anew, for the tier's policy to score (so under
+# "lru" the copy used last is evicted last).
 
 
 class SwapPool(BlockPool):
@@ -1215,7 +1217,7 @@ class BlockAllocator(BlockPool):
         into (copy-on-write: the block is shared after a fork, so this writer moves to a copy
         and the other owners keep the original, paper section 4.4). Returns the BlockCopies
         the step makes on the KV tensors before the forward: the copy-on-write ones, and the
-        CPU tier's copies of the blocks it evicts."""
+        connector's copies of the blocks it evicts."""
         need = self.num_blocks_to_append([seq], num_new)  # every group's, before any group takes
         if need > self.num_free_blocks:
             raise OutOfBlocksError(f"sequence {seq.seq_id} needs {need} blocks, "
