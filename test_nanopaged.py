@@ -6712,9 +6712,9 @@ def test_a_field_your_copy_adds_to_a_sequence_needs_no_undo(monkeypatch):
     equal to the tokens each sample and each beam drew (a forked beam inherits its parent's)."""
     real_land, real_forward, calls = nanopaged.OutputProcessor.land, GPT.forward, [0]
 
-    def land(self, seq, tokens):
+    def land(self, seq, tokens, logprobs):
         seq.num_draws = getattr(seq, "num_draws", 0) + len(tokens)
-        real_land(self, seq, tokens)
+        real_land(self, seq, tokens, logprobs)
 
     def forward(self, *args, **kwargs):
         calls[0] += 1
