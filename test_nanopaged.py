@@ -8992,6 +8992,20 @@ def test_demo_takes_the_policies_and_priorities_from_the_command_line(capsys):
 
 
 @pytest.mark.demo
+@pytest.mark.connector
+def test_demo_takes_the_connector_and_its_settings_from_the_command_line(capsys, tmp_path):
+    """--connector disk over a folder, run twice: the second run (a restart) reads the first
+    one's prompt from disk and prints the same completion."""
+    flags = ["--prompt", "def function(argument):", "--max-tokens", "4", "--temperature", "0",
+             "--connector", "disk", "--connector-config", json.dumps({"path": str(tmp_path)})]
+    first, restarted = demo.main(flags), demo.main(flags)
+    assert type(first["engine"].allocator.connector).__name__ == "DiskStore"
+    assert restarted["outputs"][0].num_cached_tokens > 0
+    assert [r["outputs"][0].outputs[0].token_ids for r in (first, restarted)] == \
+        [restarted["outputs"][0].outputs[0].token_ids] * 2
+
+
+@pytest.mark.demo
 @pytest.mark.read_policy
 def test_demo_takes_the_read_policy_and_its_settings_from_the_command_line(capsys):
     backend = "torch"  # a backend that reads per-head tables
