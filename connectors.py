@@ -331,6 +331,7 @@ class DiskStore(Connector):
         except BaseException:
             remove(tmp)
             raise
+        self.refused.pop(handle.key, None)  # the file it refused is this one's now
 
     def finished(self, request_id):
         self.staged = {}  # a step that failed in its plan left its reads here
