@@ -20,6 +20,7 @@ from dataclasses import fields
 import torch
 
 import checkpoints
+import connectors
 import nanopaged
 import parallel
 import pagetrace
@@ -321,6 +322,13 @@ def add_engine_flags(p):
     p.add_argument("--cpu-cache-gib", type=float, default=0,
                    help="GiB of CPU memory for a second tier of the prefix cache: cached blocks "
                    "the pool evicts wait there, and come back on a hit (default 0: none)")
+    p.add_argument("--connector", choices=sorted(connectors.CONNECTORS),
+                   help="where cached blocks go when they leave the device and come back from: a "
+                   "name in connectors.CONNECTORS (cpu: CPU memory; disk: a folder, kept across "
+                   "restarts; default: none)")
+    p.add_argument("--connector-config", type=json.loads, metavar="JSON",
+                   help='its settings, e.g. \'{"path": "kv-cache"}\' (disk) or '
+                   '\'{"cpu_cache_bytes": 1073741824}\' (cpu)')
     p.add_argument("--cpu-eviction-policy",
                    help="which cached block the CPU tier gives up first: a name in "
                    "nanopaged.EVICTION_POLICIES (default: --eviction-policy's)")
@@ -450,6 +458,7 @@ def load(args):
                     cpu_eviction_policy=args.cpu_eviction_policy,
                     attention_backend=args.attention_backend, read_policy=args.read_policy,
                     read_policy_config=args.read_policy_config,
+                    connector=args.connector, connector_config=args.connector_config,
                     speculative_config=speculative_config(args), tokenizer=tokenizer,
                     observer=pagetrace.Trace() if traced else None)
     if traced:  # the pool's shape opens the trace: the page draws it

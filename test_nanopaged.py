@@ -3468,6 +3468,7 @@ connectors.CONNECTORS["suite_store"] = SuiteStore
 # connector not named here takes none
 CONNECTOR_SETTINGS = {
     "cpu": lambda engine, folder: {"cpu_cache_bytes": 6 * bytes_per_block(engine)},
+    "disk": lambda engine, folder: {"path": folder},
 }
 
 
@@ -3544,6 +3545,297 @@ def test_every_connector_changes_no_output_and_holds_nothing_after(
                 prefixes |= keys_of(tokens[:n], block_size)
         cached_kv_is_recomputed_kv(engine, prefixes)
         event(f"{name} reloaded: {engine.stats()['num_reloaded_blocks'] > 0}")
+
+
+# -- the disk store: cached prefixes in files, one per block key, a server restarted over the
+# same folder serves them  (-m connector)
+
+
+def disk_engine(folder, model=MODEL, **settings):
+    return Engine(model, connector="disk", connector_config={"path": str(folder)}, **settings)
+
+
+def disk_files(folder):
+    return sorted(name for name in os.listdir(folder) if name.endswith(".kv"))
+
+
+def conversation_params(kind, seed):
+    """One turn's SamplingParams: greedy, seeded, two seeded samples, or two beams."""
+    return dict(greedy=SamplingParams(max_tokens=3, temperature=0),
+                seeded=SamplingParams(max_tokens=3, temperature=1.0, seed=seed),
+                samples=SamplingParams(max_tokens=3, temperature=1.0, seed=seed, n=2),
+                beams=SamplingParams(max_tokens=3, beam_width=2))[kind]
+
+
+def serve_rounds(engine, chats, params_kind):
+    """The rounds of conversation_rounds, each round's turns at once, every step retried while
+    it fails with an injected error. Returns every output's token ids, in order."""
+    num_convs, rounds = chats
+    histories, answers = [[] for _ in range(num_convs)], []
+    for turns in rounds:
+        ids = [engine.add_request(histories[c] + new,
+                                  conversation_params(params_kind, len(answers) + i))
+               for i, (c, new) in enumerate(turns)]
+        outputs = {}
+        for _ in range(300):  # bounded: see drain
+            if not engine.scheduler.has_unfinished():
+                break
+            try:
+                outputs.update({o.request_id: o for o in engine.step() if o.finished})
+            except RuntimeError as e:
+                assert "injected" in str(e)
+        for (c, new), i in zip(turns, ids):
+            histories[c] += new + outputs[i].outputs[0].token_ids
+            answers.append([o.token_ids for o in outputs[i].outputs])
+    return answers
+
+
+@pytest.mark.connector
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(chats=conversation_rounds(), block_size=st.sampled_from([1, 2, 4]),
+       spare=st.integers(0, 4), mode=st.sampled_from(["recompute", "swap"]),
+       kind=st.sampled_from(sorted(PAGED_MODELS)),
+       params=st.sampled_from(["greedy", "seeded", "samples", "beams"]),
+       fp8=st.booleans(), speculate=st.booleans(), fail_at=st.sets(st.integers(1, 60), max_size=2))
+def test_the_disk_store_changes_no_output_and_serves_a_restarted_engine(
+        tmp_path_factory, chats, block_size, spare, mode, kind, params, fp8, speculate, fail_at):
+    """Conversations that come back on a small device pool, preemption in both modes, on a model
+    of each attention kind, greedy, seeded, two samples or two beams, an 8-bit cache or not,
+    speculating by n-grams or not, with transfers that fail (after they copied) and steps
+    retried: the outputs with the disk store equal those without it; then an engine started
+    over the same folder serves them again, the same, its prefixes read from disk. Every block
+    comes back, and no read is held once the requests are done."""
+    model, folder = PAGED_MODELS[kind], tmp_path_factory.mktemp("disk")
+    speculate = speculate and params in ("greedy", "seeded")  # no guesses for n > 1 or beams
+    longest = 6 * 5 + 3 * 4  # every round's new tokens and answers
+    num_seqs = 2 if params in ("samples", "beams") else 1
+    worst = num_seqs * Engine(model, block_size=block_size, num_blocks=1024).allocator.max_blocks(
+        longest, 1) + num_seqs
+    settings_ = dict(block_size=block_size, num_blocks=worst + spare, preemption_mode=mode,
+                     max_num_batched_tokens=8, max_num_seqs=3,
+                     kv_cache_dtype="fp8" if fp8 else "auto",
+                     speculative_config=speculative_config("ngram", 2, model) if speculate
+                     else None)
+    expected = serve_rounds(Engine(model, **settings_), chats, params)
+    real_transfer, calls = connectors.DiskStore.transfer, [0]
+
+    def transfer(self, copies, runner, stage):
+        real_transfer(self, copies, runner, stage)
+        calls[0] += 1
+        if calls[0] in fail_at:
+            raise RuntimeError("injected")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(connectors.DiskStore, "transfer", transfer)
+        first = disk_engine(folder, model, **settings_)
+        assert serve_rounds(first, chats, params) == expected
+    restarted = disk_engine(folder, model, **settings_)
+    assert serve_rounds(restarted, chats, params) == expected
+    for engine in (first, restarted):
+        assert_all_blocks_free(engine)
+        assert engine.allocator.connector.staged == {}
+        assert engine.stats()["num_refused_disk_files"] == 0
+    event(f"loaded: {first.stats()['num_reloaded_blocks'] > 0}, restarted engine loaded: "
+          f"{restarted.stats()['num_reloaded_blocks'] > 0}")
+    event(f"failed transfers: {len({n for n in fail_at if n <= calls[0]})}")
+
+
+@pytest.mark.connector
+@pytest.mark.parametrize("kind", ["gpt2", "hybrid"])
+def test_a_restarted_engine_serves_an_earlier_prefix_from_disk(tmp_path, kind):
+    """An engine writes each block it publishes; a second engine over the same folder (a server
+    restarted) serves the first one's prompt and answer from disk: counted as hits and loads,
+    the same output as an engine without the store, and its device blocks hold exactly the K/V
+    their tokens produce (in each KV cache group of a hybrid model)."""
+    model, params = PAGED_MODELS[kind], SamplingParams(max_tokens=4, temperature=0)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9]
+    first = disk_engine(tmp_path, model, block_size=4, num_blocks=32)
+    history = prompt + first.generate([prompt], params)[0].outputs[0].token_ids
+    groups = len(first.allocator.kinds)
+    assert len(disk_files(tmp_path)) == groups * (len(history) - 1) // 4  # each block once
+    assert first.stats()["num_offloaded_blocks"] == len(disk_files(tmp_path))
+    restarted = disk_engine(tmp_path, model, block_size=4, num_blocks=32)
+    out = restarted.generate([history + [7]], params)[0]
+    plain = Engine(model, block_size=4, num_blocks=32).generate([history + [7]], params)[0]
+    assert out.outputs[0].token_ids == plain.outputs[0].token_ids
+    assert out.num_cached_tokens == 16 and plain.num_cached_tokens == 0
+    s = restarted.stats()
+    assert s["prefix_cache_cpu_hit_tokens"] == 16 and s["num_reloaded_blocks"] >= 4
+    # what it loaded is on disk already: it writes only the block its answer fills
+    assert s["num_offloaded_blocks"] == len(disk_files(tmp_path)) - 4 * groups == groups
+    cached_kv_is_recomputed_kv(restarted, keys_of(history + [7] + out.outputs[0].token_ids, 4))
+    assert_all_blocks_free(restarted) and restarted.allocator.connector.staged == {}
+
+
+@pytest.mark.connector
+def test_key_bounds_go_to_disk_and_come_back_with_their_blocks(tmp_path):
+    """Read by a policy that keeps key bounds, a block's file holds them beside its K/V: a
+    restarted engine's loaded blocks keep the bounds of their keys, and its output is the
+    same as without the store."""
+    name = BOUNDED[0]
+    params = SamplingParams(max_tokens=4, temperature=0)
+    prompt, settings_ = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9], dict(
+        block_size=4, num_blocks=32, attention_backend="torch", connector="disk",
+        connector_config={"path": str(tmp_path)})
+    policy_engine(name, MODEL, **settings_).generate([prompt], params)
+    restarted = policy_engine(name, MODEL, **settings_)
+    out = restarted.generate([prompt + [7]], params)[0]
+    plain = policy_engine(name, MODEL, block_size=4, num_blocks=32, attention_backend="torch")
+    expected = plain.generate([prompt + [7]], params)[0].outputs[0].token_ids
+    assert out.outputs[0].token_ids == expected
+    assert out.num_cached_tokens == 12 and restarted.stats()["num_reloaded_blocks"] == 3
+    r = restarted.model_runner
+    for b in (b for b in restarted.allocator.blocks if b.hash is not None):
+        keys = r.kv_cache[0, :, b.block_id].to(r.key_bounds.dtype)  # (L, bs, nkv, hs)
+        assert torch.equal(r.key_bounds[0, :, b.block_id], keys.amin(1))
+        assert torch.equal(r.key_bounds[1, :, b.block_id], keys.amax(1))
+
+
+# another engine's files, each differing from MODEL's at block size 4 in one thing the header
+# checks: the weights, the KV cache's dtype, the block size, the paged tensors (key bounds)
+OTHER_ENGINES = {"model": dict(model=tiny_model(seed=7)), "dtype": dict(kv_cache_dtype="fp8"),
+                 "block size": dict(block_size=2), "key bounds": dict(read_policy="quest")}
+
+
+@pytest.mark.connector
+@pytest.mark.parametrize("other", sorted(OTHER_ENGINES))
+def test_files_of_another_engine_are_refused_never_read_as_kv(tmp_path, other):
+    """Another engine wrote the prompt's blocks under the names this engine looks for (a file of
+    another block size renamed to this one's key): each is refused (no hit), left in place,
+    and counted; the output is right; then this engine's own blocks replace them, and an engine
+    like it started after serves the prompt from disk."""
+    settings_ = dict(block_size=4, num_blocks=32)
+    other_settings = settings_ | OTHER_ENGINES[other]
+    other_model = other_settings.pop("model", MODEL)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9]
+    params = SamplingParams(max_tokens=1, temperature=0)
+    writer = disk_engine(tmp_path, other_model, **other_settings)
+    writer.generate([prompt], params)
+    ours = keys_of(prompt, 4)
+    theirs = keys_of(prompt, other_settings["block_size"])
+    for mine, key in zip(ours, theirs):  # block i's file under this engine's key for block i
+        os.replace(tmp_path / f"{key.hex()}.rank0.kv", tmp_path / f"{mine.hex()}.rank0.kv")
+    planted = {name: (tmp_path / name).read_bytes() for name in disk_files(tmp_path)}
+    engine = disk_engine(tmp_path, **settings_)
+    out = engine.generate([prompt], params)[0]
+    assert out.outputs[0].token_ids == naive_greedy(MODEL, prompt, 1)
+    assert out.num_cached_tokens == 0 and engine.stats()["num_reloaded_blocks"] == 0
+    assert engine.stats()["num_refused_disk_files"] == 1  # the hit stops at the first block
+    later = disk_engine(tmp_path, **settings_)
+    out = later.generate([prompt + [7]], params)[0]
+    assert out.num_cached_tokens == 12 and later.stats()["num_refused_disk_files"] == 0
+    assert out.outputs[0].token_ids == naive_greedy(MODEL, prompt + [7], 1)
+    assert all((tmp_path / name).read_bytes() != data for name, data in planted.items()
+               if name in {f"{k.hex()}.rank0.kv" for k in ours})
+
+
+def damage(path, how):
+    """Spoil a block file: a payload byte flipped, the file cut in half, or emptied."""
+    data = path.read_bytes()
+    if how == "corrupt":
+        data = data[:-5] + bytes([data[-5] ^ 1]) + data[-4:]
+    elif how == "truncated":
+        data = data[:len(data) // 2]
+    else:
+        data = b""
+    path.write_bytes(data)
+
+
+@pytest.mark.connector
+@pytest.mark.parametrize("how", ["corrupt", "truncated", "empty"])
+@pytest.mark.parametrize("which", [0, 1])
+def test_a_corrupt_or_torn_file_is_a_miss_and_is_written_again(tmp_path, how, which):
+    """One block's file is spoiled: the restarted engine's hit stops before it (its blocks
+    before it come from disk), the output is right, the file is deleted and, once this
+    engine publishes its block again, written whole: a third engine hits every block."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9]
+    params = SamplingParams(max_tokens=1, temperature=0)
+    disk_engine(tmp_path, block_size=4, num_blocks=32).generate([prompt], params)
+    spoiled = tmp_path / f"{list(keys_of(prompt, 4))[which].hex()}.rank0.kv"
+    damage(spoiled, how)
+    engine = disk_engine(tmp_path, block_size=4, num_blocks=32)
+    out = engine.generate([prompt], params)[0]
+    assert out.outputs[0].token_ids == naive_greedy(MODEL, prompt, 1)
+    assert out.num_cached_tokens == 4 * which
+    assert engine.stats()["num_refused_disk_files"] == 1
+    # the spoiled one is written again; the whole ones after it, computed again, are not
+    assert engine.stats()["num_offloaded_blocks"] == 1
+    third = disk_engine(tmp_path, block_size=4, num_blocks=32)
+    assert third.generate([prompt], params)[0].num_cached_tokens == 12
+    assert third.stats()["num_refused_disk_files"] == 0
+
+
+@pytest.mark.connector
+@pytest.mark.parametrize("stage", ["in", "computed"])
+def test_a_failure_inside_a_transfer_fails_the_step_and_leaks_nothing(tmp_path, stage):
+    """A transfer that raises halfway (at "in": after one block of a load is copied into the
+    device; at "computed": after one block's file is written) fails the step: no device block
+    the load touched keeps a prefix, the next steps compute the same tokens as an engine without
+    the store, every block comes back and no read is held. The files on disk stay whole."""
+    params = SamplingParams(max_tokens=3, temperature=0)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9]
+    if stage == "in":  # on disk before, with other prompts' blocks cached on the device
+        disk_engine(tmp_path, block_size=4, num_blocks=12).generate([prompt], params)
+    engine = disk_engine(tmp_path, block_size=4, num_blocks=12)
+    for i in range(4):  # every block cached and free: a load evicts one of them
+        engine.generate([[20 + i] * 10], params)
+    assert not engine.allocator.empty_block_ids
+    held = [b.hash for b in engine.allocator.blocks]  # each block's prefix before the step
+    store, touched = engine.allocator.connector, []
+    real_copy_in, real_write_file = store.copy_in, store.write_file
+
+    def copy_in(reload, runner):  # one block copied, then the failure
+        touched.extend(block_id for _, block_id in reload)
+        real_copy_in(reload[:1], runner)
+        raise RuntimeError("injected")
+
+    def write_file(handle, payload):  # the second file fails
+        if touched:
+            raise RuntimeError("injected")
+        touched.append(handle)
+        real_write_file(handle, payload)
+    if stage == "in":
+        store.copy_in = copy_in
+    else:
+        store.write_file = write_file
+    request_id = engine.add_request(prompt, params)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    assert touched
+    if stage == "in":
+        assert all(held[b] is not None for b in touched)  # each one held a prefix, and
+        assert all(engine.allocator.blocks[b].hash is None for b in touched)  # has none now
+    assert store.staged == {}
+    store.copy_in, store.write_file = real_copy_in, real_write_file
+    out = drain(engine)
+    assert out[request_id].outputs[0].token_ids == naive_greedy(MODEL, prompt, 3)
+    assert_all_blocks_free(engine) and store.staged == {}
+    restarted = disk_engine(tmp_path, block_size=4, num_blocks=12)
+    assert restarted.generate([prompt], params)[0].num_cached_tokens == 12
+    assert restarted.stats()["num_refused_disk_files"] == 0
+
+
+@pytest.mark.connector
+@pytest.mark.parametrize("config, message", [
+    (None, "connector_config={'path': FOLDER}"),
+    ({}, "connector_config={'path': FOLDER}"),
+    ({"path": "/no/such/folder"}, "an existing folder, got path='/no/such/folder'"),
+    ({"path": __file__}, "an existing folder"),
+    ({"path": ".", "size": 1}, "does not fit connector 'disk'"),
+])
+def test_a_disk_store_without_a_folder_is_a_clear_error(config, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Engine(MODEL, block_size=4, num_blocks=8, connector="disk", connector_config=config)
+
+
+@pytest.mark.connector
+def test_the_disk_store_refuses_a_draft_model_and_serves_ngrams(tmp_path):
+    """A draft model's K/V sit in every block beside the target's, and the store saves the
+    target's only: refused up front, naming both. Guesses by n-grams keep no K/V: served."""
+    with pytest.raises(ValueError, match="connector='disk'.*draft model"):
+        disk_engine(tmp_path, block_size=4, num_blocks=8,
+                    speculative_config=speculative_config("draft=target", 2, MODEL))
+    disk_engine(tmp_path, block_size=4, num_blocks=8,
+                speculative_config=speculative_config("ngram", 2, MODEL))
 
 
 # -----------------------------------------------------------------------------
@@ -9071,6 +9363,20 @@ def test_demo_takes_the_policies_and_priorities_from_the_command_line(capsys):
     assert engine.allocator.prefix_cache.score is EVICTION_POLICIES["lfu"]
     # both arrive in the first step; the lower value is admitted first
     assert high.metrics.first_scheduled_time < low.metrics.first_scheduled_time
+
+
+@pytest.mark.demo
+@pytest.mark.connector
+def test_demo_takes_the_connector_and_its_settings_from_the_command_line(capsys, tmp_path):
+    """--connector disk over a folder, run twice: the second run (a restart) reads the first
+    one's prompt from disk and prints the same completion."""
+    flags = ["--prompt", "def function(argument):", "--max-tokens", "4", "--temperature", "0",
+             "--connector", "disk", "--connector-config", json.dumps({"path": str(tmp_path)})]
+    first, restarted = demo.main(flags), demo.main(flags)
+    assert type(first["engine"].allocator.connector).__name__ == "DiskStore"
+    assert restarted["outputs"][0].num_cached_tokens > 0
+    assert [r["outputs"][0].outputs[0].token_ids for r in (first, restarted)] == \
+        [restarted["outputs"][0].outputs[0].token_ids] * 2
 
 
 @pytest.mark.demo
