@@ -184,6 +184,10 @@ class DiskStore(Connector):
                              f"FOLDER}}, an existing folder, got path={path!r}")
         if not os.access(path, os.W_OK | os.X_OK):
             raise ValueError(f"Engine: connector='disk' cannot write into path={path!r}")
+        if facts.world_size > 1:  # each rank's own files: a hit on one rank, a miss on another
+            raise ValueError("Engine: connector='disk' does not run under tensor parallelism: "
+                             "the ranks' files could differ, and nothing makes the ranks agree "
+                             "on a hit (run it with tensor_parallel_size=1)")
         if keeps_kv_of_its_own(facts.speculative, facts.block_shape[2], facts.dtype):
             raise ValueError("Engine: connector='disk' saves the target model's K/V only: it "
                              "does not run beside a speculative method with a draft model's "
@@ -407,7 +411,7 @@ def cpu_cache_bytes(name, config, shorthand):
 def make_connector(name, config, **facts):
     """CONNECTORS[name](facts, **config), or a ValueError naming what cannot work. facts: what
     the engine knows (allocator, model, block_shape, dtype, paged_blocks, device, rank,
-    speculative: the proposer or None, prefix_caching)."""
+    world_size, speculative: the proposer or None, prefix_caching)."""
     if not isinstance(name, str) or name not in CONNECTORS:
         raise ValueError(f"Engine: connector must be one of {sorted(CONNECTORS)}, got {name!r}")
     if config is not None and not isinstance(config, dict):

@@ -2986,7 +2986,8 @@ class Engine:
             allocator.connector = connectors.make_connector(
                 connector, connector_config, allocator=allocator, model=self.model,
                 block_shape=kv_block_shape(self.config, block_size), dtype=dtype, device=device,
-                rank=tp.rank, speculative=proposer, prefix_caching=enable_prefix_caching,
+                rank=tp.rank, world_size=tp.world_size, speculative=proposer,
+                prefix_caching=enable_prefix_caching,
                 # one block of each paged tensor (the K/V, key bounds if kept): (shape, dtype)
                 paged_blocks=[(cache[:, :, 0].shape, cache.dtype)
                               for cache, _ in self.model_runner.paged_tensors()])

@@ -3838,6 +3838,18 @@ def test_the_disk_store_refuses_a_draft_model_and_serves_ngrams(tmp_path):
                 speculative_config=speculative_config("ngram", 2, MODEL))
 
 
+@pytest.mark.connector
+def test_the_disk_store_refuses_tensor_parallelism(tmp_path, monkeypatch):
+    """Each rank reads its own files, and nothing makes the ranks agree on a hit: refused up
+    front, naming both (a mismatch would otherwise diverge the ranks' schedules)."""
+    monkeypatch.setattr(parallel.tp, "world_size", 2)  # as a rank of two sees it
+    with pytest.raises(ValueError, match="connector='disk' does not run under tensor parallel"):
+        connectors.make_connector(
+            "disk", {"path": str(tmp_path)}, allocator=None, model=MODEL, block_shape=None,
+            dtype=torch.float32, paged_blocks=[], device="cpu", rank=0,
+            world_size=parallel.tp.world_size, speculative=None, prefix_caching=True)
+
+
 # -----------------------------------------------------------------------------
 # 5. The scheduler: policies, preemption, the budgets  (-m scheduler)
 
