@@ -1,10 +1,11 @@
 """
 Tests for nanopaged, in the order a reader meets the code: first the layer below (kernel.py: the
 kernels, then 8-bit caches), then nanopaged.py's sections in its own order (sequences and
-requests, the block allocator, the prefix cache, the swap pool, the scheduler, tensor
-parallelism, the model, sampling, output processing, the engine, the checks), then the files
-above it (checkpoints.py, speculative.py, detokenizer.py, demo.py, bench.py). Each section's
-tests carry its pytest marker, named in its title (pyproject.toml lists them).
+requests, the prefix cache, the block pools and the connectors, the block allocator, the
+scheduler, tensor parallelism beside it, the model, sampling, output processing, the engine, the
+checks beside it), then the files above it (checkpoints.py, speculative.py, detokenizer.py,
+demo.py, bench.py). Each section's tests carry its pytest marker, named in its title
+(pyproject.toml lists them).
 
     python -m pytest -q                               what CI runs (the default profile)
     python -m pytest -q -m allocator                  one part; -m "not bench" leaves one out
@@ -1942,563 +1943,6 @@ def test_a_fork_goes_on_apart_from_its_parent_in_every_field_your_copy_adds():
 
 
 # -----------------------------------------------------------------------------
-# 2. The block allocator: free list, ref counts, copy-on-write  (-m allocator)
-#
-# The test keeps a fake KV cache that stores token ids instead of K/V vectors. It "computes"
-# a token by writing its id into the slot the block table names, performs the block copies
-# the allocator asks for, and so can read every sequence back through its table.
-
-
-class Cache:
-    """Fake KV: token ids in block slots, refusing writes into shared blocks and into the
-    places no token to come sees (NO_BLOCK). Every KV cache group's table holds the tokens."""
-
-    def __init__(self, allocator, num_blocks, num_cpu_blocks, block_size):
-        self.allocator, self.bs = allocator, block_size
-        self.device = [[None] * block_size for _ in range(num_blocks)]
-        self.cpu = [[None] * block_size for _ in range(num_cpu_blocks)]
-
-    def compute(self, seq, num_new=None):
-        """Write seq's next num_new tokens (by default all it has), as a model step would, and
-        publish the blocks they fill."""
-        end = len(seq) if num_new is None else seq.num_computed_tokens + num_new
-        for table in seq.block_tables:
-            for p in range(seq.num_computed_tokens, end):
-                block_id = table[p // self.bs]
-                assert block_id != NO_BLOCK, f"position {p} has no block to be written into"
-                assert self.allocator.blocks[block_id].ref_count == 1, \
-                    f"write into shared block {block_id}"
-                self.device[block_id][p % self.bs] = seq.token_ids[p]
-        self.allocator.cache_full_blocks(seq, end)
-        seq.num_computed_tokens = end
-
-    def copy(self, pairs, src_pool, dst_pool):
-        for src, dst in pairs:
-            dst_pool[dst] = list(src_pool[src])
-
-    def read(self, seq, pool, table):
-        """seq's computed tokens as table holds them; None where no block is left."""
-        blocks = [table[p // self.bs] for p in range(seq.num_computed_tokens)]
-        return [None if b == NO_BLOCK else pool[b][p % self.bs] for p, b in enumerate(blocks)]
-
-
-def allocate_whole(a, seq):
-    """Give seq its prefix hit and blocks for all its other tokens at once, as one chunk."""
-    a.allocate(seq)
-    return a.allocate_slots(seq, len(seq) - seq.num_computed_tokens)
-
-
-def free_order(a):
-    """The free blocks in the order the allocator hands them out (the allocate rule checks it)."""
-    cached = a.prefix_cache.evictable
-    return a.empty_block_ids[::-1] + sorted(cached, key=cached.get)
-
-
-def allocator_state(a):
-    return state_of(a)
-
-
-def group_key(key, group):
-    """A block's prefix-cache key in a KV cache group: the chained key, made the group's own
-    past the first (the groups' blocks hold other layers' K/V)."""
-    return key if group == 0 else hashlib.sha256(bytes([group]) + key).digest()
-
-
-def held(tables):
-    return [b for table in tables for b in table if b != NO_BLOCK]
-
-
-def unseen_blocks(kind, n, num_blocks, block_size):
-    """The model of the blocks a sequence no longer needs once its first n tokens are computed:
-    those of its first num_blocks whose every key no token from position n on sees, by the
-    kind's mask alone (key k is first seen, if ever, by position max(n, k): the first position
-    a query sees only moves on)."""
-    def needed(k):
-        return bool(kind.mask.visible(torch.tensor(max(n, k)), torch.tensor(k)))
-    return {j for j in range(num_blocks)
-            if not any(needed(k) for k in range(j * block_size, (j + 1) * block_size))}
-
-
-def kinds_of(sizes=st.integers(1, 4)):
-    """Per KV cache group an attention kind, one or two groups (a hybrid model), each of every
-    registered kind (the suite's own included), with windows and chunks of a few tokens."""
-    def kind(name, window, chunk):
-        config = SimpleNamespace(sliding_window=window, attention_chunk_size=chunk)
-        return nanopaged.ATTENTION_KINDS[name].from_config(config)
-    return st.lists(st.builds(kind, st.sampled_from(KINDS), sizes, sizes), min_size=1,
-                    max_size=2).map(tuple)
-
-
-class AllocatorMachine(RuleBasedStateMachine):
-    """The allocator alone, with one KV cache group or two side by side (a hybrid model: a table
-    per group over one pool), of every attention kind. Every move takes the blocks it counted,
-    from the front of the free list; ref counts are the tables' entries; what a kind no longer
-    needs goes back, and those blocks are taken again; a sequence holds no more than its
-    kinds' bound."""
-
-    @initialize(block_size=st.integers(1, 4), num_blocks=st.integers(1, 12),
-                num_cpu_blocks=st.integers(0, 8), caching=st.booleans(),
-                policy=st.sampled_from(EVICTION),
-                kinds=st.sampled_from([(nanopaged.FullAttention(),)]) | kinds_of())
-    def setup(self, block_size, num_blocks, num_cpu_blocks, caching, policy, kinds):
-        self.a = BlockAllocator(num_blocks * len(kinds), block_size, num_cpu_blocks,
-                                enable_prefix_caching=caching, eviction_policy=policy,
-                                kinds=kinds)
-        self.kinds = kinds
-        self.score = EVICTION_POLICIES[policy]
-        self.cache = Cache(self.a, self.a.num_blocks, num_cpu_blocks, block_size)
-        self.on_device, self.on_cpu = [], []  # live sequences, by where their blocks are
-        self.next_id = 0
-        # A plain model of the prefix cache: key (each group's own) -> the blocks that hold it,
-        # in publishing order, from what was computed and handed out
-        self.published = {}
-        self.freed_at, self.clock = {}, 0  # when each free block joined the free list
-
-    def new_id(self):
-        self.next_id += 1
-        return self.next_id
-
-    def unseen(self, group, n, num_blocks):
-        return unseen_blocks(self.kinds[group], n, num_blocks, self.a.block_size)
-
-    def model_hits(self, tokens):
-        """The longest run of leading full blocks (never the last token's) whose blocks each
-        group needs are cached, the model says: all but those no token after them sees."""
-        bs, key, keys = self.a.block_size, None, []
-        for i in range((len(tokens) - 1) // bs if self.a.prefix_cache.enabled else 0):
-            keys.append(key := chain_hash(key, tuple(tokens[i * bs:(i + 1) * bs])))
-
-        def served(n):
-            return all(group_key(keys[i], g) in self.published for g in range(len(self.kinds))
-                       for i in set(range(n)) - self.unseen(g, n * bs, n))
-        return max(n for n in range(len(keys) + 1) if served(n))
-
-    def keys(self, seq):
-        """The keys of seq's full computed blocks."""
-        bs, key, keys = self.a.block_size, None, []
-        for i in range(seq.num_computed_tokens // bs if self.a.prefix_cache.enabled else 0):
-            keys.append(key := chain_hash(key, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
-        return keys
-
-    def forget(self, lost):
-        """The model's published blocks, but those in lost (handed out fresh: evicted)."""
-        holders = {k: [b for b in blocks if b not in lost] for k, blocks in self.published.items()}
-        self.published = {k: blocks for k, blocks in holders.items() if blocks}
-
-    def compute(self, seq, fresh, num_new=None):
-        """The blocks handed out fresh lose what they held; then seq's next num_new tokens are
-        written, and its full blocks from num_published_blocks on (after a swap, all of them: fresh
-        copies) are published in each group that holds them, each beside any other block that
-        holds its prefix (a twin, cached too, as in vLLM): every computed full block is
-        cached."""
-        self.forget(set(fresh))
-        offered = seq.num_published_blocks
-        self.cache.compute(seq, num_new)
-        keys = self.keys(seq)
-        for g, table in enumerate(seq.block_tables):
-            for key, block_id in zip(keys[offered:], table[offered:]):
-                if block_id != NO_BLOCK:
-                    holders = self.published.setdefault(group_key(key, g), [])
-                    holders += [] if block_id in holders else [block_id]
-        assert seq.num_published_blocks == len(keys)
-        for g, table in enumerate(seq.block_tables):
-            for key, block_id in zip(keys, table):
-                if block_id != NO_BLOCK:
-                    key = group_key(key, g)
-                    assert self.a.blocks[block_id].hash == key and block_id in self.published[key]
-
-    def took(self, counted, free_before, tables_before, tables):
-        """A move took exactly the blocks it counted: the free blocks now in seq's tables."""
-        taken = (set(held(tables)) - set(held(tables_before))) & set(free_before)
-        assert len(taken) == counted == len(free_before) - self.a.num_free_blocks, \
-            "the blocks counted are not the blocks taken"
-
-    @rule(data=st.data(), suffix=st.lists(st.integers(0, 2), min_size=0, max_size=9))
-    def allocate(self, data, suffix):
-        # Prompts from a 3-letter alphabet, often extending a live sequence, so prefixes repeat.
-        live = self.on_device + self.on_cpu
-        prefix = (data.draw(st.sampled_from([s.token_ids for s in live]))
-                  if live and data.draw(st.booleans()) else [])
-        tokens = (prefix[:data.draw(st.integers(0, len(prefix)))] + suffix) or [0]
-        seq = Sequence(self.new_id(), tokens, len(tokens))
-        counted = self.a.num_blocks_to_allocate(seq)
-        if counted > self.a.num_free_blocks:
-            before = allocator_state(self.a)
-            with pytest.raises(OutOfBlocksError):
-                self.a.allocate(seq)
-            assert allocator_state(self.a) == before and not any(seq.block_tables)
-            return
-        free_before = free_order(self.a)
-        hit_tokens_before, hits = self.a.prefix_cache.counts.hit_tokens, self.model_hits(tokens)
-        self.a.allocate(seq)
-        bs = self.a.block_size
-        assert seq.num_computed_tokens == hits * bs < len(seq)
-        assert self.a.prefix_cache.counts.hit_tokens - hit_tokens_before == seq.num_computed_tokens
-        keys = self.keys(seq)
-        for g, table in enumerate(seq.block_tables):  # no block where no token to come sees
-            unseen = self.unseen(g, hits * bs, hits)  # one; else the prefix's first cached holder
-            assert table == [NO_BLOCK if i in unseen else self.published[group_key(key, g)][0]
-                             for i, key in enumerate(keys[:hits])]
-        self.took(counted, free_before, [], seq.block_tables)  # a hit's blocks only, if free
-        self.on_device.append(seq)
-
-    def skip(self, seq):
-        """Give back what seq's kinds no longer need: each group's blocks no token to come
-        sees become NO_BLOCK, released; those nobody else holds join the free list, the
-        uncached ones on top (the next taken), the last released first."""
-        tables, free_before = [list(t) for t in seq.block_tables], free_order(self.a)
-        refs = [b.ref_count for b in self.a.blocks]
-        self.a.free_skipped_blocks(seq)
-        released = []
-        for g, (old, table) in enumerate(zip(tables, seq.block_tables)):
-            unseen = self.unseen(g, seq.num_computed_tokens, len(old))
-            assert table == [NO_BLOCK if i in unseen else b for i, b in enumerate(old)], \
-                "a kind kept a block no token to come sees, or gave back one it needs"
-            released += [b for i, b in reversed(list(enumerate(old)))
-                         if b != NO_BLOCK and i in unseen]
-        freed = [b for b in released if refs[b] == 1]
-        assert len(free_before) + len(freed) == self.a.num_free_blocks
-        empty = [b for b in reversed(freed) if self.a.blocks[b].hash is None]
-        assert free_order(self.a)[:len(empty)] == empty
-
-    @precondition(lambda self: self.on_device)
-    @rule(data=st.data())
-    def skip_blocks(self, data):
-        self.skip(data.draw(st.sampled_from(self.on_device)))
-
-    @precondition(lambda self: self.on_device)
-    @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), max_size=3))
-    def compute_a_chunk(self, data, tokens):
-        # a sequence gains tokens (or has its prompt's left), then computes a chunk of them, as
-        # an engine step does: what its kinds no longer need goes back first
-        seq = data.draw(st.sampled_from(self.on_device))
-        seq.token_ids += tokens
-        if seq.num_computed_tokens == len(seq):
-            return
-        num_new = data.draw(st.integers(1, len(seq) - seq.num_computed_tokens))
-        self.skip(seq)
-        counted = self.a.num_blocks_to_append([seq], num_new)
-        # the decode's shortcut (a table takes one block at most) says what the count says
-        if num_new == 1 and seq.num_computed_tokens + 1 == len(seq):
-            assert self.a.can_append([seq]) == (counted <= self.a.num_free_blocks)
-        # a chunk shrinks to the blocks free: the most tokens whose count fits
-        fits = self.a.num_slots_free(seq, num_new)
-        assert all((self.a.num_blocks_to_append([seq], n) <= self.a.num_free_blocks) == (n <= fits)
-                   for n in range(num_new + 1))
-        if counted > self.a.num_free_blocks:
-            before = allocator_state(self.a)
-            with pytest.raises(OutOfBlocksError):
-                self.a.allocate_slots(seq, num_new)
-            assert allocator_state(self.a) == before
-            return
-        tables, free_before = [list(t) for t in seq.block_tables], free_order(self.a)
-        copies = self.a.allocate_slots(seq, num_new).cow  # no CPU tier here: nothing else
-        assert all(self.a.blocks[src].ref_count >= 1 for src, _ in copies), \
-            "copy-on-write source must still be owned"
-        self.cache.copy(copies, self.cache.device, self.cache.device)
-        self.took(counted, free_before, tables, seq.block_tables)
-        fresh = [b for old, table in zip(tables, seq.block_tables) for b in table if b not in old]
-        assert fresh == free_before[:len(fresh)]  # group by group, from the front of the list
-        most = self.a.max_blocks(len(seq), num_new)  # its kinds' bound, while the chunk runs
-        assert len(held(seq.block_tables)) <= most
-        self.compute(seq, fresh, num_new)
-
-    @precondition(lambda self: self.on_device)
-    @rule(data=st.data())
-    def fork(self, data):
-        parent = data.draw(st.sampled_from(self.on_device))
-        child = parent.fork(self.new_id(), 1)
-        self.a.fork(parent, child)
-        assert child.block_tables == parent.block_tables
-        self.on_device.append(child)
-
-    @precondition(lambda self: self.on_device)
-    @rule(data=st.data())
-    def free(self, data):
-        seq = data.draw(st.sampled_from(self.on_device))
-        tables, free_before = [list(t) for t in seq.block_tables], set(free_order(self.a))
-        self.a.free(seq)
-        self.on_device.remove(seq)
-        if self.score is EVICTION_POLICIES["lru"]:  # tail first, group by group: of its blocks
-            # that keep a cached prefix, the head of the last group joins the free list last
-            free = free_order(self.a)
-            cached = [b for b in free if b not in free_before and self.a.blocks[b].hash is not None]
-            assert cached == [b for table in tables for b in reversed(table) if b in cached]
-            assert free[len(free) - len(cached):] == cached
-
-    def move(self, data, source, target, can_move, move, src_pool, dst_pool):
-        # a request at once (a parent and its forks, say), so blocks they share stay shared
-        seqs = data.draw(st.lists(st.sampled_from(source), min_size=1, unique=True))
-        swap_in = move == self.a.swap_pool.swap_in
-        num_free = self.a.num_free_blocks if swap_in else self.a.swap_pool.num_free_blocks
-        # Swapping in, a block whose prefix the model says is cached comes back as that block,
-        # which takes a free block only if it is free itself; every other block takes one.
-        kept = {table[i]: self.published[group_key(key, g)][0] for seq in seqs if swap_in
-                for g, table in enumerate(seq.block_tables) for i, key in enumerate(self.keys(seq))
-                if table[i] != NO_BLOCK and group_key(key, g) in self.published}
-        revived = {b for b in kept.values() if self.a.blocks[b].ref_count == 0}
-        blocks = set(held(t for seq in seqs for t in seq.block_tables))
-        num_blocks = len(blocks - kept.keys()) + len(revived)
-        assert can_move(seqs) == (num_blocks <= num_free)  # exact, not an estimate
-        if not can_move(seqs):
-            before = allocator_state(self.a)
-            with pytest.raises(OutOfBlocksError):
-                move(seqs)
-            assert allocator_state(self.a) == before
-            return
-        left = [[b == NO_BLOCK for b in t] for seq in seqs for t in seq.block_tables]
-        moved = move(seqs)  # its BlockCopies: no CPU tier here, so the move's alone
-        copies = moved.swap_in if swap_in else moved.swap_out
-        assert num_free - (self.a.num_free_blocks if swap_in else
-                           self.a.swap_pool.num_free_blocks) == num_blocks
-        assert left == [[b == NO_BLOCK for b in t] for seq in seqs for t in seq.block_tables], \
-            "a place given back moved, or a held block did not"
-        assert not {src for src, _ in copies} & kept.keys(), "a block still cached is copied"
-        self.cache.copy(copies, src_pool, dst_pool)
-        for seq in seqs:
-            source.remove(seq)
-            target.append(seq)
-        if swap_in:  # blocks taken fresh forgot their prefix; they are published again
-            self.forget({b.block_id for b in self.a.blocks if b.hash is None})
-            for seq in seqs:
-                self.compute(seq, [], 0)
-
-    @precondition(lambda self: self.on_device)
-    @rule(data=st.data())
-    def swap_out(self, data):
-        self.move(data, self.on_device, self.on_cpu, self.a.swap_pool.can_swap_out,
-                  self.a.swap_pool.swap_out,
-                  self.cache.device, self.cache.cpu)
-
-    @precondition(lambda self: self.on_cpu)
-    @rule(data=st.data())
-    def swap_in(self, data):
-        self.move(data, self.on_cpu, self.on_device, self.a.swap_pool.can_swap_in,
-                  self.a.swap_pool.swap_in,
-                  self.cache.cpu, self.cache.device)
-
-    @invariant()
-    def free_plus_used_is_everything(self):
-        free = free_order(self.a)
-        assert set(free) == {b.block_id for b in self.a.blocks if b.ref_count == 0}
-        assert self.a.num_free_blocks == len(free) and \
-            len(free) + sum(b.ref_count > 0 for b in self.a.blocks) == self.a.num_blocks
-        assert set(self.a.swap_pool.empty_block_ids) == \
-            {b.block_id for b in self.a.swap_pool.blocks if b.ref_count == 0}
-
-    @invariant()
-    def ref_counts_equal_block_table_entries(self):
-        # nothing leaked: every taken block is in the tables (of any group) as often as its
-        # count says, and no block is in two groups' tables
-        for seqs, pool in ((self.on_device, self.a), (self.on_cpu, self.a.swap_pool)):
-            counts = [0] * pool.num_blocks
-            for seq in seqs:
-                for b in held(seq.block_tables):
-                    counts[b] += 1
-            assert counts == [b.ref_count for b in pool.blocks]
-            groups = [set(held(seq.block_tables[g] for seq in seqs))
-                      for g in range(len(self.kinds))]
-            assert sum(map(len, groups)) == len(set().union(*groups)), "a block in two groups"
-
-    @invariant()
-    def every_sequence_reads_back_what_it_computed(self):
-        for seqs, pool in ((self.on_device, self.cache.device), (self.on_cpu, self.cache.cpu)):
-            for seq in seqs:
-                for g, table in enumerate(seq.block_tables):
-                    assert len(table) == -(-seq.num_computed_tokens // self.a.block_size), \
-                        "a table covers its computed tokens, its last block at most partial"
-                    # blocks given back are only those no token to come sees
-                    gone = {i for i, b in enumerate(table) if b == NO_BLOCK}
-                    assert gone <= self.unseen(g, seq.num_computed_tokens, len(table))
-                    assert self.cache.read(seq, pool, table) == [
-                        None if p // self.a.block_size in gone else t
-                        for p, t in enumerate(seq.token_ids[:seq.num_computed_tokens])]
-
-    @invariant()
-    def the_cache_is_the_plain_model_and_evicts_uncached_then_by_score(self):
-        if not hasattr(self, "a"):
-            return
-        assert {k: list(blocks) for k, blocks in self.a.prefix_cache.blocks_by_key.items()} == \
-            self.published
-        free, blocks = free_order(self.a), self.a.blocks
-        for b in free:
-            self.freed_at.setdefault(b, self.clock)
-        self.freed_at = {b: t for b, t in self.freed_at.items() if b in free}
-        self.clock += 1
-        cached = [blocks[b].hash is not None for b in free]
-        assert cached == sorted(cached), "an uncached free block sits behind a cached one"
-        # the policy's score of a free block cannot change while it is free
-        keys = [(self.score(blocks[b]), self.freed_at[b]) for b in free if blocks[b].hash]
-        assert keys == sorted(keys), "cached free blocks not by score, then least recently freed"
-
-    @invariant()
-    def cached_blocks_hold_their_tokens(self):
-        for h, holders in self.a.prefix_cache.blocks_by_key.items():
-            for block_id in holders:
-                block = self.a.blocks[block_id]
-                assert block.hash == h and list(block.token_ids) == self.cache.device[block_id]
-
-    def teardown(self):
-        if not hasattr(self, "a"):
-            return
-        for seq in self.on_device:
-            self.a.free(seq)
-        for seq in self.on_cpu:
-            self.a.swap_pool.free(seq)
-        assert self.a.num_free_blocks == self.a.num_blocks
-        assert self.a.swap_pool.num_free_blocks == self.a.swap_pool.num_blocks
-
-
-AllocatorMachine.TestCase.settings = settings(max_examples=examples(300), stateful_step_count=40,
-                                              deadline=None)
-test_allocator_state_machine = pytest.mark.allocator(AllocatorMachine.TestCase)
-
-
-@pytest.mark.allocator
-@settings(max_examples=examples(200), deadline=None)
-@given(kinds_of(st.integers(1, 40)), st.integers(1, 8), st.integers(1, 200), st.integers(1, 60),
-       st.data())
-def test_a_kinds_bound_holds_every_block_a_chunk_can_need(kinds, block_size, num_tokens, chunk,
-                                                          data):
-    # a sequence at any point, n tokens computed, about to compute a chunk: the blocks it holds
-    # then are those of its first n + chunk tokens but the ones no token from n on sees; the
-    # bound admission and check_request count covers them, wherever n falls
-    n = data.draw(st.integers(0, num_tokens - 1))
-    chunk = min(chunk, num_tokens - n)
-    for kind in kinds:
-        num_blocks = -(-(n + chunk) // block_size)
-        held = num_blocks - len(unseen_blocks(kind, n, num_blocks, block_size))
-        assert held <= kind.max_blocks(num_tokens, chunk, block_size)
-        # and the kind's own rule is the model's: the blocks it gives back, the hit it needs
-        assert set(kind.skipped_blocks(n, block_size)) == unseen_blocks(kind, n, n // block_size,
-                                                                        block_size)
-        hit = n // block_size
-        assert kind.hit_blocks(hit, block_size) == sorted(
-            set(range(hit)) - unseen_blocks(kind, hit * block_size, hit, block_size))
-
-
-@pytest.mark.allocator
-def test_a_hybrid_append_without_room_for_every_group_changes_nothing():
-    # a window beside full attention, blocks of one token: each group's table needs a block for
-    # the next token, and one is free; the first group's must not be taken before the refusal
-    a = BlockAllocator(3, 1, kinds=(nanopaged.FullAttention(), nanopaged.SlidingWindow(2)))
-    seq = Sequence(0, [1], 1)
-    allocate_whole(a, seq)
-    seq.num_computed_tokens = 1
-    seq.token_ids.append(2)
-    assert a.num_blocks_to_append([seq]) == 2 > a.num_free_blocks == 1
-    before = allocator_state(a)
-    with pytest.raises(OutOfBlocksError):
-        a.allocate_slots(seq, 1)
-    assert allocator_state(a) == before
-
-
-@pytest.mark.allocator
-def test_sequences_allocated_together_take_no_more_than_their_counts_sum():
-    # a window of 3, blocks of one token. Cached and free, least recently freed first: the four
-    # blocks of [5, 6, 7, 8], then two of [1, 1]. Of two samples recomputed together, the first
-    # hits nothing and takes nothing yet (its blocks come with its chunks); the second hits the
-    # blocks its window sees, [7] and [8] (those before it are not needed), and takes those 2
-    a = BlockAllocator(6, 1, kinds=(nanopaged.SlidingWindow(3),))
-    for tokens in ([5, 6, 7, 8], [1, 1]):
-        seq = make_seq(0, tokens)
-        allocate_whole(a, seq)
-        seq.num_computed_tokens = len(tokens)
-        a.cache_full_blocks(seq)
-        a.free(seq)
-    first, second = make_seq(1, [9, 9, 9]), make_seq(2, [5, 6, 7, 8, 0])
-    counts = [a.num_blocks_to_allocate(seq) for seq in (first, second)]
-    assert counts == [0, 2] and a.num_free_blocks == 6
-    a.allocate_together([first, second])
-    assert a.num_free_blocks == 6 - sum(counts)
-    assert second.num_computed_tokens == 4 and second.block_table[:2] == [NO_BLOCK] * 2
-    assert [a.blocks[b].token_ids for b in second.block_table[2:]] == [(7,), (8,)]
-
-
-@pytest.mark.allocator
-def test_block_size_one_takes_a_block_per_token():
-    a = BlockAllocator(num_blocks=5, block_size=1)
-    seq = make_seq(0, [7, 8, 9])
-    allocate_whole(a, seq)
-    assert len(seq.block_table) == 3 and a.num_free_blocks == 2
-    seq.num_computed_tokens = 3
-    seq.token_ids.append(10)
-    assert not a.allocate_slots(seq, 1) and len(seq.block_table) == 4
-
-
-@pytest.mark.allocator
-def test_sequence_that_exactly_fills_its_blocks_takes_a_new_block_on_the_next_token():
-    a = BlockAllocator(num_blocks=4, block_size=4)
-    seq = make_seq(0, list(range(8)))
-    allocate_whole(a, seq)
-    assert len(seq.block_table) == 2 and a.num_free_blocks == 2
-    seq.num_computed_tokens = 8
-    seq.token_ids.append(8)
-    assert a.num_blocks_to_append([seq]) == 1
-    assert not a.allocate_slots(seq, 1) and len(seq.block_table) == 3
-
-
-@pytest.mark.allocator
-def test_a_prompt_gets_its_blocks_chunk_by_chunk():
-    # admitted, a sequence holds its hit alone (none here); each chunk takes the blocks its
-    # tokens fill, so a prompt of 10 in blocks of 4 holds 1, then 2, then 3 blocks
-    a = BlockAllocator(num_blocks=8, block_size=4)
-    seq = make_seq(0, list(range(10)))
-    a.allocate(seq)
-    assert len(seq.block_table) == 0 and a.num_free_blocks == 8
-    for chunk, blocks in [(3, 1), (3, 2), (4, 3)]:
-        assert a.num_blocks_to_append([seq], chunk) == blocks - len(seq.block_table)
-        a.allocate_slots(seq, chunk)
-        seq.num_computed_tokens += chunk
-        assert len(seq.block_table) == blocks == 8 - a.num_free_blocks
-
-
-@pytest.mark.allocator
-def test_fork_with_a_partial_last_block_copies_it_on_first_write_only():
-    a = BlockAllocator(num_blocks=8, block_size=4)
-    parent = make_seq(0, list(range(6)))  # one full block, one partial block
-    allocate_whole(a, parent)
-    parent.num_computed_tokens = 6
-    child = parent.fork(1, 1)
-    a.fork(parent, child)
-    assert [a.blocks[b].ref_count for b in parent.block_table] == [2, 2]
-    shared_last = parent.block_table[-1]
-    child.token_ids.append(100)
-    (src, dst), = a.allocate_slots(child, 1).cow  # the child writes first: it moves to a copy
-    assert src == shared_last and child.block_table == [parent.block_table[0], dst]
-    assert a.blocks[shared_last].ref_count == 1 and a.blocks[dst].ref_count == 1
-    parent.token_ids.append(200)
-    assert not a.allocate_slots(parent, 1)  # now the parent is the only owner: in place
-    assert parent.block_table[-1] == shared_last
-    assert a.blocks[parent.block_table[0]].ref_count == 2  # the full block stays shared
-
-
-@pytest.mark.allocator
-def test_out_of_blocks_leaves_the_allocator_unchanged():
-    a = BlockAllocator(num_blocks=2, block_size=2)
-    allocate_whole(a, make_seq(0, [1, 2, 3]))
-    seq = make_seq(1, [4])
-    a.allocate(seq)
-    before = allocator_state(a)
-    with pytest.raises(OutOfBlocksError, match="needs 1 blocks, 0 are free"):
-        a.allocate_slots(seq, 1)
-    assert allocator_state(a) == before
-
-
-@pytest.mark.allocator
-def test_double_free_raises():
-    a = BlockAllocator(num_blocks=2, block_size=2)
-    seq = make_seq(0, [1, 2, 3])
-    allocate_whole(a, seq)
-    table = nanopaged.BlockTable()
-    table.extend(seq.block_table)
-    a.free(seq)
-    seq.block_table = table  # a buggy caller frees the same blocks again
-    with pytest.raises(RuntimeError, match="released more times than it was taken"):
-        a.free(seq)
-
-
-# -----------------------------------------------------------------------------
 # 3. The prefix cache: chained keys, hits, eviction policies  (-m prefix_cache)
 
 
@@ -3021,10 +2465,10 @@ def test_on_an_empty_cache_a_requests_hit_is_the_leading_blocks_no_later_token_s
 
 
 # -----------------------------------------------------------------------------
-# 4. The swap pool: CPU blocks, sized in bytes  (-m allocator)
+# 4. The block pools: the CPU pool, sized in bytes  (-m allocator)
 #
-# The allocator's third part: its tests run with the allocator's (-m allocator), whose state
-# machine above swaps sequences out and in as well.
+# The CPU pool's tests run with the allocator's (-m allocator), whose state machine (section 5)
+# swaps sequences out and in as well.
 
 
 @pytest.mark.allocator
@@ -3851,7 +3295,564 @@ def test_the_disk_store_refuses_tensor_parallelism(tmp_path, monkeypatch):
 
 
 # -----------------------------------------------------------------------------
-# 5. The scheduler: policies, preemption, the budgets  (-m scheduler)
+# 5. The block allocator: free list, ref counts, copy-on-write  (-m allocator)
+#
+# The test keeps a fake KV cache that stores token ids instead of K/V vectors. It "computes"
+# a token by writing its id into the slot the block table names, performs the block copies
+# the allocator asks for, and so can read every sequence back through its table.
+
+
+class Cache:
+    """Fake KV: token ids in block slots, refusing writes into shared blocks and into the
+    places no token to come sees (NO_BLOCK). Every KV cache group's table holds the tokens."""
+
+    def __init__(self, allocator, num_blocks, num_cpu_blocks, block_size):
+        self.allocator, self.bs = allocator, block_size
+        self.device = [[None] * block_size for _ in range(num_blocks)]
+        self.cpu = [[None] * block_size for _ in range(num_cpu_blocks)]
+
+    def compute(self, seq, num_new=None):
+        """Write seq's next num_new tokens (by default all it has), as a model step would, and
+        publish the blocks they fill."""
+        end = len(seq) if num_new is None else seq.num_computed_tokens + num_new
+        for table in seq.block_tables:
+            for p in range(seq.num_computed_tokens, end):
+                block_id = table[p // self.bs]
+                assert block_id != NO_BLOCK, f"position {p} has no block to be written into"
+                assert self.allocator.blocks[block_id].ref_count == 1, \
+                    f"write into shared block {block_id}"
+                self.device[block_id][p % self.bs] = seq.token_ids[p]
+        self.allocator.cache_full_blocks(seq, end)
+        seq.num_computed_tokens = end
+
+    def copy(self, pairs, src_pool, dst_pool):
+        for src, dst in pairs:
+            dst_pool[dst] = list(src_pool[src])
+
+    def read(self, seq, pool, table):
+        """seq's computed tokens as table holds them; None where no block is left."""
+        blocks = [table[p // self.bs] for p in range(seq.num_computed_tokens)]
+        return [None if b == NO_BLOCK else pool[b][p % self.bs] for p, b in enumerate(blocks)]
+
+
+def allocate_whole(a, seq):
+    """Give seq its prefix hit and blocks for all its other tokens at once, as one chunk."""
+    a.allocate(seq)
+    return a.allocate_slots(seq, len(seq) - seq.num_computed_tokens)
+
+
+def free_order(a):
+    """The free blocks in the order the allocator hands them out (the allocate rule checks it)."""
+    cached = a.prefix_cache.evictable
+    return a.empty_block_ids[::-1] + sorted(cached, key=cached.get)
+
+
+def allocator_state(a):
+    return state_of(a)
+
+
+def group_key(key, group):
+    """A block's prefix-cache key in a KV cache group: the chained key, made the group's own
+    past the first (the groups' blocks hold other layers' K/V)."""
+    return key if group == 0 else hashlib.sha256(bytes([group]) + key).digest()
+
+
+def held(tables):
+    return [b for table in tables for b in table if b != NO_BLOCK]
+
+
+def unseen_blocks(kind, n, num_blocks, block_size):
+    """The model of the blocks a sequence no longer needs once its first n tokens are computed:
+    those of its first num_blocks whose every key no token from position n on sees, by the
+    kind's mask alone (key k is first seen, if ever, by position max(n, k): the first position
+    a query sees only moves on)."""
+    def needed(k):
+        return bool(kind.mask.visible(torch.tensor(max(n, k)), torch.tensor(k)))
+    return {j for j in range(num_blocks)
+            if not any(needed(k) for k in range(j * block_size, (j + 1) * block_size))}
+
+
+def kinds_of(sizes=st.integers(1, 4)):
+    """Per KV cache group an attention kind, one or two groups (a hybrid model), each of every
+    registered kind (the suite's own included), with windows and chunks of a few tokens."""
+    def kind(name, window, chunk):
+        config = SimpleNamespace(sliding_window=window, attention_chunk_size=chunk)
+        return nanopaged.ATTENTION_KINDS[name].from_config(config)
+    return st.lists(st.builds(kind, st.sampled_from(KINDS), sizes, sizes), min_size=1,
+                    max_size=2).map(tuple)
+
+
+class AllocatorMachine(RuleBasedStateMachine):
+    """The allocator alone, with one KV cache group or two side by side (a hybrid model: a table
+    per group over one pool), of every attention kind. Every move takes the blocks it counted,
+    from the front of the free list; ref counts are the tables' entries; what a kind no longer
+    needs goes back, and those blocks are taken again; a sequence holds no more than its
+    kinds' bound."""
+
+    @initialize(block_size=st.integers(1, 4), num_blocks=st.integers(1, 12),
+                num_cpu_blocks=st.integers(0, 8), caching=st.booleans(),
+                policy=st.sampled_from(EVICTION),
+                kinds=st.sampled_from([(nanopaged.FullAttention(),)]) | kinds_of())
+    def setup(self, block_size, num_blocks, num_cpu_blocks, caching, policy, kinds):
+        self.a = BlockAllocator(num_blocks * len(kinds), block_size, num_cpu_blocks,
+                                enable_prefix_caching=caching, eviction_policy=policy,
+                                kinds=kinds)
+        self.kinds = kinds
+        self.score = EVICTION_POLICIES[policy]
+        self.cache = Cache(self.a, self.a.num_blocks, num_cpu_blocks, block_size)
+        self.on_device, self.on_cpu = [], []  # live sequences, by where their blocks are
+        self.next_id = 0
+        # A plain model of the prefix cache: key (each group's own) -> the blocks that hold it,
+        # in publishing order, from what was computed and handed out
+        self.published = {}
+        self.freed_at, self.clock = {}, 0  # when each free block joined the free list
+
+    def new_id(self):
+        self.next_id += 1
+        return self.next_id
+
+    def unseen(self, group, n, num_blocks):
+        return unseen_blocks(self.kinds[group], n, num_blocks, self.a.block_size)
+
+    def model_hits(self, tokens):
+        """The longest run of leading full blocks (never the last token's) whose blocks each
+        group needs are cached, the model says: all but those no token after them sees."""
+        bs, key, keys = self.a.block_size, None, []
+        for i in range((len(tokens) - 1) // bs if self.a.prefix_cache.enabled else 0):
+            keys.append(key := chain_hash(key, tuple(tokens[i * bs:(i + 1) * bs])))
+
+        def served(n):
+            return all(group_key(keys[i], g) in self.published for g in range(len(self.kinds))
+                       for i in set(range(n)) - self.unseen(g, n * bs, n))
+        return max(n for n in range(len(keys) + 1) if served(n))
+
+    def keys(self, seq):
+        """The keys of seq's full computed blocks."""
+        bs, key, keys = self.a.block_size, None, []
+        for i in range(seq.num_computed_tokens // bs if self.a.prefix_cache.enabled else 0):
+            keys.append(key := chain_hash(key, tuple(seq.token_ids[i * bs:(i + 1) * bs])))
+        return keys
+
+    def forget(self, lost):
+        """The model's published blocks, but those in lost (handed out fresh: evicted)."""
+        holders = {k: [b for b in blocks if b not in lost] for k, blocks in self.published.items()}
+        self.published = {k: blocks for k, blocks in holders.items() if blocks}
+
+    def compute(self, seq, fresh, num_new=None):
+        """The blocks handed out fresh lose what they held; then seq's next num_new tokens are
+        written, and its full blocks from num_published_blocks on (after a swap, all of them: fresh
+        copies) are published in each group that holds them, each beside any other block that
+        holds its prefix (a twin, cached too, as in vLLM): every computed full block is
+        cached."""
+        self.forget(set(fresh))
+        offered = seq.num_published_blocks
+        self.cache.compute(seq, num_new)
+        keys = self.keys(seq)
+        for g, table in enumerate(seq.block_tables):
+            for key, block_id in zip(keys[offered:], table[offered:]):
+                if block_id != NO_BLOCK:
+                    holders = self.published.setdefault(group_key(key, g), [])
+                    holders += [] if block_id in holders else [block_id]
+        assert seq.num_published_blocks == len(keys)
+        for g, table in enumerate(seq.block_tables):
+            for key, block_id in zip(keys, table):
+                if block_id != NO_BLOCK:
+                    key = group_key(key, g)
+                    assert self.a.blocks[block_id].hash == key and block_id in self.published[key]
+
+    def took(self, counted, free_before, tables_before, tables):
+        """A move took exactly the blocks it counted: the free blocks now in seq's tables."""
+        taken = (set(held(tables)) - set(held(tables_before))) & set(free_before)
+        assert len(taken) == counted == len(free_before) - self.a.num_free_blocks, \
+            "the blocks counted are not the blocks taken"
+
+    @rule(data=st.data(), suffix=st.lists(st.integers(0, 2), min_size=0, max_size=9))
+    def allocate(self, data, suffix):
+        # Prompts from a 3-letter alphabet, often extending a live sequence, so prefixes repeat.
+        live = self.on_device + self.on_cpu
+        prefix = (data.draw(st.sampled_from([s.token_ids for s in live]))
+                  if live and data.draw(st.booleans()) else [])
+        tokens = (prefix[:data.draw(st.integers(0, len(prefix)))] + suffix) or [0]
+        seq = Sequence(self.new_id(), tokens, len(tokens))
+        counted = self.a.num_blocks_to_allocate(seq)
+        if counted > self.a.num_free_blocks:
+            before = allocator_state(self.a)
+            with pytest.raises(OutOfBlocksError):
+                self.a.allocate(seq)
+            assert allocator_state(self.a) == before and not any(seq.block_tables)
+            return
+        free_before = free_order(self.a)
+        hit_tokens_before, hits = self.a.prefix_cache.counts.hit_tokens, self.model_hits(tokens)
+        self.a.allocate(seq)
+        bs = self.a.block_size
+        assert seq.num_computed_tokens == hits * bs < len(seq)
+        assert self.a.prefix_cache.counts.hit_tokens - hit_tokens_before == seq.num_computed_tokens
+        keys = self.keys(seq)
+        for g, table in enumerate(seq.block_tables):  # no block where no token to come sees
+            unseen = self.unseen(g, hits * bs, hits)  # one; else the prefix's first cached holder
+            assert table == [NO_BLOCK if i in unseen else self.published[group_key(key, g)][0]
+                             for i, key in enumerate(keys[:hits])]
+        self.took(counted, free_before, [], seq.block_tables)  # a hit's blocks only, if free
+        self.on_device.append(seq)
+
+    def skip(self, seq):
+        """Give back what seq's kinds no longer need: each group's blocks no token to come
+        sees become NO_BLOCK, released; those nobody else holds join the free list, the
+        uncached ones on top (the next taken), the last released first."""
+        tables, free_before = [list(t) for t in seq.block_tables], free_order(self.a)
+        refs = [b.ref_count for b in self.a.blocks]
+        self.a.free_skipped_blocks(seq)
+        released = []
+        for g, (old, table) in enumerate(zip(tables, seq.block_tables)):
+            unseen = self.unseen(g, seq.num_computed_tokens, len(old))
+            assert table == [NO_BLOCK if i in unseen else b for i, b in enumerate(old)], \
+                "a kind kept a block no token to come sees, or gave back one it needs"
+            released += [b for i, b in reversed(list(enumerate(old)))
+                         if b != NO_BLOCK and i in unseen]
+        freed = [b for b in released if refs[b] == 1]
+        assert len(free_before) + len(freed) == self.a.num_free_blocks
+        empty = [b for b in reversed(freed) if self.a.blocks[b].hash is None]
+        assert free_order(self.a)[:len(empty)] == empty
+
+    @precondition(lambda self: self.on_device)
+    @rule(data=st.data())
+    def skip_blocks(self, data):
+        self.skip(data.draw(st.sampled_from(self.on_device)))
+
+    @precondition(lambda self: self.on_device)
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), max_size=3))
+    def compute_a_chunk(self, data, tokens):
+        # a sequence gains tokens (or has its prompt's left), then computes a chunk of them, as
+        # an engine step does: what its kinds no longer need goes back first
+        seq = data.draw(st.sampled_from(self.on_device))
+        seq.token_ids += tokens
+        if seq.num_computed_tokens == len(seq):
+            return
+        num_new = data.draw(st.integers(1, len(seq) - seq.num_computed_tokens))
+        self.skip(seq)
+        counted = self.a.num_blocks_to_append([seq], num_new)
+        # the decode's shortcut (a table takes one block at most) says what the count says
+        if num_new == 1 and seq.num_computed_tokens + 1 == len(seq):
+            assert self.a.can_append([seq]) == (counted <= self.a.num_free_blocks)
+        # a chunk shrinks to the blocks free: the most tokens whose count fits
+        fits = self.a.num_slots_free(seq, num_new)
+        assert all((self.a.num_blocks_to_append([seq], n) <= self.a.num_free_blocks) == (n <= fits)
+                   for n in range(num_new + 1))
+        if counted > self.a.num_free_blocks:
+            before = allocator_state(self.a)
+            with pytest.raises(OutOfBlocksError):
+                self.a.allocate_slots(seq, num_new)
+            assert allocator_state(self.a) == before
+            return
+        tables, free_before = [list(t) for t in seq.block_tables], free_order(self.a)
+        copies = self.a.allocate_slots(seq, num_new).cow  # no CPU tier here: nothing else
+        assert all(self.a.blocks[src].ref_count >= 1 for src, _ in copies), \
+            "copy-on-write source must still be owned"
+        self.cache.copy(copies, self.cache.device, self.cache.device)
+        self.took(counted, free_before, tables, seq.block_tables)
+        fresh = [b for old, table in zip(tables, seq.block_tables) for b in table if b not in old]
+        assert fresh == free_before[:len(fresh)]  # group by group, from the front of the list
+        most = self.a.max_blocks(len(seq), num_new)  # its kinds' bound, while the chunk runs
+        assert len(held(seq.block_tables)) <= most
+        self.compute(seq, fresh, num_new)
+
+    @precondition(lambda self: self.on_device)
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.on_device))
+        child = parent.fork(self.new_id(), 1)
+        self.a.fork(parent, child)
+        assert child.block_tables == parent.block_tables
+        self.on_device.append(child)
+
+    @precondition(lambda self: self.on_device)
+    @rule(data=st.data())
+    def free(self, data):
+        seq = data.draw(st.sampled_from(self.on_device))
+        tables, free_before = [list(t) for t in seq.block_tables], set(free_order(self.a))
+        self.a.free(seq)
+        self.on_device.remove(seq)
+        if self.score is EVICTION_POLICIES["lru"]:  # tail first, group by group: of its blocks
+            # that keep a cached prefix, the head of the last group joins the free list last
+            free = free_order(self.a)
+            cached = [b for b in free if b not in free_before and self.a.blocks[b].hash is not None]
+            assert cached == [b for table in tables for b in reversed(table) if b in cached]
+            assert free[len(free) - len(cached):] == cached
+
+    def move(self, data, source, target, can_move, move, src_pool, dst_pool):
+        # a request at once (a parent and its forks, say), so blocks they share stay shared
+        seqs = data.draw(st.lists(st.sampled_from(source), min_size=1, unique=True))
+        swap_in = move == self.a.swap_pool.swap_in
+        num_free = self.a.num_free_blocks if swap_in else self.a.swap_pool.num_free_blocks
+        # Swapping in, a block whose prefix the model says is cached comes back as that block,
+        # which takes a free block only if it is free itself; every other block takes one.
+        kept = {table[i]: self.published[group_key(key, g)][0] for seq in seqs if swap_in
+                for g, table in enumerate(seq.block_tables) for i, key in enumerate(self.keys(seq))
+                if table[i] != NO_BLOCK and group_key(key, g) in self.published}
+        revived = {b for b in kept.values() if self.a.blocks[b].ref_count == 0}
+        blocks = set(held(t for seq in seqs for t in seq.block_tables))
+        num_blocks = len(blocks - kept.keys()) + len(revived)
+        assert can_move(seqs) == (num_blocks <= num_free)  # exact, not an estimate
+        if not can_move(seqs):
+            before = allocator_state(self.a)
+            with pytest.raises(OutOfBlocksError):
+                move(seqs)
+            assert allocator_state(self.a) == before
+            return
+        left = [[b == NO_BLOCK for b in t] for seq in seqs for t in seq.block_tables]
+        moved = move(seqs)  # its BlockCopies: no CPU tier here, so the move's alone
+        copies = moved.swap_in if swap_in else moved.swap_out
+        assert num_free - (self.a.num_free_blocks if swap_in else
+                           self.a.swap_pool.num_free_blocks) == num_blocks
+        assert left == [[b == NO_BLOCK for b in t] for seq in seqs for t in seq.block_tables], \
+            "a place given back moved, or a held block did not"
+        assert not {src for src, _ in copies} & kept.keys(), "a block still cached is copied"
+        self.cache.copy(copies, src_pool, dst_pool)
+        for seq in seqs:
+            source.remove(seq)
+            target.append(seq)
+        if swap_in:  # blocks taken fresh forgot their prefix; they are published again
+            self.forget({b.block_id for b in self.a.blocks if b.hash is None})
+            for seq in seqs:
+                self.compute(seq, [], 0)
+
+    @precondition(lambda self: self.on_device)
+    @rule(data=st.data())
+    def swap_out(self, data):
+        self.move(data, self.on_device, self.on_cpu, self.a.swap_pool.can_swap_out,
+                  self.a.swap_pool.swap_out,
+                  self.cache.device, self.cache.cpu)
+
+    @precondition(lambda self: self.on_cpu)
+    @rule(data=st.data())
+    def swap_in(self, data):
+        self.move(data, self.on_cpu, self.on_device, self.a.swap_pool.can_swap_in,
+                  self.a.swap_pool.swap_in,
+                  self.cache.cpu, self.cache.device)
+
+    @invariant()
+    def free_plus_used_is_everything(self):
+        free = free_order(self.a)
+        assert set(free) == {b.block_id for b in self.a.blocks if b.ref_count == 0}
+        assert self.a.num_free_blocks == len(free) and \
+            len(free) + sum(b.ref_count > 0 for b in self.a.blocks) == self.a.num_blocks
+        assert set(self.a.swap_pool.empty_block_ids) == \
+            {b.block_id for b in self.a.swap_pool.blocks if b.ref_count == 0}
+
+    @invariant()
+    def ref_counts_equal_block_table_entries(self):
+        # nothing leaked: every taken block is in the tables (of any group) as often as its
+        # count says, and no block is in two groups' tables
+        for seqs, pool in ((self.on_device, self.a), (self.on_cpu, self.a.swap_pool)):
+            counts = [0] * pool.num_blocks
+            for seq in seqs:
+                for b in held(seq.block_tables):
+                    counts[b] += 1
+            assert counts == [b.ref_count for b in pool.blocks]
+            groups = [set(held(seq.block_tables[g] for seq in seqs))
+                      for g in range(len(self.kinds))]
+            assert sum(map(len, groups)) == len(set().union(*groups)), "a block in two groups"
+
+    @invariant()
+    def every_sequence_reads_back_what_it_computed(self):
+        for seqs, pool in ((self.on_device, self.cache.device), (self.on_cpu, self.cache.cpu)):
+            for seq in seqs:
+                for g, table in enumerate(seq.block_tables):
+                    assert len(table) == -(-seq.num_computed_tokens // self.a.block_size), \
+                        "a table covers its computed tokens, its last block at most partial"
+                    # blocks given back are only those no token to come sees
+                    gone = {i for i, b in enumerate(table) if b == NO_BLOCK}
+                    assert gone <= self.unseen(g, seq.num_computed_tokens, len(table))
+                    assert self.cache.read(seq, pool, table) == [
+                        None if p // self.a.block_size in gone else t
+                        for p, t in enumerate(seq.token_ids[:seq.num_computed_tokens])]
+
+    @invariant()
+    def the_cache_is_the_plain_model_and_evicts_uncached_then_by_score(self):
+        if not hasattr(self, "a"):
+            return
+        assert {k: list(blocks) for k, blocks in self.a.prefix_cache.blocks_by_key.items()} == \
+            self.published
+        free, blocks = free_order(self.a), self.a.blocks
+        for b in free:
+            self.freed_at.setdefault(b, self.clock)
+        self.freed_at = {b: t for b, t in self.freed_at.items() if b in free}
+        self.clock += 1
+        cached = [blocks[b].hash is not None for b in free]
+        assert cached == sorted(cached), "an uncached free block sits behind a cached one"
+        # the policy's score of a free block cannot change while it is free
+        keys = [(self.score(blocks[b]), self.freed_at[b]) for b in free if blocks[b].hash]
+        assert keys == sorted(keys), "cached free blocks not by score, then least recently freed"
+
+    @invariant()
+    def cached_blocks_hold_their_tokens(self):
+        for h, holders in self.a.prefix_cache.blocks_by_key.items():
+            for block_id in holders:
+                block = self.a.blocks[block_id]
+                assert block.hash == h and list(block.token_ids) == self.cache.device[block_id]
+
+    def teardown(self):
+        if not hasattr(self, "a"):
+            return
+        for seq in self.on_device:
+            self.a.free(seq)
+        for seq in self.on_cpu:
+            self.a.swap_pool.free(seq)
+        assert self.a.num_free_blocks == self.a.num_blocks
+        assert self.a.swap_pool.num_free_blocks == self.a.swap_pool.num_blocks
+
+
+AllocatorMachine.TestCase.settings = settings(max_examples=examples(300), stateful_step_count=40,
+                                              deadline=None)
+test_allocator_state_machine = pytest.mark.allocator(AllocatorMachine.TestCase)
+
+
+@pytest.mark.allocator
+@settings(max_examples=examples(200), deadline=None)
+@given(kinds_of(st.integers(1, 40)), st.integers(1, 8), st.integers(1, 200), st.integers(1, 60),
+       st.data())
+def test_a_kinds_bound_holds_every_block_a_chunk_can_need(kinds, block_size, num_tokens, chunk,
+                                                          data):
+    # a sequence at any point, n tokens computed, about to compute a chunk: the blocks it holds
+    # then are those of its first n + chunk tokens but the ones no token from n on sees; the
+    # bound admission and check_request count covers them, wherever n falls
+    n = data.draw(st.integers(0, num_tokens - 1))
+    chunk = min(chunk, num_tokens - n)
+    for kind in kinds:
+        num_blocks = -(-(n + chunk) // block_size)
+        held = num_blocks - len(unseen_blocks(kind, n, num_blocks, block_size))
+        assert held <= kind.max_blocks(num_tokens, chunk, block_size)
+        # and the kind's own rule is the model's: the blocks it gives back, the hit it needs
+        assert set(kind.skipped_blocks(n, block_size)) == unseen_blocks(kind, n, n // block_size,
+                                                                        block_size)
+        hit = n // block_size
+        assert kind.hit_blocks(hit, block_size) == sorted(
+            set(range(hit)) - unseen_blocks(kind, hit * block_size, hit, block_size))
+
+
+@pytest.mark.allocator
+def test_a_hybrid_append_without_room_for_every_group_changes_nothing():
+    # a window beside full attention, blocks of one token: each group's table needs a block for
+    # the next token, and one is free; the first group's must not be taken before the refusal
+    a = BlockAllocator(3, 1, kinds=(nanopaged.FullAttention(), nanopaged.SlidingWindow(2)))
+    seq = Sequence(0, [1], 1)
+    allocate_whole(a, seq)
+    seq.num_computed_tokens = 1
+    seq.token_ids.append(2)
+    assert a.num_blocks_to_append([seq]) == 2 > a.num_free_blocks == 1
+    before = allocator_state(a)
+    with pytest.raises(OutOfBlocksError):
+        a.allocate_slots(seq, 1)
+    assert allocator_state(a) == before
+
+
+@pytest.mark.allocator
+def test_sequences_allocated_together_take_no_more_than_their_counts_sum():
+    # a window of 3, blocks of one token. Cached and free, least recently freed first: the four
+    # blocks of [5, 6, 7, 8], then two of [1, 1]. Of two samples recomputed together, the first
+    # hits nothing and takes nothing yet (its blocks come with its chunks); the second hits the
+    # blocks its window sees, [7] and [8] (those before it are not needed), and takes those 2
+    a = BlockAllocator(6, 1, kinds=(nanopaged.SlidingWindow(3),))
+    for tokens in ([5, 6, 7, 8], [1, 1]):
+        seq = make_seq(0, tokens)
+        allocate_whole(a, seq)
+        seq.num_computed_tokens = len(tokens)
+        a.cache_full_blocks(seq)
+        a.free(seq)
+    first, second = make_seq(1, [9, 9, 9]), make_seq(2, [5, 6, 7, 8, 0])
+    counts = [a.num_blocks_to_allocate(seq) for seq in (first, second)]
+    assert counts == [0, 2] and a.num_free_blocks == 6
+    a.allocate_together([first, second])
+    assert a.num_free_blocks == 6 - sum(counts)
+    assert second.num_computed_tokens == 4 and second.block_table[:2] == [NO_BLOCK] * 2
+    assert [a.blocks[b].token_ids for b in second.block_table[2:]] == [(7,), (8,)]
+
+
+@pytest.mark.allocator
+def test_block_size_one_takes_a_block_per_token():
+    a = BlockAllocator(num_blocks=5, block_size=1)
+    seq = make_seq(0, [7, 8, 9])
+    allocate_whole(a, seq)
+    assert len(seq.block_table) == 3 and a.num_free_blocks == 2
+    seq.num_computed_tokens = 3
+    seq.token_ids.append(10)
+    assert not a.allocate_slots(seq, 1) and len(seq.block_table) == 4
+
+
+@pytest.mark.allocator
+def test_sequence_that_exactly_fills_its_blocks_takes_a_new_block_on_the_next_token():
+    a = BlockAllocator(num_blocks=4, block_size=4)
+    seq = make_seq(0, list(range(8)))
+    allocate_whole(a, seq)
+    assert len(seq.block_table) == 2 and a.num_free_blocks == 2
+    seq.num_computed_tokens = 8
+    seq.token_ids.append(8)
+    assert a.num_blocks_to_append([seq]) == 1
+    assert not a.allocate_slots(seq, 1) and len(seq.block_table) == 3
+
+
+@pytest.mark.allocator
+def test_a_prompt_gets_its_blocks_chunk_by_chunk():
+    # admitted, a sequence holds its hit alone (none here); each chunk takes the blocks its
+    # tokens fill, so a prompt of 10 in blocks of 4 holds 1, then 2, then 3 blocks
+    a = BlockAllocator(num_blocks=8, block_size=4)
+    seq = make_seq(0, list(range(10)))
+    a.allocate(seq)
+    assert len(seq.block_table) == 0 and a.num_free_blocks == 8
+    for chunk, blocks in [(3, 1), (3, 2), (4, 3)]:
+        assert a.num_blocks_to_append([seq], chunk) == blocks - len(seq.block_table)
+        a.allocate_slots(seq, chunk)
+        seq.num_computed_tokens += chunk
+        assert len(seq.block_table) == blocks == 8 - a.num_free_blocks
+
+
+@pytest.mark.allocator
+def test_fork_with_a_partial_last_block_copies_it_on_first_write_only():
+    a = BlockAllocator(num_blocks=8, block_size=4)
+    parent = make_seq(0, list(range(6)))  # one full block, one partial block
+    allocate_whole(a, parent)
+    parent.num_computed_tokens = 6
+    child = parent.fork(1, 1)
+    a.fork(parent, child)
+    assert [a.blocks[b].ref_count for b in parent.block_table] == [2, 2]
+    shared_last = parent.block_table[-1]
+    child.token_ids.append(100)
+    (src, dst), = a.allocate_slots(child, 1).cow  # the child writes first: it moves to a copy
+    assert src == shared_last and child.block_table == [parent.block_table[0], dst]
+    assert a.blocks[shared_last].ref_count == 1 and a.blocks[dst].ref_count == 1
+    parent.token_ids.append(200)
+    assert not a.allocate_slots(parent, 1)  # now the parent is the only owner: in place
+    assert parent.block_table[-1] == shared_last
+    assert a.blocks[parent.block_table[0]].ref_count == 2  # the full block stays shared
+
+
+@pytest.mark.allocator
+def test_out_of_blocks_leaves_the_allocator_unchanged():
+    a = BlockAllocator(num_blocks=2, block_size=2)
+    allocate_whole(a, make_seq(0, [1, 2, 3]))
+    seq = make_seq(1, [4])
+    a.allocate(seq)
+    before = allocator_state(a)
+    with pytest.raises(OutOfBlocksError, match="needs 1 blocks, 0 are free"):
+        a.allocate_slots(seq, 1)
+    assert allocator_state(a) == before
+
+
+@pytest.mark.allocator
+def test_double_free_raises():
+    a = BlockAllocator(num_blocks=2, block_size=2)
+    seq = make_seq(0, [1, 2, 3])
+    allocate_whole(a, seq)
+    table = nanopaged.BlockTable()
+    table.extend(seq.block_table)
+    a.free(seq)
+    seq.block_table = table  # a buggy caller frees the same blocks again
+    with pytest.raises(RuntimeError, match="released more times than it was taken"):
+        a.free(seq)
+
+
+# -----------------------------------------------------------------------------
+# 6. The scheduler: policies, preemption, the budgets  (-m scheduler)
 
 
 def schedule_fingerprint(mode, **policies):
@@ -4557,7 +4558,7 @@ def test_a_decoding_group_runs_whole_within_the_budget_or_waits(recomputed):
 
 
 # -----------------------------------------------------------------------------
-# 6. Tensor parallelism: two gloo ranks on the CPU against one process  (-m tensor_parallel)
+# parallel.py: tensor parallelism, two gloo ranks against one process  (-m tensor_parallel)
 #
 # With two ranks the all-reduce sums each layer's output in another order, so logits differ
 # from one process's in the last bits. These models run in float64, where that is ~1e-16 and
@@ -7221,7 +7222,7 @@ test_engine_state_machine = pytest.mark.engine(EngineMachine.TestCase)
 
 
 # -----------------------------------------------------------------------------
-# Appendix: the checks of requests and of the engine's settings  (-m engine)
+# checks.py: the checks of requests and of the engine's settings  (-m engine)
 
 
 @pytest.mark.engine
