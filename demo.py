@@ -470,8 +470,10 @@ def load(args):
         engine.observer(pagetrace.header(engine))
     if link is not None:  # the front, which takes the requests, or the prefill worker
         import disaggregation
-        role = disaggregation.DecodeFront if link.role == "decode" else disaggregation.PrefillWorker
-        engine = role(engine, link)
+        if link.role == "decode":
+            engine = disaggregation.DecodeFront(engine, link)
+        else:
+            engine = disaggregation.PrefillWorker(engine, link)
     return model, engine, tokenizer
 
 

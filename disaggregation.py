@@ -159,14 +159,21 @@ class Link:
 
     def _send(self, message, tensors, control, data):
         tensors = [t.contiguous() for t in tensors]
-        # every dtype travels as bytes (gloo and NCCL lack the 8-bit float types)
+        self._send_header(message, tensors, control)
+        for t in tensors:
+            self._send_tensor(t, data)
+
+    def _send_header(self, message, tensors, control):
+        """The message as JSON, the tensors' shapes and dtypes in it, after its length."""
         described = dict(message, tensors=[[list(t.shape), str(t.dtype).removeprefix("torch.")]
                                            for t in tensors])
         payload = torch.frombuffer(bytearray(json.dumps(described).encode()), dtype=torch.uint8)
         dist.send(torch.tensor([len(payload)]), self.peer, group=control)
         dist.send(payload, self.peer, group=control)
-        for t in tensors:
-            dist.send(t.reshape(-1).view(torch.uint8), self.peer, group=data)
+
+    def _send_tensor(self, tensor, data):
+        # as bytes: gloo and NCCL lack the 8-bit float types
+        dist.send(tensor.reshape(-1).view(torch.uint8), self.peer, group=data)
 
     def _receive_loop(self):
         control, data = self.groups[self.peer]
@@ -455,7 +462,8 @@ class KVConsumer(connectors.Connector):
                 cache[:, :, block_id] = tensor.to(cache.device, non_blocking=True)
 
     def stats(self):
-        return dict(num_staged_blocks=len(self.staged), num_received_blocks=self.num_received_blocks,
+        return dict(num_staged_blocks=len(self.staged),
+                    num_received_blocks=self.num_received_blocks,
                     num_dropped_blocks=self.num_dropped_blocks,
                     num_reloaded_blocks=self.num_loaded_blocks,
                     num_awaited_requests=len(self.expected) + len(self.held))
