@@ -88,8 +88,9 @@ class Link:
         self.rank, self.peer = dist.get_rank(), 1 - dist.get_rank()
         self.role = "decode" if self.rank == 0 else "prefill"
         backend = dist.get_backend()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
-            else torch.device("cpu")
+        self.device = torch.device("cpu")  # where received tensors land: the data group's
+        if backend == "nccl":
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.groups = []  # per sending rank: (headers' group, tensors' group)
         for _ in range(2):  # new_group is collective: both ranks make them in one order
             control = dist.new_group([0, 1], timeout=self.timeout, backend="gloo")
@@ -441,10 +442,9 @@ class KVConsumer(connectors.Connector):
 
     def find(self, key, seq, i):
         block, bs = self.staged.get(key), self.allocator.block_size
-        if block is None or block.index != i or block.tokens != tuple(seq.token_ids[i * bs:
-                                                                                   (i + 1) * bs]):
+        if block is None or block.index != i:
             return None
-        return key
+        return key if block.tokens == tuple(seq.token_ids[i * bs:(i + 1) * bs]) else None
 
     def load(self, seq, i, handle, copies, group=0):
         block_id = self.allocator.take(copies)
@@ -580,6 +580,8 @@ class DecodeFront:
         self.peer_error = None  # why the prefill process is gone, once it is
 
     def __getattr__(self, name):  # config, allocator, block_size, ...: the engine's
+        if name == "engine":  # not set yet (a copy being made): no attribute, not a recursion
+            raise AttributeError(name)
         return getattr(self.engine, name)
 
     def add_request(self, prompt, params=None, priority=0):

@@ -4568,7 +4568,7 @@ def test_a_failed_transfer_fails_its_step_on_its_side_and_the_undo_uncaches_what
 
 
 @pytest.mark.disaggregation
-def test_disaggregation_with_tensor_parallelism_is_refused_up_front(monkeypatch):
+def test_what_disaggregation_cannot_serve_is_refused_up_front(monkeypatch):
     monkeypatch.setattr(nanopaged.tp, "world_size", 2)
     with pytest.raises(ValueError, match="does not combine with tensor parallelism"):
         disaggregation.Link()
@@ -4579,6 +4579,9 @@ def test_disaggregation_with_tensor_parallelism_is_refused_up_front(monkeypatch)
     with pytest.raises(SystemExit, match="--disaggregate runs one engine per process: it does not "
                                          "combine with --tensor-parallel-size"):
         demo.main(["--disaggregate", "--tensor-parallel-size", "2"])
+    import server
+    with pytest.raises(SystemExit, match="--disaggregate: the server does not run a prefill"):
+        server.main(["--disaggregate"])
 
 
 def pd_process(rank, port, folder, scenario):
