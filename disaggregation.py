@@ -342,13 +342,14 @@ class KVProducer(connectors.Connector):
 
     def save(self, block, copies, evicted):
         if not evicted and any(block.hash in blocks for _, blocks in self.wanted.values()):
-            copies.offload.append((block.block_id, block.hash))
+            # the key as text: a plan's copies are what an observer hears (pagetrace's JSON)
+            copies.offload.append((block.block_id, block.hash.hex()))
 
     def transfer(self, copies, runner, stage):
         self.runner = runner
         if stage == "computed":  # after the forward: the K/V are in the blocks
             for block_id, key in copies.offload:
-                self.send_block(block_id, key)
+                self.send_block(block_id, bytes.fromhex(key))
 
     def send_block(self, block_id, key):
         block = self.allocator.blocks[block_id]
@@ -444,7 +445,8 @@ class KVConsumer(connectors.Connector):
         block, bs = self.staged.get(key), self.allocator.block_size
         if block is None or block.index != i:
             return None
-        return key if block.tokens == tuple(seq.token_ids[i * bs:(i + 1) * bs]) else None
+        held = block.tokens == tuple(seq.token_ids[i * bs:(i + 1) * bs])
+        return key.hex() if held else None  # as text: see KVProducer.save
 
     def load(self, seq, i, handle, copies, group=0):
         block_id = self.allocator.take(copies)
@@ -458,7 +460,8 @@ class KVConsumer(connectors.Connector):
         if stage != "in":
             return
         for key, block_id in copies.reload:
-            for (cache, _), tensor in zip(runner.paged_tensors(), self.staged[key].tensors):
+            staged = self.staged[bytes.fromhex(key)]
+            for (cache, _), tensor in zip(runner.paged_tensors(), staged.tensors):
                 cache[:, :, block_id] = tensor.to(cache.device, non_blocking=True)
 
     def stats(self):
