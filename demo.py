@@ -168,7 +168,7 @@ def run_demo(engine, prompts, params, arrivals_per_step=2, progress=True, priori
     (the i-th prompt) that gained tokens."""
     ids, pending = [], list(zip(prompts, params, priorities or [0] * len(prompts)))
     outputs, timeline, snapshot, start = {}, [], None, time.perf_counter()
-    while pending or engine.scheduler.has_unfinished():
+    while pending or has_unfinished(engine):
         for prompt, sp, priority in pending[:arrivals_per_step]:
             ids.append(engine.add_request(prompt, sp, priority=priority))
         pending = pending[arrivals_per_step:]
@@ -188,12 +188,19 @@ def run_demo(engine, prompts, params, arrivals_per_step=2, progress=True, priori
             cpu_cells = cpu_block_map(engine, letters)
             snapshot = dict(step=len(timeline), shared=num_shared, map=(cells, letters),
                             text=render_block_map(cells, letters, cpu_cells=cpu_cells))
-        if progress and (len(timeline) % 10 == 0 or not engine.scheduler.has_unfinished()):
+        if progress and (len(timeline) % 10 == 0 or not has_unfinished(engine)):
             print("\r" + progress_line(engine, len(outputs), len(ids), time.perf_counter() - start)
                   + "\x1b[K", end="", file=sys.stderr, flush=True)
     if progress:
         print(file=sys.stderr)
     return [outputs[i] for i in ids], timeline, snapshot, time.perf_counter() - start
+
+
+def has_unfinished(engine):
+    """Whether an Engine, or a disaggregation.DecodeFront (its prompts in prefill too), has
+    requests to finish."""
+    front = getattr(engine, "has_unfinished", None)  # an Engine has none of its own
+    return front() if front else engine.scheduler.has_unfinished()
 
 
 def progress_line(engine, done, total, elapsed):
@@ -354,6 +361,9 @@ def add_engine_flags(p):
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="ranks that split every layer and its K/V heads; launch with torchrun "
                    "--nproc-per-node N (rank 0 prints)")
+    p.add_argument("--disaggregate", action="store_true",
+                   help="prefill and decode in two processes (disaggregation.py): launch with "
+                   "torchrun --nproc-per-node 2; rank 0 decodes and prints, rank 1 prefills")
     p.add_argument("--threads", type=int,
                    help="CPU threads for torch (default: 1 for models under 100M parameters, "
                    "whose ops are too small to split and crawl when another process shares the "
@@ -435,7 +445,9 @@ def sampling_flags(args):
 def load(args):
     """The model the flags name, its engine (with the tokenizer, so outputs carry text) and the
     tokenizer; the sampling flags get their defaults (server.py serves the same)."""
-    parallel.init_tensor_parallel(args.tensor_parallel_size, device=args.device)
+    link = disaggregated_link(args)
+    if link is None:
+        parallel.init_tensor_parallel(args.tensor_parallel_size, device=args.device)
     if nanopaged.tp.rank > 0:  # every rank serves the same requests; one of them speaks
         sys.stdout = open(os.devnull, "w")
     model = GPT.from_pretrained(args.model, dtype=args.dtype, device=args.device)
@@ -460,10 +472,30 @@ def load(args):
                     read_policy_config=args.read_policy_config,
                     connector=args.connector, connector_config=args.connector_config,
                     speculative_config=speculative_config(args), tokenizer=tokenizer,
-                    observer=pagetrace.Trace() if traced else None)
+                    observer=pagetrace.Trace() if traced else None,
+                    connector="remote" if link else None,
+                    connector_config=dict(link=link) if link else None)
     if traced:  # the pool's shape opens the trace: the page draws it
         engine.observer(pagetrace.header(engine))
+    if link is not None:  # the front, which takes the requests, or the prefill worker
+        import disaggregation
+        if link.role == "decode":
+            engine = disaggregation.DecodeFront(engine, link)
+        else:
+            engine = disaggregation.PrefillWorker(engine, link)
     return model, engine, tokenizer
+
+
+def disaggregated_link(args):
+    """With --disaggregate, this process's end of the prefill/decode link (disaggregation.py);
+    else None."""
+    if not getattr(args, "disaggregate", False):
+        return None
+    if args.tensor_parallel_size != 1:
+        raise ValueError("--disaggregate runs one engine per process: it does not combine with "
+                         "--tensor-parallel-size")
+    import disaggregation  # torch.distributed's groups: only when asked for
+    return disaggregation.Link(device=args.device)
 
 
 def build(args):
@@ -487,7 +519,8 @@ def build(args):
     if len(priorities) > len(prompts):
         raise ValueError(f"got {len(priorities)} --priority for {len(prompts)} prompts")
     for prompt, sp, priority in zip(prompts, params, priorities):
-        engine.check_request(prompt, sp, priority)
+        if hasattr(engine, "check_request"):  # not the prefill worker, which takes no requests
+            engine.check_request(prompt, sp, priority)
     return model, engine, tokenizer, prompts, params, priorities
 
 
@@ -529,6 +562,8 @@ def main(argv=None):
         model, engine, tokenizer, prompts, params, priorities = build(args)
     except ValueError as e:
         sys.exit(f"nanopaged: error: {e}")
+    if hasattr(engine, "serve"):  # --disaggregate's prefill process: it serves rank 0, silent
+        return dict(prefill_stats=engine.serve())
     ranks = f" on each of {nanopaged.tp.world_size} ranks" if nanopaged.tp.world_size > 1 else ""
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     kv = "" if args.kv_cache_dtype == "auto" else f" in {engine.stats()['kv_cache_dtype']}"
@@ -553,5 +588,7 @@ def main(argv=None):
     if args.html and is_rank_0:
         pagetrace.write_html(engine.observer.events, args.html, decode=tokenizer.decode)
         print(f"wrote {args.html}: open it in a browser to replay the run step by step")
+    if args.disaggregate:  # the prefill process may return now
+        engine.close()
     return dict(outputs=outputs, summary=summary, snapshot=snapshot, engine=engine,
                 tokenizer=tokenizer, params=params)

@@ -1337,6 +1337,9 @@ def main(argv=None):
         if args.tensor_parallel_size != 1:  # ranks step in lockstep; one process serves HTTP
             raise ValueError("--tensor-parallel-size: the server runs in one process, "
                              "without torchrun; use 1")
+        if args.disaggregate:  # the loop that serves HTTP would have to run the front's steps
+            raise ValueError("--disaggregate: the server does not run a prefill process yet; "
+                             "run the demo under torchrun --nproc-per-node 2")
         if args.stream_interval < 1:
             raise ValueError(f"--stream-interval must be an integer >= 1, "
                              f"got {args.stream_interval}")

@@ -35,6 +35,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,7 @@ import checkpoints
 import checks
 import connectors
 import demo
+import disaggregation
 import kernel
 import nanopaged
 import pagetrace
@@ -4861,6 +4863,387 @@ def test_the_ranks_slices_of_a_layer_sum_to_the_whole_layer(world_size, kv_per_r
                 attn, mlp = attn + shard.attn(x, rope=rope), mlp + shard.mlp(x)
     torch.testing.assert_close(attn, want_attn, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(mlp, want_mlp, rtol=1e-12, atol=1e-12)
+
+
+# -----------------------------------------------------------------------------
+# disaggregation.py: prefill and decode in two processes, against one engine  (-m disaggregation)
+#
+# The protocol runs first in one process, over a loopback link, where each stage can be reached
+# on purpose (an abort mid-transfer, a copy that fails); then over torch.distributed in two gloo
+# processes on 127.0.0.1, each with a timeout and the link's timeout short, as the demo does
+# under --disaggregate. "Nothing held": on both sides, every block free, nothing staged, awaited
+# or waiting to be sent, no request in either engine.
+
+
+def pd_requests():
+    """Prompts with full blocks to send (block_size 4), two of them sharing a prefix, a short
+    one served by the front alone; greedy, seeded, n > 1 and beams."""
+    base = [(7 * j) % 32 for j in range(14)]
+    prompts = [base, base + [1, 2, 3], [(5 + j) % 32 for j in range(9)], base[:9] + [4] * 6,
+               [3, 1, 2], base[:5] + list(range(20))]
+    params = [SamplingParams(max_tokens=10, temperature=0),
+              SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=1),
+              SamplingParams(max_tokens=8, n=3, seed=5),
+              SamplingParams(max_tokens=8, beam_width=3),
+              SamplingParams(max_tokens=6, temperature=0.8, seed=4),
+              SamplingParams(max_tokens=12, temperature=0)]
+    return prompts, params
+
+
+def token_lists(outputs):
+    return [[c.token_ids for c in o.outputs] for o in outputs]
+
+
+def pd_pair(model, decode=None, prefill=None):
+    """A decode front and a prefill worker over a loopback link, each engine with its settings."""
+    down, up = disaggregation.loopback_pair()
+    settings_ = dict(block_size=4, num_blocks=64, connector="remote")
+    worker = disaggregation.PrefillWorker(
+        Engine(model, **settings_ | (prefill or {}), connector_config=dict(link=up)), up)
+    front = disaggregation.DecodeFront(
+        Engine(model, **settings_ | (decode or {}), connector_config=dict(link=down)), down)
+    return front, worker
+
+
+def pd_prefill_round(worker):
+    """The worker takes its messages, then steps once if it has work."""
+    item = worker.link.receive()
+    while item is not None:
+        worker.handle(item[0])
+        item = worker.link.receive()
+    if worker.engine.scheduler.has_unfinished():
+        worker.step()
+
+
+def pd_serve(front, worker, prompts, params):
+    ids = [front.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+    outputs = {}
+    for _ in range(500):
+        if not front.has_unfinished():
+            break
+        pd_prefill_round(worker)
+        outputs.update((o.request_id, o) for o in front.step() if o.finished)
+    return [outputs[i] for i in ids]
+
+
+def pd_held(front_stats, prefill_stats):
+    """What either side holds, by name: empty when nothing is held."""
+    held = {}
+    for side, s in (("decode", front_stats), ("prefill", prefill_stats)):
+        counts = dict(used_blocks=s["num_blocks"] - s["num_free_blocks"],
+                      running=s["num_running"] + s["num_waiting"] + s["num_swapped"],
+                      staged=s.get("num_staged_blocks", 0),
+                      awaited=s.get("num_awaited_requests", 0),
+                      prefilling=s.get("num_prefilling", 0), wanted=s.get("num_wanted", 0),
+                      pending_sends=s.get("num_pending_sends", 0))
+        held |= {f"{side} {name}": n for name, n in counts.items() if n}
+    return held
+
+
+def pd_nothing_held(front, worker):
+    assert pd_held(front.stats(), worker.engine.stats()) == {}
+    assert not front.engine.requests and not worker.engine.requests and not worker.requests
+
+
+PD_SCENARIOS = dict(  # the decode engine's settings (the reference's too), the prefill's
+    plain=({}, {}),
+    chunked=({}, dict(max_num_batched_tokens=8)),  # the prefill process sends block by block
+    recompute=(dict(num_blocks=18), {}),
+    swap=(dict(num_blocks=18, preemption_mode="swap"), {}),
+    fp8=(dict(kv_cache_dtype="fp8"), dict(kv_cache_dtype="fp8")),
+)
+
+
+@pytest.mark.disaggregation
+@pytest.mark.parametrize("scenario", PD_SCENARIOS)
+def test_prefill_and_decode_apart_equal_one_engine_token_for_token(scenario):
+    decode, prefill = PD_SCENARIOS[scenario]
+    prompts, params = pd_requests()
+    # two calls, so the second finds the first one's prompt blocks cached on the front; all the
+    # prompts in the second, so that a pool of 18 blocks preempts
+    batches = [(prompts[:3], params[:3]), (prompts[3:] + prompts[:3], params[3:] + params[:3])]
+    one = Engine(MODEL, **dict(block_size=4, num_blocks=64) | decode)
+    want = [o for batch in batches for o in one.generate(*batch)]
+    front, worker = pd_pair(MODEL, decode, prefill)
+    got = [o for batch in batches for o in pd_serve(front, worker, *batch)]
+    assert token_lists(got) == token_lists(want)
+    s = front.stats()
+    assert s["num_reloaded_blocks"] > 0 and s["prefix_cache_cpu_hit_tokens"] > 0  # sent blocks
+    assert [o.num_cached_tokens > 0 for o in got] == [True] * 4 + [False] + [True] * 4
+    if scenario in ("recompute", "swap"):
+        assert s["num_preemptions"] > 0
+    pd_nothing_held(front, worker)
+
+
+@pytest.mark.disaggregation
+@pytest.mark.parametrize("model", ["windowed", "hybrid"])
+def test_a_windowed_model_apart_equals_one_engine(model):
+    """Every KV cache group's blocks are sent under that group's keys."""
+    model = dict(windowed=WINDOWED, hybrid=HYBRID)[model]
+    prompts, params = pd_requests()
+    want = Engine(model, block_size=4, num_blocks=64).generate(prompts, params)
+    front, worker = pd_pair(model)
+    assert token_lists(pd_serve(front, worker, prompts, params)) == token_lists(want)
+    assert front.stats()["num_reloaded_blocks"] > 0
+    pd_nothing_held(front, worker)
+
+
+def pd_reach(stage, front, worker, request_id):
+    """Run both sides until request_id is at `stage` of its life; the front takes one message at
+    a time, so that it can stop after the first block it stages."""
+    if stage == "sent":  # the prompt is on its way; the prefill process has not read it
+        return
+    worker.handle(worker.link.receive()[0])
+    decoded = False
+    for _ in range(200):
+        if (stage == "received"  # in the prefill engine, nothing computed yet
+                or stage == "mid-transfer" and front.consumer.held.get(request_id)
+                or stage == "prefilled" and request_id in front.engine_ids  # not stepped since
+                or stage == "decoding" and decoded):
+            return
+        if request_id in front.engine_ids:
+            decoded = any(o.request_id == request_id for o in front.step())
+            continue
+        if worker.engine.scheduler.has_unfinished():
+            worker.step()
+        item = front.link.receive()
+        if item is not None:
+            front.handle(*item)
+    raise AssertionError(f"request {request_id} never reached {stage}")
+
+
+@pytest.mark.disaggregation
+@pytest.mark.parametrize("stage", ["sent", "received", "mid-transfer", "prefilled", "decoding"])
+def test_an_abort_at_any_stage_frees_everything_on_both_sides(stage):
+    prompts, params = pd_requests()
+    long_prompt = [(3 * j) % 32 for j in range(30)]  # 7 blocks to send, one a step
+    want = Engine(MODEL, block_size=4, num_blocks=64).generate(prompts[:2], params[:2])
+    front, worker = pd_pair(MODEL, prefill=dict(max_num_batched_tokens=4))
+    victim = front.add_request(long_prompt, SamplingParams(max_tokens=20, temperature=0))
+    pd_reach(stage, front, worker, victim)
+    front.abort(victim)
+    assert victim not in front.consumer.held and not front.consumer.staged
+    # the others are served as if it had never come; late blocks of it are dropped
+    assert token_lists(pd_serve(front, worker, prompts[:2], params[:2])) == token_lists(want)
+    pd_prefill_round(worker)  # the abort reaches the prefill process, if it had not
+    assert victim not in worker.requests
+    pd_nothing_held(front, worker)
+    with pytest.raises(ValueError, match=f"no unfinished request with id {victim}"):
+        front.abort(victim)
+
+
+@pytest.mark.disaggregation
+def test_a_request_the_prefill_process_gives_up_is_computed_by_the_front():
+    prompts, params = pd_requests()
+    want = Engine(MODEL, block_size=4, num_blocks=64).generate(prompts[:3:2], params[:3:2])
+    front, worker = pd_pair(MODEL, prefill=dict(max_num_batched_tokens=4))
+    ids = [front.add_request(prompt, p) for prompt, p in zip(prompts[:3:2], params[:3:2])]
+    pd_reach("mid-transfer", front, worker, ids[0])
+    worker.abort(ids[0])  # aborted there, mid-transfer
+    assert not worker.requests.get(ids[0])
+    outputs = {}
+    while front.has_unfinished():
+        pd_prefill_round(worker)
+        outputs.update((o.request_id, o) for o in front.step() if o.finished)
+    assert token_lists([outputs[i] for i in ids]) == token_lists(want)
+    assert outputs[ids[0]].num_cached_tokens == 0  # its staged blocks were dropped
+    pd_nothing_held(front, worker)
+
+
+@pytest.mark.disaggregation
+def test_a_failed_transfer_fails_its_step_on_its_side_and_the_undo_uncaches_what_it_touched():
+    prompts, params = pd_requests()
+    want = Engine(MODEL, block_size=4, num_blocks=64).generate(prompts, params)
+    front, worker = pd_pair(MODEL)
+    consumer, producer = front.consumer, worker.producer
+    real_load, real_send, touched = consumer.transfer, producer.transfer, []
+
+    def load_one_then_fail(copies, runner, stage):  # a partial load
+        if stage == "in" and len(copies.reload) > 1 and not touched:
+            touched.extend(block for _, block in copies.reload)
+            real_load(nanopaged.BlockCopies(reload=copies.reload[:1]), runner, stage)
+            raise RuntimeError("copy failed (simulated)")
+        real_load(copies, runner, stage)
+
+    def fail_first_send(copies, runner, stage):
+        if stage == "computed" and copies.offload and not worker.num_failed_steps:
+            raise RuntimeError("send failed (simulated)")
+        real_send(copies, runner, stage)
+
+    consumer.transfer, producer.transfer = load_one_then_fail, fail_first_send
+    ids = [front.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+    outputs, failures = {}, []
+    while front.has_unfinished():
+        pd_prefill_round(worker)
+        try:
+            outputs.update((o.request_id, o) for o in front.step() if o.finished)
+        except RuntimeError as e:
+            failures.append(str(e))
+            blocks = front.engine.allocator.blocks
+            assert all(blocks[b].hash is None and blocks[b].ref_count == 0 for b in touched)
+    assert failures == ["copy failed (simulated)"] and worker.num_failed_steps == 1
+    assert token_lists([outputs[i] for i in ids]) == token_lists(want)
+    pd_nothing_held(front, worker)
+
+
+@pytest.mark.disaggregation
+def test_what_disaggregation_cannot_serve_is_refused_up_front(monkeypatch):
+    monkeypatch.setattr(nanopaged.tp, "world_size", 2)
+    with pytest.raises(ValueError, match="does not combine with tensor parallelism"):
+        disaggregation.Link()
+    monkeypatch.setattr(nanopaged.tp, "world_size", 1)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="needs two processes, launched by torchrun"):
+        disaggregation.Link()
+    with pytest.raises(SystemExit, match="--disaggregate runs one engine per process: it does not "
+                                         "combine with --tensor-parallel-size"):
+        demo.main(["--disaggregate", "--tensor-parallel-size", "2"])
+    import server
+    with pytest.raises(SystemExit, match="--disaggregate: the server does not run a prefill"):
+        server.main(["--disaggregate"])
+
+
+def pd_process(rank, port, folder, scenario):
+    """One of the two processes: rank 0 decodes, rank 1 prefills; scenario(rank, link, model)
+    returns what the test checks, saved to rank{rank}.pt."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    link = disaggregation.Link(timeout_s=20, device="cpu")
+    model = GPT(MODEL.config).double().load_full_state_dict(
+        torch.load(os.path.join(folder, "full.pt")))
+    try:
+        results = scenario(rank, link, model)
+    except Exception as e:
+        results = dict(error=repr(e))
+    torch.save(results, os.path.join(folder, f"rank{rank}.pt"))
+    os._exit(0)  # skip tearing down a group whose peer may be gone: gloo answers with an abort
+
+
+def pd_run(tmp_path, scenario):
+    """Both processes of a scenario; their exit codes and results (None where none was saved)."""
+    torch.save(MODEL.state_dict(), tmp_path / "full.pt")
+    ctx, port = torch.multiprocessing.get_context("spawn"), free_port()
+    processes = [ctx.Process(target=pd_process, args=(rank, port, str(tmp_path), scenario))
+                 for rank in (0, 1)]
+    for p in processes:
+        p.start()
+    return processes
+
+
+def pd_results(tmp_path, processes, timeout_s=150):
+    for p in processes:
+        p.join(timeout=timeout_s)
+        if p.is_alive():
+            p.kill()
+    results = [torch.load(tmp_path / f"rank{r}.pt") if (tmp_path / f"rank{r}.pt").exists()
+               else None for r in (0, 1)]
+    return [p.exitcode for p in processes], results
+
+
+def pd_engine(model, link, **settings_):
+    return Engine(model, **dict(block_size=4, num_blocks=64) | settings_, connector="remote",
+                  connector_config=dict(link=link))
+
+
+def pd_handshake_serve_abort(rank, link, model):
+    """Two handshakes that must fail (another block size, other weights), then the requests,
+    an abort mid-transfer, and the demo under --disaggregate."""
+    role = disaggregation.DecodeFront if rank == 0 else disaggregation.PrefillWorker
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.transformer.h[0].mlp.c_fc.weight[0, 0] += 1e-3
+    results = {}
+    for name, (m, block_size) in dict(block_size=(model, 4 + 4 * rank),
+                                      model=(model if rank == 0 else other, 4)).items():
+        try:
+            role(pd_engine(m, link, block_size=block_size), link)
+            results[name] = "no error"
+        except ValueError as e:
+            results[name] = str(e)
+    if rank == 1:  # until the front says bye; then the demo's prefill process
+        worker = disaggregation.PrefillWorker(pd_engine(model, link, max_num_batched_tokens=8),
+                                              link)
+        results["stats"] = worker.serve()
+        results["demo"] = demo.main(TP_DEMO_FLAGS + ["--disaggregate"])["prefill_stats"]
+        return results
+    front = disaggregation.DecodeFront(pd_engine(model, link), link)
+    prompts, params = pd_requests()
+    results["tokens"] = token_lists(front.generate(prompts, params))
+    victim = front.add_request([(3 * j) % 32 for j in range(30)], SamplingParams(max_tokens=4))
+    for _ in range(1000):  # one message at a time, until a block of it is staged
+        item = front.link.receive(timeout=0.1)
+        if item is not None:
+            front.handle(*item)
+        if front.consumer.held.get(victim) or victim not in front.prefilling:
+            break
+    results["aborted mid-transfer"] = victim in front.prefilling
+    front.abort(victim)
+    results["after abort"] = token_lists(front.generate(prompts[:2], params[:2]))
+    results["stats"] = front.stats()
+    front.close()
+    results["demo"] = token_lists(demo.main(TP_DEMO_FLAGS + ["--disaggregate"])["outputs"])
+    return results
+
+
+@pytest.mark.disaggregation
+def test_two_processes_check_each_other_serve_like_one_engine_and_abort_on_both_sides(tmp_path):
+    processes = pd_run(tmp_path, pd_handshake_serve_abort)
+    prompts, params = pd_requests()  # meanwhile, one engine
+    want = token_lists(Engine(MODEL, block_size=4, num_blocks=64).generate(prompts, params))
+    demo_want = token_lists(demo.main(TP_DEMO_FLAGS)["outputs"])
+    codes, (decode, prefill) = pd_results(tmp_path, processes)
+    assert codes == [0, 0], (decode, prefill)
+    for side in (decode, prefill):
+        assert side["block_size"].startswith("disaggregation handshake: the prefill and decode "
+                                             "engines must hold the same blocks of the same model")
+        assert "block_size is 4 here, 8 in the prefill process" in decode["block_size"]
+        assert "block_size is 8 here, 4 in the decode process" in prefill["block_size"]
+        assert "model is '" in side["model"] and "block_size" not in side["model"]
+    assert decode["tokens"] == want and decode["after abort"] == want[:2]
+    assert decode["aborted mid-transfer"]
+    assert pd_held(decode["stats"], prefill["stats"]) == {}
+    assert decode["stats"]["num_reloaded_blocks"] > 0
+    assert decode["demo"] == demo_want
+    assert prefill["demo"]["num_free_blocks"] == prefill["demo"]["num_blocks"]
+
+
+def pd_prefill_killed_mid_transfer(rank, link, model):
+    """The prefill process kills itself mid-message: the header of its third block sent, its
+    K/V never. The front must finish every request and serve new ones alone."""
+    if rank == 1:
+        real_send, num_sent = disaggregation.Link._send_tensor, [0]
+
+        def send_tensor(self, tensor, data):
+            num_sent[0] += 1
+            if num_sent[0] == 3:  # the third block's header and JSON went; its K/V never go
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_send(self, tensor, data)
+        disaggregation.Link._send_tensor = send_tensor
+        engine = pd_engine(model, link, max_num_batched_tokens=8)
+        disaggregation.PrefillWorker(engine, link).serve()
+        return dict(error="the prefill process was not killed")
+    front = disaggregation.DecodeFront(pd_engine(model, link), link)
+    prompts, params = pd_requests()
+    results = dict(tokens=token_lists(front.generate(prompts, params)), peer=front.peer_error)
+    results["later"] = token_lists(front.generate(prompts[:2], params[:2]))
+    results["stats"] = front.stats()
+    return results
+
+
+@pytest.mark.disaggregation
+def test_a_prefill_process_killed_mid_transfer_leaves_the_front_serving(tmp_path):
+    processes = pd_run(tmp_path, pd_prefill_killed_mid_transfer)
+    prompts, params = pd_requests()
+    want = token_lists(Engine(MODEL, block_size=4, num_blocks=64).generate(prompts, params))
+    codes, (decode, prefill) = pd_results(tmp_path, processes, timeout_s=90)
+    assert codes == [0, -signal.SIGKILL] and prefill is None, decode
+    assert decode["tokens"] == want and decode["later"] == want[:2]
+    assert "Connection" in decode["peer"]  # closed or reset by the process that died
+    s = decode["stats"]
+    assert not s["prefill_process_alive"] and s["num_received_blocks"] == 2
+    assert pd_held(s, dict(num_blocks=0, num_free_blocks=0, num_running=0, num_waiting=0,
+                           num_swapped=0)) == {}
 
 
 # -----------------------------------------------------------------------------
