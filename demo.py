@@ -460,6 +460,12 @@ def load(args):
         torch.set_num_threads(args.threads or 1)
     tokenizer = Tokenizer(args.model)
     traced = getattr(args, "trace", None) or getattr(args, "html", None)  # server.py has neither
+    connector, connector_config = args.connector, args.connector_config
+    if link is not None:  # the other process is this engine's connector
+        if connector is not None:
+            raise ValueError(f"--connector {connector} does not run with --disaggregate: the "
+                             "remote engine is the connector then")
+        connector, connector_config = "remote", dict(link=link)
     engine = Engine(model, block_size=args.block_size, num_blocks=args.num_blocks,
                     device=args.device, preemption_mode=args.preemption,
                     enable_prefix_caching=not args.no_prefix_cache, max_num_seqs=args.max_num_seqs,
@@ -470,11 +476,9 @@ def load(args):
                     cpu_eviction_policy=args.cpu_eviction_policy,
                     attention_backend=args.attention_backend, read_policy=args.read_policy,
                     read_policy_config=args.read_policy_config,
-                    connector=args.connector, connector_config=args.connector_config,
+                    connector=connector, connector_config=connector_config,
                     speculative_config=speculative_config(args), tokenizer=tokenizer,
-                    observer=pagetrace.Trace() if traced else None,
-                    connector="remote" if link else None,
-                    connector_config=dict(link=link) if link else None)
+                    observer=pagetrace.Trace() if traced else None)
     if traced:  # the pool's shape opens the trace: the page draws it
         engine.observer(pagetrace.header(engine))
     if link is not None:  # the front, which takes the requests, or the prefill worker
