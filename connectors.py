@@ -383,7 +383,8 @@ def remove(path):
 # name -> a callable (engine's facts, **connector_config) -> a Connector; Engine(connector=name,
 # connector_config={...}). facts: the allocator (its swap_pool, take, journal), the KV block's
 # shape and dtype, each paged tensor's block (shape, dtype), the model (its identity), the
-# tensor-parallel rank, the speculative proposer (or None).
+# tensor-parallel rank and world size, the speculative proposer (or None). An entry whose
+# needs_peer is True serves only with a peer process (disaggregation.py's "remote").
 CONNECTORS = {"cpu": lambda facts: CpuTier(facts.allocator.swap_pool), "disk": DiskStore}
 
 

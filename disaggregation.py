@@ -481,6 +481,9 @@ def remote_connector(facts, link):
     return (KVProducer if link.role == "prefill" else KVConsumer)(facts.allocator, link)
 
 
+# it serves with a peer process (a link): the properties over connectors in one process leave it
+# out, and the disaggregation tests run it with its peer
+remote_connector.needs_peer = True
 connectors.CONNECTORS["remote"] = remote_connector
 
 

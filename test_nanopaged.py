@@ -2957,10 +2957,12 @@ def test_every_connector_changes_no_output_and_holds_nothing_after(
             for _ in range(300):  # bounded: see drain
                 if not engine.requests:
                     break
+                before = counts_of(engine)  # the connector's counts among them
                 try:
                     outputs.update({o.request_id: o for o in engine.step()})
                 except RuntimeError as e:
                     assert "injected" in str(e)
+                    assert counts_of(engine) == before  # a failed step counts nothing
             for request_id, (c, new) in zip(ids, turns):
                 answer = outputs[request_id].outputs[0].token_ids
                 histories[c] += new + answer
@@ -6898,7 +6900,8 @@ def engine_state(engine):
 # (it preempts the requests whose blocks the step wrote over), and nothing else in stats()
 WHERE_THINGS_ARE = {"num_free_blocks", "num_cached_blocks", "num_free_cpu_blocks",
                     "num_cpu_cached_blocks", "num_running", "num_waiting", "num_swapped",
-                    "num_preemptions", "kv_utilization", "num_logical_blocks"}
+                    "num_preemptions", "kv_utilization", "num_logical_blocks",
+                    "num_staged_blocks"}
 
 
 def counts_of(engine):
