@@ -83,6 +83,9 @@ class CpuTier(Connector):
 
     def __init__(self, pool):
         self.pool = pool  # a SwapPool whose prefix cache is enabled
+        # the K/V of a step's offloads, read at "out" and landed at "in" (a step that fails
+        # between the two leaves it to the next step's "out", which replaces it)
+        self.staged = None
 
     def find(self, key, seq, i):
         cpu_block = self.pool.prefix_cache.find(key, seq, i)
