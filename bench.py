@@ -4,7 +4,7 @@ bench.py: the numbers that made PagedAttention matter, measured side by side in 
     python bench.py              # every section
     python bench.py --memory     # or any of: --memory --capacity --sharing --throughput
                                  #            --logprobs --kernel --quality --overhead
-                                 #            --tensor-parallel --serve
+                                 #            --tensor-parallel --disaggregate --serve
                                  #            --soak (the soak is not in "every")
     python bench.py --kernel --aot   # the Triton kernels compiled for sm_80/86/90, without a GPU
     python bench.py --overhead --against OLD.py  # the step against another checkout's, in turns
@@ -2175,8 +2175,10 @@ def slowed_model():
 
 def pd_workload(num_requests, rate, seed=SEED):
     """(arrival s, prompt, max_tokens, is_long) per request: Poisson arrivals at rate per second,
-    a PD_LONG_SHARE of long prompts among short chats, every prompt its own (no prefix hits)."""
-    rng = np.random.default_rng(seed)
+    a PD_LONG_SHARE of long prompts among short chats, every prompt its own (no prefix hits).
+    Each rate draws its own: one engine serves every rate in turn, and a prompt an earlier rate
+    sent would be a prefix hit."""
+    rng = np.random.default_rng([seed, round(1000 * rate)])
     arrivals = np.cumsum(rng.exponential(1 / rate, num_requests))
     is_long = rng.random(num_requests) < PD_LONG_SHARE
     requests = []
@@ -2318,7 +2320,7 @@ def pd_two_processes(loads):
 
 
 @torch_threads(1)
-def bench_disaggregate(num_requests=48, rates=(1.0, 2.0, 4.0, 6.0)):
+def bench_disaggregate(num_requests=48, rates=(1.0, 2.0, 4.0, 6.0, 8.0)):
     """One engine against a prefill process plus a decode process, on the same requests: time
     to first token and inter-token latency (p50, p99) and goodput, over the arrival rate."""
     loads = [(num_requests, rate) for rate in rates]
@@ -2361,14 +2363,16 @@ def bench_disaggregate(num_requests=48, rates=(1.0, 2.0, 4.0, 6.0)):
 
 def plot_disaggregate(results, rates):
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
     panels = [("itl_p99_ms", "inter-token latency p99 (ms)"),
               ("short_ttft_p50_ms", "short requests' TTFT p50 (ms)"),
+              ("long_ttft_p50_ms", "long requests' TTFT p50 (ms)"),
               ("goodput_per_s", "goodput (requests/s within targets)")]
     for ax, (key, title) in zip(axes, panels):
         for setup in ("one engine", "prefill + decode"):
-            ax.plot(rates, [results[f"{setup} @ {rate}/s"][key] for rate in rates], marker="o",
-                    label=setup)
+            values = [results[f"{setup} @ {rate}/s"][key] for rate in rates]
+            ax.plot(rates, [math.nan if v is None else v for v in values], marker="o",
+                    label=setup)  # None: no request of that kind at that rate
         ax.set_xlabel("arrivals per second")
         ax.set_title(title)
     axes[0].legend()
