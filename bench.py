@@ -4,7 +4,7 @@ bench.py: the numbers that made PagedAttention matter, measured side by side in 
     python bench.py              # every section
     python bench.py --memory     # or any of: --memory --capacity --sharing --throughput
                                  #            --logprobs --kernel --quality --overhead
-                                 #            --tensor-parallel --serve
+                                 #            --tensor-parallel --disaggregate --serve
                                  #            --soak (the soak is not in "every")
     python bench.py --kernel --aot   # the Triton kernels compiled for sm_80/86/90, without a GPU
     python bench.py --overhead --against OLD.py  # the step against another checkout's, in turns
@@ -2130,6 +2130,257 @@ def bench_tensor_parallel(kv_cache_bytes=4 << 20, num_requests=32, max_tokens=96
 
 
 # -----------------------------------------------------------------------------
+# --disaggregate: prefill and decode in two processes against one engine (DistServe, OSDI 2024)
+#
+# On a GPU, a long prompt's prefill costs tens of times a decode step, and in one engine the
+# requests already decoding wait for it: their inter-token latency jumps. A CPU running a tiny
+# model shows nothing of the kind, so a model slowed per token stands in for a GPU-sized one:
+# its forward sleeps a fixed time per step (reading the weights once) plus a time per token
+# computed. Sleeping, not spinning, lets the two processes share two cores honestly: what the
+# sleep stands for would run on each process's own GPU.
+
+PD_STEP_MS = 8.0  # a GPU-sized model's decode step: the weights read once per forward
+PD_TOKEN_MS = 0.15  # per token computed: a 1024-token prefill costs about 20 decode steps
+PD_BLOCK_SIZE = 16
+PD_NUM_BLOCKS = 1024  # per engine, room for every request at once: no preemption in any run
+PD_SHORT = (48, 48)  # a chat turn: prompt tokens, output tokens
+PD_LONG = (1024, 16)  # a long document to answer about
+PD_LONG_SHARE = 0.25  # of the requests, drawn at random (seeded)
+# The targets, from the stand-in's costs: a first token within 2.5 long prefills (each about
+# 160 ms), and tokens every 1.5 decode steps on average, so a request meets them unless long
+# prefills stall it more than now and then
+PD_TTFT_TARGET_MS = 400.0
+PD_ITL_TARGET_MS = 1.5 * PD_STEP_MS
+PD_DRAIN_S = 120  # the most a run may take after its last arrival: then it is an error
+PD_START_S = 120  # the most starting both processes and their warm-up may take
+PD_LINK_TIMEOUT_S = 30  # the process group's: a peer silent this long is gone
+PD_POLL_S = 0.05  # the most the front waits on the prefill process with nothing to step
+
+
+class SlowedGPT(GPT):
+    """The tiny GPT, computing as it does, then sleeping as a GPU-sized model would take:
+    PD_STEP_MS per forward plus PD_TOKEN_MS per token in it."""
+
+    def forward(self, idx, batch=None, kv_cache=None):
+        logits = super().forward(idx, batch, kv_cache)
+        time.sleep((PD_STEP_MS + PD_TOKEN_MS * idx.numel()) / 1e3)
+        return logits
+
+
+def slowed_model():
+    torch.manual_seed(SEED)  # the same weights in every process: the handshake checks them
+    return SlowedGPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, vocab_size=256,
+                               max_seq_len=PD_LONG[0] + 256))
+
+
+def pd_workload(num_requests, rate, seed=SEED):
+    """(arrival s, prompt, max_tokens, is_long) per request: Poisson arrivals at rate per second,
+    a PD_LONG_SHARE of long prompts among short chats, every prompt its own (no prefix hits).
+    Each rate draws its own: one engine serves every rate in turn, and a prompt an earlier rate
+    sent would be a prefix hit."""
+    rng = np.random.default_rng([seed, round(1000 * rate)])
+    arrivals = np.cumsum(rng.exponential(1 / rate, num_requests))
+    is_long = rng.random(num_requests) < PD_LONG_SHARE
+    requests = []
+    for i in range(num_requests):
+        prompt_len, max_tokens = PD_LONG if is_long[i] else PD_SHORT
+        prompt = rng.integers(0, 256, prompt_len).tolist()
+        requests.append((float(arrivals[i]), prompt, max_tokens, bool(is_long[i])))
+    return requests
+
+
+def pd_serve(engine, requests):
+    """Serve the requests as they arrive, stepping an Engine or a DecodeFront; each request's
+    time to first token and gaps between tokens, in ms, as its client would see them."""
+    has_unfinished = getattr(engine, "has_unfinished", None) or engine.scheduler.has_unfinished
+    start, pending, ids = time.perf_counter(), list(range(len(requests))), {}
+    last, ttft, gaps = {}, [None] * len(requests), [[] for _ in requests]
+    deadline = start + requests[-1][0] + PD_DRAIN_S
+    while pending or has_unfinished():
+        now = time.perf_counter()
+        if now > deadline:
+            raise RuntimeError(f"--disaggregate: a run went on {PD_DRAIN_S} s past its last "
+                               "arrival")
+        while pending and requests[pending[0]][0] <= now - start:
+            i = pending.pop(0)
+            _, prompt, max_tokens, _ = requests[i]
+            params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+            ids[engine.add_request(prompt, params)] = i
+            last[i] = start + requests[i][0]  # its arrival: the first token's wait counts from it
+        until_next = requests[pending[0]][0] - (now - start) if pending else PD_POLL_S
+        if not has_unfinished():
+            time.sleep(max(0.0, until_next))
+            continue
+        if hasattr(engine, "poll") and not engine.scheduler.has_unfinished():
+            # the front, every request in prefill: its step would wait on the peer for up to
+            # 50 ms, past arrivals; wait here instead, never past the next arrival
+            engine.poll(timeout=max(0.001, min(PD_POLL_S, until_next)))
+            if not engine.scheduler.has_unfinished():
+                continue
+        for out in engine.step():
+            i, t = ids[out.request_id], time.perf_counter()
+            if ttft[i] is None:
+                ttft[i] = 1e3 * (t - last[i])
+            else:
+                gaps[i].append(1e3 * (t - last[i]))
+            last[i] = t
+    return dict(ttft_ms=ttft, gaps_ms=gaps, seconds=time.perf_counter() - start)
+
+
+def pd_warm_up(engine):
+    """A long and a short request, left out of the figures."""
+    pd_serve(engine, [(0.0, [1] * PD_LONG[0], 2, True), (0.0, [2] * PD_SHORT[0], 2, False)])
+
+
+def pd_summary(served, requests):
+    """Percentiles and goodput of one run: a request is good if its TTFT and its mean
+    inter-token latency both meet the targets."""
+    ttft, gaps = served["ttft_ms"], served["gaps_ms"]
+    short = [t for t, r in zip(ttft, requests) if not r[3]]
+    long_ = [t for t, r in zip(ttft, requests) if r[3]]
+    every_gap = [g for request_gaps in gaps for g in request_gaps]
+    good = [t <= PD_TTFT_TARGET_MS and float(np.mean(g or [0.0])) <= PD_ITL_TARGET_MS
+            for t, g in zip(ttft, gaps)]
+    return dict(ttft_p50_ms=float(np.percentile(ttft, 50)),
+                ttft_p99_ms=float(np.percentile(ttft, 99)),
+                short_ttft_p50_ms=float(np.percentile(short, 50)) if short else None,
+                long_ttft_p50_ms=float(np.percentile(long_, 50)) if long_ else None,
+                itl_p50_ms=float(np.percentile(every_gap, 50)),
+                itl_p99_ms=float(np.percentile(every_gap, 99)),
+                good_share=sum(good) / len(good), goodput_per_s=sum(good) / served["seconds"],
+                seconds=served["seconds"])
+
+
+def pd_ms(value):  # a run with no request of a kind has no percentile for it
+    return "-" if value is None else f"{value:.0f}"
+
+
+def pd_engine(model, **connector):
+    return Engine(model, block_size=PD_BLOCK_SIZE, num_blocks=PD_NUM_BLOCKS, device="cpu",
+                  **connector)
+
+
+def pd_process(rank, port, path, loads):
+    """One of the two processes, as torchrun would start them: rank 0 the decode front, which
+    serves every load point in turn and writes what it measured to path; rank 1 prefills."""
+    import disaggregation
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # one core per process, as torchrun sets it
+    results = {}
+    try:
+        link = disaggregation.Link(timeout_s=PD_LINK_TIMEOUT_S, device="cpu")
+        engine = pd_engine(slowed_model(), connector="remote", connector_config=dict(link=link))
+        if rank == 1:
+            results = disaggregation.PrefillWorker(engine, link).serve()
+        else:
+            front = disaggregation.DecodeFront(engine, link)
+            pd_warm_up(front)
+            for num_requests, rate in loads:
+                results[rate] = pd_serve(front, pd_workload(num_requests, rate))
+            results["stats"] = front.stats()
+            front.close()
+    except Exception as e:  # said in the parent, which waits on the file
+        results = dict(error=repr(e))
+    if rank == 0:
+        with open(path, "w") as f:
+            json.dump(results, f, default=str)
+    os._exit(0)  # skip tearing down a group whose peer may be gone: gloo answers with an abort
+
+
+def pd_two_processes(loads):
+    """Both processes, started as the tests start them; what rank 0 measured. Every wait is
+    bounded: a process still alive after the runs' time is killed."""
+    import socket
+    with socket.socket() as s:  # a free port for the group's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = os.path.join(tempfile.mkdtemp(prefix="bench-pd-"), "decode.json")
+    ctx = torch.multiprocessing.get_context("spawn")
+    processes = [ctx.Process(target=pd_process, args=(rank, port, path, loads))
+                 for rank in (0, 1)]
+    for p in processes:
+        p.start()
+    last_arrivals = [pd_workload(n, rate)[-1][0] for n, rate in loads]
+    deadline = time.monotonic() + PD_START_S + sum(t + PD_DRAIN_S for t in last_arrivals)
+    # the prefill process ends once the front says bye, or once it has been gone a link timeout
+    waits = [max(1.0, deadline - time.monotonic()), PD_LINK_TIMEOUT_S + 10]
+    for p, wait_s in zip(processes, waits):
+        p.join(timeout=wait_s)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=10)
+    if not os.path.exists(path):
+        raise RuntimeError(f"--disaggregate: the decode process wrote nothing (exit codes "
+                           f"{[p.exitcode for p in processes]})")
+    results = json.load(open(path))
+    if "error" in results:
+        raise RuntimeError(f"--disaggregate: the decode process failed: {results['error']}")
+    return {float(rate): r for rate, r in results.items() if rate != "stats"}, results["stats"]
+
+
+@torch_threads(1)
+def bench_disaggregate(num_requests=48, rates=(1.0, 2.0, 4.0, 6.0, 8.0)):
+    """One engine against a prefill process plus a decode process, on the same requests: time
+    to first token and inter-token latency (p50, p99) and goodput, over the arrival rate."""
+    loads = [(num_requests, rate) for rate in rates]
+    model = slowed_model()
+    one = pd_engine(model)
+    pd_warm_up(one)
+    served = {"one engine": {rate: pd_serve(one, pd_workload(n, rate)) for n, rate in loads}}
+    served["prefill + decode"], stats = pd_two_processes(loads)
+    results, rows = {}, []
+    for setup, runs in served.items():
+        for n, rate in loads:
+            r = results[f"{setup} @ {rate}/s"] = pd_summary(runs[rate], pd_workload(n, rate))
+            rows.append([setup, rate, f"{r['ttft_p50_ms']:.0f}", f"{r['ttft_p99_ms']:.0f}",
+                         pd_ms(r["short_ttft_p50_ms"]), pd_ms(r["long_ttft_p50_ms"]),
+                         f"{r['itl_p50_ms']:.1f}", f"{r['itl_p99_ms']:.1f}",
+                         f"{100 * r['good_share']:.0f}%", f"{r['goodput_per_s']:.2f}"])
+    print_table(f"Prefill and decode apart against one engine: {num_requests} requests a load "
+                f"(Poisson arrivals; {100 * PD_LONG_SHARE:.0f}% long: {PD_LONG[0]} prompt + "
+                f"{PD_LONG[1]} output tokens, else {PD_SHORT[0]} + {PD_SHORT[1]}), a tiny GPT "
+                f"slowed to {PD_STEP_MS:g} ms a step + {PD_TOKEN_MS:g} ms a token; good: TTFT "
+                f"<= {PD_TTFT_TARGET_MS:g} ms and mean ITL <= {PD_ITL_TARGET_MS:g} ms",
+                ["", "arrivals/s", "TTFT p50 ms", "TTFT p99 ms", "short TTFT p50",
+                 "long TTFT p50", "ITL p50 ms", "ITL p99 ms", "good", "goodput/s"], rows)
+    for rate in rates:
+        one_r, pd_r = results[f"one engine @ {rate}/s"], results[f"prefill + decode @ {rate}/s"]
+        print(f"{rate:g} requests/s: ITL p99 {one_r['itl_p99_ms']:.1f} -> "
+              f"{pd_r['itl_p99_ms']:.1f} ms, short TTFT p50 {pd_ms(one_r['short_ttft_p50_ms'])} "
+              f"-> {pd_ms(pd_r['short_ttft_p50_ms'])} ms, goodput {one_r['goodput_per_s']:.2f} -> "
+              f"{pd_r['goodput_per_s']:.2f} requests/s (one engine -> prefill + decode)")
+    print(f"blocks sent to the decode process: {stats['num_received_blocks']}, dropped "
+          f"{stats['num_dropped_blocks']}; both processes sleep for the model, so they share "
+          f"{os.cpu_count()} cores without taking each other's compute")
+    plot_disaggregate(results, rates)
+    results["targets"] = dict(ttft_ms=PD_TTFT_TARGET_MS, mean_itl_ms=PD_ITL_TARGET_MS)
+    results["decode_process"] = {k: v for k, v in stats.items()
+                                 if k in ("num_received_blocks", "num_dropped_blocks",
+                                          "num_reloaded_blocks", "num_preemptions")}
+    return results
+
+
+def plot_disaggregate(results, rates):
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 4, figsize=(17, 3.6))
+    panels = [("itl_p99_ms", "inter-token latency p99 (ms)"),
+              ("short_ttft_p50_ms", "short requests' TTFT p50 (ms)"),
+              ("long_ttft_p50_ms", "long requests' TTFT p50 (ms)"),
+              ("goodput_per_s", "goodput (requests/s within targets)")]
+    for ax, (key, title) in zip(axes, panels):
+        for setup in ("one engine", "prefill + decode"):
+            values = [results[f"{setup} @ {rate}/s"][key] for rate in rates]
+            ax.plot(rates, [math.nan if v is None else v for v in values], marker="o",
+                    label=setup)  # None: no request of that kind at that rate
+        ax.set_xlabel("arrivals per second")
+        ax.set_title(title)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(OUT_DIR, "disaggregate.png"), dpi=110)
+
+
+# -----------------------------------------------------------------------------
 # --serve: online serving over HTTP (server.py) as `vllm bench serve` measures it: ShareGPT-like
 # requests arriving as a Poisson process, each a streaming client of the official openai
 # package, all in a process of their own; then the same requests through Engine.generate in
@@ -2490,6 +2741,7 @@ QUICK = dict(memory=dict(num_requests=20),
                            outputs=dict(n=8, lengths=(48, 80)),
                            observer=dict(sizes=(16,), prompt_len=16, steps=5, rounds=1)),
              tensor_parallel=dict(num_requests=2, max_tokens=8),
+             disaggregate=dict(num_requests=4, rates=(8.0,)),
              soak=dict(num_requests=1000),
              serve=dict(num_requests=8, rates=(16.0,), max_output=16, rounds=1,
                         guidellm=dict(requests=4, concurrency=2, prompt_tokens=16,
@@ -2538,7 +2790,7 @@ SECTIONS = dict(memory=bench_memory, capacity=bench_capacity, sharing=bench_shar
                 speculative=bench_speculative, kernel=bench_kernel, quality=bench_quality,
                 tier=bench_tier, window=bench_window, sparse=bench_sparse,
                 overhead=bench_overhead,
-                tensor_parallel=bench_tensor_parallel,
+                tensor_parallel=bench_tensor_parallel, disaggregate=bench_disaggregate,
                 serve=bench_serve, page=bench_page)
 
 
@@ -2568,6 +2820,8 @@ def argument_parser():
         soak="10,000 requests with aborts through a small pool; asserts nothing is lost",
         tensor_parallel="KV bytes, blocks and sequences per rank at one budget, tokens/s "
         "and time in collectives: tp=1 vs tp=2 on the CPU (gloo)",
+        disaggregate="one prefill plus one decode process against one engine (gloo, a model\n"
+                     "slowed per token): TTFT, ITL p50/p99 and goodput over the arrival rate",
         serve="requests/s, output tokens/s, TTFT, TPOT, ITL through server.py over HTTP\n"
               "(Poisson arrivals, streaming openai clients in their own process); the server\n"
               "process's CPU per output token against Engine.generate's; guidellm's figures",

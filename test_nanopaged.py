@@ -11866,7 +11866,7 @@ def test_bench_quick_runs_every_section_and_leaves_the_readmes_results_alone():
     before = os.path.getmtime(cited) if os.path.exists(cited) else None
     # the fast profile runs the sections whose figures are checked below, not the slowest
     # (throughput against transformers, kernel, tensor_parallel, soak)
-    checked = ["memory", "capacity", "sharing", "quality", "overhead"]
+    checked = ["memory", "capacity", "sharing", "quality", "overhead", "disaggregate"]
     flags = [f"--{name}" for name in checked] if FAST else []
     run = subprocess.run([sys.executable, "bench.py", "--quick", *flags], capture_output=True,
                          text=True, timeout=240, cwd=here)
@@ -11894,4 +11894,8 @@ def test_bench_quick_runs_every_section_and_leaves_the_readmes_results_alone():
     churn = results["sharing"]["eviction under churn"]  # LFU keeps what LRU loses
     assert churn["lfu"]["popular_prefix_kept"] == 1 and churn["lru"]["popular_prefix_kept"] == 0
     assert {"lru", "lfu"} <= set(results["overhead"]["take_block_us"])  # the built-in ones
+    # both setups served the load, and blocks crossed between the two processes
+    disaggregate = results["disaggregate"]
+    assert {"one engine @ 8.0/s", "prefill + decode @ 8.0/s"} <= set(disaggregate)
+    assert disaggregate["decode_process"]["num_received_blocks"] > 0
 
