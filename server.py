@@ -1401,9 +1401,12 @@ def serve_prefill(worker):
     logger.info("prefill process: serving the prompts of rank 0, the server")
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        return worker.serve()
+        stats = worker.serve()
     except KeyboardInterrupt:
-        return worker.shut_down()
+        stats = worker.shut_down()
+    logger.info("prefill process: stopped; %d of %d blocks free", stats["num_free_blocks"],
+                stats["num_blocks"])
+    return stats
 
 
 # -----------------------------------------------------------------------------
