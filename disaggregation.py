@@ -235,8 +235,10 @@ class LoopbackLink:
             self.outbox.put((json.loads(json.dumps(message)), [t.clone() for t in tensors]))
 
     def receive(self, timeout=0):
+        # waits as Link's does: an end served in a thread of its own (a test's prefill worker
+        # beside a server) sleeps while idle instead of spinning against its peer's thread
         try:
-            return self.inbox.get_nowait()
+            return self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait()
         except queue.Empty:
             return None
 

@@ -7,6 +7,7 @@ model. One optional file over the core: nanopaged.py never imports it.
     pip install -r requirements.txt                      # FastAPI, uvicorn, prometheus_client
     python server.py [--model PATH] [--port 8000] [--api-key KEY] [--seed N]
                      [--stream-interval N] [engine and sampling flags of `python nanopaged.py`]
+    torchrun --nproc-per-node 2 server.py --disaggregate [flags]   # prefill in a process apart
 
     from openai import OpenAI
     client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
@@ -29,6 +30,13 @@ request completely (nothing bad reaches the engine), queue it for that thread, a
 RequestOutputs it hands back, a step's at a time, in the request's own mailbox; a client that
 goes away aborts its request between two steps. The event loop keeps answering while the model
 computes. `python bench.py --serve` measures this path against Engine.generate.
+
+Under --disaggregate (disaggregation.py) rank 0 serves HTTP, and its loop steps a DecodeFront,
+which has the Engine's API: a prompt goes to rank 1, the prefill process, while rank 0 decodes
+the requests it runs. Rank 1 serves no HTTP: it computes prompts until the server stops (its
+shutdown says bye) or is gone. A prefill process that dies leaves the server serving alone.
+Every field works as over one engine; usage's cached_tokens counts the prompt tokens whose
+blocks came from the prefill process too (the decode engine did not compute them).
 """
 
 import argparse
@@ -41,6 +49,7 @@ import logging
 import os
 import random
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -488,13 +497,13 @@ class EngineLoop:
             while True:
                 with self.wake:  # idle: sleep until a handler queues something
                     while not (self.to_add or self.to_abort or self.stats_wanted or
-                               self.engine.requests or self.stopping):
+                               self.has_unfinished() or self.stopping):
                         self.wake.wait()
                     if self.stopping:
                         return
                 self.apply_queued()
                 self.answer_stats()
-                if self.engine.requests:
+                if self.has_unfinished():
                     self.step()
         except Exception as e:  # a bug in the loop: fail everyone rather than hang them
             logger.exception("the engine loop stopped")
@@ -504,6 +513,11 @@ class EngineLoop:
             self.hand_over([(sub, StepFailed(f"the engine loop stopped: {e!r}")) for sub in subs])
             for future in wanted:
                 self.loop.call_soon_threadsafe(future.cancel)
+
+    def has_unfinished(self):
+        """Whether the engine has requests to step: a DecodeFront's in the prefill process too,
+        whose step takes what that process sent."""
+        return demo.has_unfinished(self.engine)
 
     def step(self):
         self.scheduled, self.sampled = set(), set()
@@ -576,7 +590,8 @@ class EngineLoop:
             return
         s, scheduler = self.engine.stats(), self.engine.scheduler
         s |= dict(num_requests_running=len(scheduler.running),
-                  num_requests_waiting=len(scheduler.waiting),
+                  # a DecodeFront's requests in the prefill process wait for their first step here
+                  num_requests_waiting=len(scheduler.waiting) + s.get("num_prefilling", 0),
                   num_requests_swapped=len(scheduler.swapped),
                   finished=dict(self.finished))
         for future in wanted:
@@ -598,18 +613,27 @@ def record_scheduled(engine, loop):
     error does not name the requests at fault, and after the rollback nothing says which ran.
     And which of them the step gives tokens, for the inter-token latency: a request that is not
     streamed has no output until its last step. The wrapper lives on the scheduler object, so a
-    step's undo keeps it."""
+    step's undo keeps it. A DecodeFront's scheduler is its engine's, which numbers requests its
+    own way: the loop hears of them by the front's ids."""
     schedule = engine.scheduler.schedule
 
     def recorded():
         out = schedule()
-        loop.scheduled = {seq.request_id for seq, _ in out.scheduled}
+        ids = loop_ids(engine)
+        loop.scheduled = {ids(seq.request_id) for seq, _ in out.scheduled}
         # a sequence computed up to its last token gets the step's next token (the engine's
         # rule for a row of logits); one whose prompt's chunk ends before that gets none yet
-        loop.sampled = {seq.request_id for seq, num_new in out.scheduled
+        loop.sampled = {ids(seq.request_id) for seq, num_new in out.scheduled
                         if seq.num_computed_tokens + num_new == len(seq)}
         return out
     engine.scheduler.schedule = recorded
+
+
+def loop_ids(engine):
+    """From the ids of the engine that schedules to those the loop's requests have: a
+    DecodeFront's own (its front_ids maps its engine's to them); an Engine's are the same."""
+    front_ids = getattr(engine, "front_ids", None)  # an Engine has none
+    return (lambda request_id: request_id) if front_ids is None else front_ids.__getitem__
 
 
 async def results(subs):
@@ -1231,6 +1255,14 @@ def add_tokenizer_routes(app, served, keyed):
         return tokenizer_description(served)
 
 
+def close_front(engine):
+    """A DecodeFront says bye to its prefill process, which then ends too; called once the
+    loop, the one code that touches the engine, has stopped."""
+    close = getattr(engine, "close", None)  # an Engine has nothing to close
+    if close is not None:
+        close()
+
+
 def build_app(engine, served):
     """The FastAPI app: the routes over one EngineLoop, started with the app and stopped with
     it."""
@@ -1244,6 +1276,7 @@ def build_app(engine, served):
         loop.start()
         yield
         loop.stop()
+        close_front(engine)
 
     app = FastAPI(title="nanopaged", lifespan=lifespan)
     app.add_exception_handler(APIError, lambda request, e: e.response())
@@ -1337,17 +1370,16 @@ def main(argv=None):
         if args.tensor_parallel_size != 1:  # ranks step in lockstep; one process serves HTTP
             raise ValueError("--tensor-parallel-size: the server runs in one process, "
                              "without torchrun; use 1")
-        if args.disaggregate:  # the loop that serves HTTP would have to run the front's steps
-            raise ValueError("--disaggregate: the server does not run a prefill process yet; "
-                             "run the demo under torchrun --nproc-per-node 2")
         if args.stream_interval < 1:
             raise ValueError(f"--stream-interval must be an integer >= 1, "
                              f"got {args.stream_interval}")
         model, engine, tokenizer = demo.load(args)
     except ValueError as e:
         sys.exit(f"server.py: error: {e}")
-    served = served_model(args, model, engine, tokenizer)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    if hasattr(engine, "serve"):  # --disaggregate's prefill process (rank 1): no HTTP
+        return serve_prefill(engine)
+    served = served_model(args, model, engine, tokenizer)
     logger.info("model %s as %r: max_seq_len %d; KV pool %d blocks x %d tokens on %s",
                 args.model, served.names[0], served.max_seq_len, engine.allocator.num_blocks,
                 engine.block_size, engine.device)
@@ -1360,6 +1392,21 @@ def main(argv=None):
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                 timeout_graceful_shutdown=5)
     gc.unfreeze()  # and it all goes as usual at exit
+
+
+def serve_prefill(worker):
+    """Rank 1 under --disaggregate: the prefill worker computes the front's prompts until the
+    front says bye (the server stopped) or is gone; returns its engine's stats. SIGTERM ends it
+    as SIGINT does, with a bye of its own: torchrun passes a signal to every rank."""
+    logger.info("prefill process: serving the prompts of rank 0, the server")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        stats = worker.serve()
+    except KeyboardInterrupt:
+        stats = worker.shut_down()
+    logger.info("prefill process: stopped; %d of %d blocks free", stats["num_free_blocks"],
+                stats["num_blocks"])
+    return stats
 
 
 # -----------------------------------------------------------------------------

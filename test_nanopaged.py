@@ -5100,9 +5100,6 @@ def test_what_disaggregation_cannot_serve_is_refused_up_front(monkeypatch):
     with pytest.raises(SystemExit, match="--disaggregate runs one engine per process: it does not "
                                          "combine with --tensor-parallel-size"):
         demo.main(["--disaggregate", "--tensor-parallel-size", "2"])
-    import server
-    with pytest.raises(SystemExit, match="--disaggregate: the server does not run a prefill"):
-        server.main(["--disaggregate"])
 
 
 def pd_process(rank, port, folder, scenario):
@@ -5246,6 +5243,178 @@ def test_a_prefill_process_killed_mid_transfer_leaves_the_front_serving(tmp_path
     assert not s["prefill_process_alive"] and s["num_received_blocks"] == 2
     assert pd_held(s, dict(num_blocks=0, num_free_blocks=0, num_running=0, num_waiting=0,
                            num_swapped=0)) == {}
+
+
+# The server over a decode front: its engine loop steps the front as it steps an Engine
+
+PD_SERVER_FLAGS = ["--served-model-name", "pydoc-chat", "--temperature", "0", "--block-size",
+                   "8", "--num-blocks", "128"]
+
+
+def pd_server_answers(url):
+    """The same requests through the openai client, for a server over one engine and one over a
+    front: greedy with logprobs, seeded with n > 1, two prompts and a stop string, streamed
+    (a completion and a chat), echo with logprobs (whose prompt the front computes alone). What
+    each answers (ids and times left out) and the counts of /metrics' histograms; the logprobs
+    apart, to compare within float error: the prefill process's forward is batched otherwise."""
+    client = served_client(url)
+    prompt = SERVED_PROMPTS[0] + ": " + SERVED_PROMPTS[2]  # 4 blocks of 8 to send
+    answers, logprobs = [], []
+    out = client.completions.create(model="pydoc-chat", prompt=prompt, max_tokens=12, logprobs=2)
+    answers.append([(c.text, c.finish_reason, c.logprobs.tokens) for c in out.choices])
+    logprobs += out.choices[0].logprobs.token_logprobs
+    out = client.completions.create(model="pydoc-chat", prompt=[prompt, SERVED_PROMPTS[3] * 2],
+                                    max_tokens=10, temperature=0.9, seed=3, n=2, stop=["e"])
+    answers.append([(c.index, c.text, c.finish_reason, c.stop_reason) for c in out.choices])
+    stream = client.completions.create(model="pydoc-chat", prompt=SERVED_PROMPTS[4] * 2,
+                                       max_tokens=12, temperature=0.8, seed=5, stream=True)
+    answers.append("".join(chunk.choices[0].text for chunk in stream if chunk.choices))
+    stream = client.chat.completions.create(
+        model="pydoc-chat", messages=[{"role": "user", "content": SERVED_PROMPTS[5]}],
+        max_tokens=10, seed=7, temperature=0.7, stream=True)
+    answers.append("".join(chunk.choices[0].delta.content or "" for chunk in stream
+                           if chunk.choices))
+    out = client.completions.create(model="pydoc-chat", prompt=prompt, max_tokens=3, echo=True,
+                                    logprobs=1)
+    answers.append((out.choices[0].text, out.choices[0].logprobs.tokens))
+    logprobs += out.choices[0].logprobs.token_logprobs[1:]  # the first token has none
+    # each finished request in every histogram, a gap for each step after its first token's
+    answers.append({name: value for name, value in served_metrics(url).items()
+                    if name.endswith("_count")})
+    return answers, logprobs
+
+
+def pd_reference_answers(folder):
+    """pd_server_answers of a server over one engine, as the flags build it; and the model,
+    engine and tokenizer, and the server's ServedModel."""
+    import server
+    args = server.argument_parser().parse_args(["--model", str(folder)] + PD_SERVER_FLAGS)
+    model, engine, tokenizer = demo.load(args)
+    with served_in_thread(engine, server.served_model(args, model, engine, tokenizer)) as url:
+        return pd_server_answers(url), (args, model, engine, tokenizer)
+
+
+def pd_front_and_worker(args, model, tokenizer):
+    """A front and a prefill worker over a loopback link, their engines as the server's flags
+    build them (the worker's model a copy: it steps in a thread of its own)."""
+    down, up = disaggregation.loopback_pair()
+    settings_ = dict(block_size=args.block_size, num_blocks=args.num_blocks, tokenizer=tokenizer,
+                     connector="remote")
+    worker = disaggregation.PrefillWorker(
+        Engine(copy.deepcopy(model), **settings_, connector_config=dict(link=up)), up)
+    front = disaggregation.DecodeFront(
+        Engine(model, **settings_, connector_config=dict(link=down)), down)
+    return front, worker
+
+
+def pd_wait(condition, timeout_s=20):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.mark.disaggregation
+def test_a_server_over_a_decode_front_answers_as_over_one_engine_and_frees_an_aborted_stream(
+        tmp_path):
+    """A server whose loop steps a DecodeFront, its prefill worker serving in a thread: the
+    openai client's answers equal a server's over one engine; a stream the client closes frees
+    its blocks; a prefill process that leaves leaves the server serving alone, the same
+    answers; nothing is held on either side at the end."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    import server
+    folder = served_chat_folder(tmp_path)
+    (want, want_logprobs), (args, model, _, tokenizer) = pd_reference_answers(folder)
+    front, worker = pd_front_and_worker(args, model, tokenizer)
+    for _ in range(2):  # its engine's ids run ahead of the front's: the loop must tell them apart
+        front.engine.abort(front.engine.add_request([1, 2], SamplingParams()))
+    one_at_a_time(front.engine, worker.engine)
+    stats = []
+    thread = threading.Thread(target=lambda: stats.append(worker.serve()), daemon=True)
+    thread.start()
+    try:
+        with served_in_thread(front, server.served_model(args, model, front, tokenizer)) as url:
+            got, logprobs = pd_server_answers(url)
+            assert got == want and logprobs == pytest.approx(want_logprobs, abs=1e-4)
+            assert front.consumer.num_loaded_blocks > 0  # the prefill worker computed prompts
+            stream = served_client(url).completions.create(
+                model="pydoc-chat", prompt=SERVED_PROMPTS[6] * 3, max_tokens=150, stream=True)
+            next(iter(stream))
+            stream.close()  # the client leaves: the server aborts it
+            pd_wait(lambda: served_metrics(url)[
+                'vllm:request_success_total{finished_reason="abort"}'] == 1)
+            assert served_metrics(url)["nanopaged:num_blocks_in_use"] == 0
+            worker.link.inbox.put(({"type": "bye"}, []))  # the prefill process leaves
+            thread.join(timeout=20)
+            assert not thread.is_alive()
+            alone = pd_server_answers(url)[0]  # every prompt computed here
+            assert alone[:-1] == want[:-1]
+            assert alone[-1] == {name: 2 * n for name, n in want[-1].items()}  # the abort in none
+            assert not front.stats()["prefill_process_alive"]
+    finally:
+        worker.link.inbox.put(({"type": "bye"}, []))  # if the test failed before it left
+        thread.join(timeout=20)
+    pd_nothing_held(front, worker)
+    assert stats[0]["num_free_blocks"] == stats[0]["num_blocks"]
+
+
+def one_at_a_time(*engines):
+    """The engines' steps never overlap: two engines stepping at once in one process (threads)
+    gave other sampled tokens in about one run in five, never two processes."""
+    lock = threading.Lock()
+    for engine in engines:
+        def step(step=engine.step):
+            with lock:
+                return step()
+        engine.step = step
+
+
+def pd_server_process(rank, port, master_port, folder, log):
+    """`python server.py --disaggregate` as torchrun starts rank `rank` of two."""
+    env = os.environ | dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+                            LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(master_port), OMP_NUM_THREADS="1")
+    here = os.path.dirname(os.path.abspath(__file__))
+    return subprocess.Popen([sys.executable, os.path.join(here, "server.py"), "--disaggregate",
+                             "--host", "127.0.0.1", "--port", str(port), "--model", str(folder),
+                             "--uvicorn-log-level", "warning", *PD_SERVER_FLAGS], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, cwd=here)
+
+
+@pytest.mark.disaggregation
+def test_server_disaggregate_in_two_processes_answers_as_one_engine_and_stops_both(tmp_path):
+    """server.py --disaggregate as torchrun runs it, rank 0 the server and rank 1 the prefill
+    process: the openai client's answers equal a server's over one engine, nothing is held
+    after them on either side, and a SIGTERM to the server ends the prefill process too."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("openai")
+    import server
+    folder = served_chat_folder(tmp_path)
+    port, master_port = server.free_port(), server.free_port()
+    logs = [open(tmp_path / f"rank{rank}.log", "w+") for rank in (0, 1)]
+    ranks = [pd_server_process(rank, port, master_port, folder, logs[rank]) for rank in (0, 1)]
+    try:
+        (want, want_logprobs), _ = pd_reference_answers(folder)  # while the two start
+        url = f"http://127.0.0.1:{port}"
+        pd_wait(lambda: server.healthy(url) or any(p.poll() is not None for p in ranks), 60)
+        assert server.healthy(url), [server.read_back(log) for log in logs]
+        got, logprobs = pd_server_answers(url)
+        assert got == want and logprobs == pytest.approx(want_logprobs, abs=1e-4)
+        m = served_metrics(url)
+        assert m["nanopaged:num_blocks_in_use"] == 0 and m["nanopaged:reloaded_blocks_total"] > 0
+        ranks[0].send_signal(signal.SIGTERM)
+        for p in ranks:
+            p.wait(timeout=30)
+        assert ranks[1].returncode == 0, server.read_back(logs[1])
+        assert "prefill process: stopped; 128 of 128 blocks free" in server.read_back(logs[1])
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
 
 
 # -----------------------------------------------------------------------------
