@@ -35,8 +35,10 @@ import torch
 class Connector:
     """The interface, and what a connector that keeps nothing does (the default: no connector).
     enabled says whether a lookup asks it at all. A handle is the connector's own name for a
-    block it holds (the CPU tier's: a CPU block id)."""
+    block it holds (the CPU tier's: a CPU block id). A connector that serves hits keeps the
+    engine's allocator as self.allocator (facts.allocator), for load's take."""
     enabled = False
+    num_reloaded_blocks = 0  # hits copied into device blocks (load, journaled)
 
     def find(self, key, seq, i):
         """The handle of the block this connector holds for seq's block i under key (its tokens
@@ -45,8 +47,11 @@ class Connector:
 
     def load(self, seq, i, handle, copies, group=0):
         """A hit: take a fresh device block (the allocator's take), add the copy of handle's
-        K/V into it to copies.reload, and return it. In the plan."""
-        raise NotImplementedError
+        K/V into it to copies.reload, count it, and return it. In the plan."""
+        block_id = self.allocator.take(copies)
+        copies.reload.append((handle, block_id))
+        self.allocator.journal.set(self, "num_reloaded_blocks", self.num_reloaded_blocks + 1)
+        return block_id
 
     def save(self, block, copies, evicted):
         """The device gives up block, a cached PhysicalBlock (evicted=True), or publishes it,
@@ -71,7 +76,7 @@ class Connector:
         """Counts for Engine.stats(), by name: num_offloaded_blocks and num_reloaded_blocks, the
         blocks copied to it and back; num_staged_blocks, the blocks it holds for requests in
         flight (none once they are done)."""
-        return {}
+        return dict(num_reloaded_blocks=self.num_reloaded_blocks)
 
 
 class CpuTier(Connector):
@@ -206,7 +211,7 @@ class DiskStore(Connector):
         self.staged = {}  # key -> Staged, from find until the step's "in" stage
         self.on_disk = set()  # keys whose file this store wrote or verified: not written again
         self.refused = {}  # key -> (mtime, size) of a file of another engine's: not read again
-        self.num_saved_blocks = self.num_loaded_blocks = self.num_refused_files = 0
+        self.num_saved_blocks = self.num_refused_files = 0
 
     def file(self, key):
         return os.path.join(self.path, f"{key.hex()}.rank{self.rank}.kv")
@@ -261,12 +266,6 @@ class DiskStore(Connector):
             tensors.append(block.view(dtype).view(shape))
             start += n
         return tensors
-
-    def load(self, seq, i, handle, copies, group=0):
-        block_id = self.allocator.take(copies)
-        copies.reload.append((handle, block_id))
-        self.allocator.journal.set(self, "num_loaded_blocks", self.num_loaded_blocks + 1)
-        return block_id
 
     def save(self, block, copies, evicted):
         """Write-through: a block is written when it is published, once per key, so an evicted
@@ -347,7 +346,7 @@ class DiskStore(Connector):
 
     def stats(self):
         return dict(num_offloaded_blocks=self.num_saved_blocks,
-                    num_reloaded_blocks=self.num_loaded_blocks,
+                    num_reloaded_blocks=self.num_reloaded_blocks,
                     num_refused_disk_files=self.num_refused_files)
 
 

@@ -37,7 +37,6 @@ Nothing here is a transport of its own: torch.distributed's send and recv over p
 Engine(connector="remote", connector_config={"link": link}) picks the role from the link.
 """
 
-import hashlib
 import itertools
 import json
 import os
@@ -261,20 +260,6 @@ def loopback_pair():
 # The handshake: what both engines must agree on before a block moves
 
 
-def model_identity(model):
-    """A hash of the model's config and a fingerprint of its weights (per tensor: name, shape,
-    dtype, sum and norm in float64, read in place), so another model, or the same model with
-    other weights, is told apart without sending the weights."""
-    h = hashlib.sha256(repr(model.config).encode())
-    with torch.no_grad():
-        for name, w in sorted(model.state_dict().items()):
-            total = torch.sum(w, dtype=torch.float64).item()
-            norm = torch.linalg.vector_norm(w, dtype=torch.float64).item()
-            # 9 digits: a sum on a GPU may differ from one on a CPU in its last bits
-            h.update(f"{name} {tuple(w.shape)} {w.dtype} {total:.9e} {norm:.9e}".encode())
-    return h.hexdigest()[:32]
-
-
 def identity(engine, role):
     """What the peer checks: every field must be equal, but the role."""
     return dict(role=role, protocol=PROTOCOL, block_size=engine.block_size,
@@ -283,7 +268,8 @@ def identity(engine, role):
                 # policy keeps them
                 block_shapes=[list(cache[:, :, 0].shape)
                               for cache, _ in engine.model_runner.paged_tensors()],
-                model=model_identity(engine.model), tensor_parallel_size=tp.world_size)
+                model=connectors.model_identity(engine.model),
+                tensor_parallel_size=tp.world_size)
 
 
 def check_peer(mine, theirs):
@@ -403,7 +389,7 @@ class KVConsumer(connectors.Connector):
         self.expected = {}  # front's request id -> keys still to come for it
         self.held = {}  # front's request id -> keys of the staged blocks it holds
         self.adopted = {}  # the engine's request id -> the front's
-        self.num_received_blocks = self.num_dropped_blocks = self.num_loaded_blocks = 0
+        self.num_received_blocks = self.num_dropped_blocks = 0
 
     def expect(self, request_id, keys):
         self.expected[request_id], self.held[request_id] = set(keys), set()
@@ -450,12 +436,6 @@ class KVConsumer(connectors.Connector):
         held = block.tokens == tuple(seq.token_ids[i * bs:(i + 1) * bs])
         return key.hex() if held else None  # as text: see KVProducer.save
 
-    def load(self, seq, i, handle, copies, group=0):
-        block_id = self.allocator.take(copies)
-        copies.reload.append((handle, block_id))
-        self.allocator.journal.set(self, "num_loaded_blocks", self.num_loaded_blocks + 1)
-        return block_id
-
     def transfer(self, copies, runner, stage):
         """At "in": each hit's staged K/V into its fresh block. The step holds every staged block
         it loads (a request holds them until it is done, and none is done within a step)."""
@@ -470,7 +450,7 @@ class KVConsumer(connectors.Connector):
         return dict(num_staged_blocks=len(self.staged),
                     num_received_blocks=self.num_received_blocks,
                     num_dropped_blocks=self.num_dropped_blocks,
-                    num_reloaded_blocks=self.num_loaded_blocks,
+                    num_reloaded_blocks=self.num_reloaded_blocks,
                     num_awaited_requests=len(self.expected) + len(self.held))
 
 

@@ -2875,21 +2875,11 @@ class SuiteStore(connectors.Connector):
 
     def __init__(self, facts):
         self.allocator, self.kept = facts.allocator, {}  # key -> (tokens, index), tensors
-        self.num_reloaded_blocks = 0  # journaled: a failed step's loads are not counted
 
     def find(self, key, seq, i):
         bs = self.allocator.block_size
         kept = self.kept.get(key)
         return key if kept and kept[0] == (tuple(seq.token_ids[i * bs:(i + 1) * bs]), i) else None
-
-    def load(self, seq, i, handle, copies, group=0):
-        block_id = self.allocator.take(copies)
-        copies.reload.append((handle, block_id))
-        self.allocator.journal.set(self, "num_reloaded_blocks", self.num_reloaded_blocks + 1)
-        return block_id
-
-    def stats(self):
-        return dict(num_reloaded_blocks=self.num_reloaded_blocks)
 
     def save(self, block, copies, evicted):
         if not evicted:
@@ -5337,7 +5327,7 @@ def test_a_server_over_a_decode_front_answers_as_over_one_engine_and_frees_an_ab
         with served_in_thread(front, server.served_model(args, model, front, tokenizer)) as url:
             got, logprobs = pd_server_answers(url)
             assert got == want and logprobs == pytest.approx(want_logprobs, abs=1e-4)
-            assert front.consumer.num_loaded_blocks > 0  # the prefill worker computed prompts
+            assert front.consumer.num_reloaded_blocks > 0  # the prefill worker computed prompts
             stream = served_client(url).completions.create(
                 model="pydoc-chat", prompt=SERVED_PROMPTS[6] * 3, max_tokens=150, stream=True)
             next(iter(stream))
